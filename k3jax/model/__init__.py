@@ -1,0 +1,1 @@
+"""Flax NNX modules of the K3 family, one concern per file (SPEC §2)."""

@@ -1,0 +1,142 @@
+"""Kimi Delta Attention layer (SPEC §2.4): projections, short convs, gates, the KDA op, output.
+
+    q, k, v = silu(conv(x W_q)), silu(conv(x W_k)), silu(conv(x W_v))        [B,T,H,K|V]
+    g    = lb * sigmoid(exp(A_h) * (x W_fa W_fb + dt_bias))      (K3; fp32)
+         = -exp(A_h) * softplus(x W_fa W_fb + dt_bias)           (Kimi-Linear)
+    beta = sigmoid(x W_b)
+    o    = KDA(l2norm(q), l2norm(k), v, g, beta)
+    y    = W_o[ RMSNorm_head(o) * o_norm * sigmoid(gate(x)) ]
+
+The gate, beta sigmoid and q/k l2norm are handed to the op as raw inputs so a kernel can fuse
+them. The conv is causal and depthwise (weights [H, K, taps], the last tap on the current
+token) and does not read across packed-sequence boundaries. `KDAState` carries what decoding
+needs: the last taps-1 projected inputs of q, k, v and the recurrent state [B, H, K, V] fp32.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from k3jax.config import ModelConfig
+from k3jax.model.layers import Projection, make_param, ones_param, rms_normalize, wide_dtype
+from pallas_kernels.kda.ops import kda
+
+
+class KDAState(NamedTuple):
+  conv_q: jax.Array     # [B, taps-1, H, K] last projected inputs, oldest first
+  conv_k: jax.Array     # [B, taps-1, H, K]
+  conv_v: jax.Array     # [B, taps-1, H, V]
+  recurrent: jax.Array  # [B, H, K, V] fp32
+
+
+def causal_conv(x_bthc: jax.Array, w_hct: jax.Array, tail: jax.Array | None,
+                segment_ids: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+  """Depthwise causal conv over time as a sum of shifted taps; returns (y, new tail).
+
+  Written as taps-many shifted multiplies rather than lax.conv: with 4 taps this is what XLA
+  fuses best, and the segment mask is one compare per tap.
+  """
+  taps = w_hct.shape[-1]
+  b, t = x_bthc.shape[:2]
+  if tail is None:
+    tail = jnp.zeros((b, taps - 1, *x_bthc.shape[2:]), x_bthc.dtype)
+  full = jnp.concatenate([tail.astype(x_bthc.dtype), x_bthc], axis=1)   # [B, taps-1+T, H, C]
+  if segment_ids is not None:  # the tail belongs to the first segment
+    seg_full = jnp.concatenate([jnp.repeat(segment_ids[:, :1], taps - 1, axis=1), segment_ids], 1)
+  y = jnp.zeros_like(x_bthc)
+  for j in range(taps):  # tap j reads the token (taps-1-j) steps back
+    shifted = jax.lax.dynamic_slice_in_dim(full, j, t, axis=1)
+    if segment_ids is not None:
+      same = jax.lax.dynamic_slice_in_dim(seg_full, j, t, axis=1) == segment_ids
+      shifted = jnp.where(same[..., None, None], shifted, 0)
+    y = y + shifted * w_hct[..., j].astype(x_bthc.dtype)
+  return y, full[:, t:]
+
+
+class KDA(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    d, h, k = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim
+    taps = cfg.conv_kernel_size
+    pd = cfg.jnp_param_dtype
+    wide = wide_dtype(pd)  # the checkpoint's F32 exceptions never drop below fp32
+    self.cfg = cfg
+    self.q_proj = Projection(cfg, "btd,dhk->bthk", (d, h, k), ("embed", "q_heads", "head_dim"),
+                             fan_in=d, rngs=rngs)
+    self.k_proj = Projection(cfg, "btd,dhk->bthk", (d, h, k), ("embed", "kv_heads", "head_dim"),
+                             fan_in=d, rngs=rngs)
+    self.v_proj = Projection(cfg, "btd,dhk->bthk", (d, h, k), ("embed", "kv_heads", "head_dim"),
+                             fan_in=d, rngs=rngs)
+    conv_init = _symmetric_uniform(1 / np.sqrt(taps))  # torch Conv1d's default bound
+    self.q_conv = make_param(rngs, conv_init, (h, k, taps), ("heads", "head_dim", "conv"), wide)
+    self.k_conv = make_param(rngs, conv_init, (h, k, taps), ("heads", "head_dim", "conv"), wide)
+    self.v_conv = make_param(rngs, conv_init, (h, k, taps), ("heads", "head_dim", "conv"), wide)
+    self.f_a_proj = Projection(cfg, "btd,dr->btr", (d, k), ("embed", "gate_rank"),
+                               fan_in=d, rngs=rngs)
+    self.f_b_proj = Projection(cfg, "btr,rhk->bthk", (k, h, k), ("gate_rank", "heads", "head_dim"),
+                               fan_in=k, rngs=rngs)
+    # A in [1, 16] and dt in [1e-3, 0.1] as the official initialisers draw them.
+    self.A_log = make_param(rngs, _uniform_log(1.0, 16.0), (h,), ("heads",), wide)
+    self.dt_bias = make_param(rngs, _inverse_softplus_dt, (h, k), ("heads", "head_dim"), wide)
+    self.b_proj = Projection(cfg, "btd,dh->bth", (d, h), ("embed", "heads"), fan_in=d, rngs=rngs)
+    if cfg.kda_full_rank_output_gate:
+      self.g_proj = Projection(cfg, "btd,dhv->bthv", (d, h, k), ("embed", "heads", "head_dim"),
+                               fan_in=d, rngs=rngs)
+    else:
+      self.g_a_proj = Projection(cfg, "btd,dr->btr", (d, k), ("embed", "gate_rank"),
+                                 fan_in=d, rngs=rngs)
+      self.g_b_proj = Projection(cfg, "btr,rhv->bthv", (k, h, k),
+                                 ("gate_rank", "heads", "head_dim"), fan_in=k, rngs=rngs)
+    self.o_norm = ones_param((k,), ("head_dim",), wide)
+    self.o_proj = Projection(cfg, "bthv,hvd->btd", (h, k, d), ("heads", "head_dim", "embed"),
+                             fan_in=h * k, rngs=rngs)
+
+  def output_gate(self, x: jax.Array) -> jax.Array:
+    if self.cfg.kda_full_rank_output_gate:
+      return self.g_proj(x)
+    return self.g_b_proj(self.g_a_proj(x))
+
+  def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
+               state: KDAState | None = None) -> tuple[jax.Array, KDAState]:
+    cfg = self.cfg
+    convs = []
+    for proj, w, tail in ((self.q_proj, self.q_conv, None if state is None else state.conv_q),
+                          (self.k_proj, self.k_conv, None if state is None else state.conv_k),
+                          (self.v_proj, self.v_conv, None if state is None else state.conv_v)):
+      y, new_tail = causal_conv(proj(x), w[...], tail, segment_ids)
+      convs.append((jax.nn.silu(y), new_tail))
+    (q, tq), (k, tk), (v, tv) = convs
+    wide = wide_dtype(x.dtype)
+    o, s_final = kda(
+        q, k, v, self.f_b_proj(self.f_a_proj(x)).astype(wide), self.b_proj(x).astype(wide),
+        A_log=self.A_log[...].astype(wide), dt_bias=self.dt_bias[...].astype(wide),
+        gate=cfg.kda_gate, lower_bound=cfg.gate_lower_bound,
+        use_qk_l2norm=True, l2norm_eps=cfg.l2norm_eps, use_beta_sigmoid=True,
+        initial_state=None if state is None else state.recurrent, output_final_state=True,
+        segment_ids=segment_ids, backend=cfg.kda_backend)
+    # FusedRMSNormGated: the gain and the gate multiply in fp32, one cast at the end.
+    gate = jax.nn.sigmoid(self.output_gate(x).astype(wide))
+    o = (rms_normalize(o, cfg.rms_norm_eps) * self.o_norm[...].astype(wide) * gate).astype(o.dtype)
+    return self.o_proj(o), KDAState(tq, tk, tv, s_final)
+
+
+def _symmetric_uniform(bound: float):
+  def init(key, shape, dtype):
+    return jax.random.uniform(key, shape, jnp.float32, -bound, bound).astype(dtype)
+  return init
+
+
+def _uniform_log(lo: float, hi: float):
+  def init(key, shape, dtype):
+    return jnp.log(jax.random.uniform(key, shape, jnp.float32, lo, hi)).astype(dtype)
+  return init
+
+
+def _inverse_softplus_dt(key, shape, dtype, lo=1e-3, hi=0.1):
+  dt = jnp.exp(jax.random.uniform(key, shape, jnp.float32, np.log(lo), np.log(hi)))
+  return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)

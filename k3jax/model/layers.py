@@ -1,0 +1,82 @@
+"""Shared building blocks: parameter creation with logical axes, projections, RMSNorm (§2.3).
+
+Every parameter is an `nnx.Param` whose `out_sharding` metadata holds logical axis names only
+(see sharding/rules.py); placement is decided by the rules table, never by a layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.config import ModelConfig
+
+Initializer = Callable[[jax.Array, Sequence[int], jnp.dtype], jax.Array]
+
+
+def fan_in_normal(fan_in: int) -> Initializer:
+  """N(0, 1/fan_in): unit-variance outputs for unit-variance inputs."""
+  return nnx.initializers.normal(stddev=fan_in**-0.5)
+
+
+def annotated(value: jax.Array, names: Sequence[str], kind: type = nnx.Param) -> nnx.Variable:
+  """A variable carrying logical axis names. Eager sharding stays off: placement is applied
+  from the rules table by the caller's mesh set-up, never at construction inside a layer."""
+  if value.ndim != len(names):
+    raise ValueError(f"shape {value.shape} and logical names {tuple(names)} disagree")
+  return kind(value, out_sharding=tuple(names), eager_sharding=False)
+
+
+def make_param(rngs: nnx.Rngs, init: Initializer, shape: Sequence[int],
+               names: Sequence[str], dtype) -> nnx.Param:
+  return annotated(init(rngs.params(), tuple(shape), dtype), names)
+
+
+def ones_param(shape: Sequence[int], names: Sequence[str], dtype) -> nnx.Param:
+  return annotated(jnp.ones(tuple(shape), dtype), names)
+
+
+def wide_dtype(dtype) -> jnp.dtype:
+  """The dtype of "computed in fp32" steps: float32, or float64 when the model runs in it."""
+  return jnp.promote_types(dtype, jnp.float32)
+
+
+class Projection(nnx.Module):
+  """A bias-free linear map written as one einsum with named dims (gemma style).
+
+  `eq` contracts the input with the kernel, e.g. "btd,dhk->bthk". The kernel is stored in
+  `param_dtype` and cast to the compute dtype at use, so the master copy can stay fp32.
+  """
+
+  def __init__(self, cfg: ModelConfig, eq: str, shape: Sequence[int], names: Sequence[str],
+               *, fan_in: int, rngs: nnx.Rngs, init: Initializer | None = None):
+    self.eq = eq
+    self.precision = cfg.precision
+    self.dtype = cfg.jnp_dtype
+    self.kernel = make_param(rngs, init or fan_in_normal(fan_in), shape, names,
+                             cfg.jnp_param_dtype)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return jnp.einsum(self.eq, x.astype(self.dtype), self.kernel[...].astype(self.dtype),
+                      precision=self.precision)
+
+
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
+  """x * rsqrt(mean(x^2) + eps) over the last axis, in (at least) fp32."""
+  xf = x.astype(wide_dtype(x.dtype))
+  return xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+
+
+class RMSNorm(nnx.Module):
+  """y = gamma * (x * rsqrt(mean(x^2) + eps)): normalised in fp32, cast back to the input dtype
+  before the gain multiply, exactly as the official KimiRMSNorm (SPEC §2.3)."""
+
+  def __init__(self, cfg: ModelConfig, size: int, names: Sequence[str], *, eps: float):
+    self.eps = eps
+    self.weight = ones_param((size,), names, cfg.jnp_param_dtype)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return self.weight[...].astype(x.dtype) * rms_normalize(x, self.eps).astype(x.dtype)

@@ -1,0 +1,131 @@
+"""Router, routed experts and the Stable LatentMoE block (SPEC §2.6).
+
+Dropless: every selected (token, expert) pair is computed. The pairs are sorted by expert and
+run as grouped matmuls (`jax.lax.ragged_dot`), never as a loop over all experts.
+
+    s = sigmoid(x W_r)                           # fp32 [N, E]
+    T = topk(s + b, k)                           # b: router bias, set by Quantile Balancing
+    p = s[T] / (sum s[T] + 1e-20) * routed_scaling_factor
+    z = down(x)  (d -> l);  u = sum_{e in T} p_e E_e(z)  (fp32 accumulation)
+    y = up(RMSNorm(u)) + Shared(x)
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.config import ModelConfig
+from k3jax.model.layers import (Projection, RMSNorm, annotated, fan_in_normal, make_param,
+                                wide_dtype)
+from k3jax.model.mlp import MLP, glu
+from k3jax.model.quantile_balancing import quantile_balancing_bias  # noqa: F401  (re-export)
+
+
+class RouterBias(nnx.Variable):
+  """`e_score_correction_bias`: steers selection only; set by Quantile Balancing, never by
+  gradients, so it is deliberately not an nnx.Param (optimizers never see it)."""
+
+
+class Routing(NamedTuple):
+  scores_ne: jax.Array   # unbiased router scores s, fp32 [N, E]
+  experts_nk: jax.Array  # selected experts T, int32 [N, k]
+  weights_nk: jax.Array  # routing weights p, fp32 [N, k]
+
+
+class Router(nnx.Module):
+  """Sigmoid router with bias-steered top-k selection (checkpoint `gate.weight`, `gate.
+  e_score_correction_bias`). Always fp32: a bf16 router flips near-tied expert choices."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    d, e = cfg.hidden_size, cfg.num_experts
+    self.cfg = cfg
+    self.kernel = make_param(rngs, fan_in_normal(d), (d, e), ("embed", "expert_scores"),
+                             cfg.jnp_param_dtype)
+    self.bias = annotated(jnp.zeros((e,), jnp.float32), ("expert_scores",), RouterBias)
+
+  def __call__(self, x_nd: jax.Array) -> Routing:
+    wide = wide_dtype(x_nd.dtype)
+    logits = jnp.einsum("nd,de->ne", x_nd.astype(wide), self.kernel[...].astype(wide),
+                        precision=jax.lax.Precision.HIGHEST)
+    scores = jax.nn.sigmoid(logits)
+    _, experts = jax.lax.top_k(scores + self.bias[...].astype(wide), self.cfg.num_experts_per_token)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if self.cfg.moe_renormalize and self.cfg.num_experts_per_token > 1:
+      weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return Routing(scores, experts.astype(jnp.int32), weights * self.cfg.routed_scaling_factor)
+
+
+class RoutedExperts(nnx.Module):
+  """E gated MLPs of width F on inputs of width h (the latent l for K3), stacked for grouped
+  matmuls: w1 (gate) and w3 (up) [E, h, F], w2 (down) [E, F, h]."""
+
+  def __init__(self, cfg: ModelConfig, width_in: int, *, rngs: nnx.Rngs):
+    e, f = cfg.num_experts, cfg.moe_intermediate_size
+    in_name = "latent" if cfg.latent_size is not None else "embed"
+    self.cfg = cfg
+    pd = cfg.jnp_param_dtype
+    self.w1 = make_param(rngs, fan_in_normal(width_in), (e, width_in, f),
+                         ("experts", in_name, "moe_mlp"), pd)
+    self.w3 = make_param(rngs, fan_in_normal(width_in), (e, width_in, f),
+                         ("experts", in_name, "moe_mlp"), pd)
+    self.w2 = make_param(rngs, fan_in_normal(f), (e, f, width_in),
+                         ("experts", "moe_mlp", in_name), pd)
+
+  def __call__(self, z_nh: jax.Array, routing: Routing) -> jax.Array:
+    """sum_k p_k E_{T_k}(z), accumulated in fp32 [N, h]."""
+    n, k = routing.experts_nk.shape
+    e = self.cfg.num_experts
+    dt = self.cfg.jnp_dtype
+    flat_expert = routing.experts_nk.reshape(-1)
+    order = jnp.argsort(flat_expert, stable=True)     # (token, slot) pairs grouped by expert
+    token = order // k
+    group_sizes = jnp.bincount(flat_expert, length=e).astype(jnp.int32)
+    z_mh = z_nh.astype(dt)[token]
+    prec = self.cfg.precision
+    gate = jax.lax.ragged_dot(z_mh, self.w1[...].astype(dt), group_sizes, precision=prec)
+    up = jax.lax.ragged_dot(z_mh, self.w3[...].astype(dt), group_sizes, precision=prec)
+    y_mh = jax.lax.ragged_dot(glu(self.cfg, gate, up), self.w2[...].astype(dt), group_sizes,
+                              precision=prec)
+    wide = wide_dtype(dt)
+    p_m = routing.weights_nk.reshape(-1)[order].astype(wide)
+    return jnp.zeros((n, y_mh.shape[-1]), wide).at[token].add(y_mh.astype(wide) * p_m[:, None])
+
+
+class MoE(nnx.Module):
+  """Stable LatentMoE with shared experts (K3), or a plain MoE on the full width (Kimi-Linear,
+  `latent_size=None`)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    d, l = cfg.hidden_size, cfg.latent_size
+    self.cfg = cfg
+    self.gate = Router(cfg, rngs=rngs)
+    if l is not None:
+      self.routed_down = Projection(cfg, "nd,dl->nl", (d, l), ("embed", "latent"),
+                                    fan_in=d, rngs=rngs)
+      self.routed_up = Projection(cfg, "nl,ld->nd", (l, d), ("latent", "embed"),
+                                  fan_in=l, rngs=rngs)
+      self.latent_norm = (RMSNorm(cfg, l, ("latent",), eps=cfg.rms_norm_eps)
+                          if cfg.latent_norm else None)
+    self.experts = RoutedExperts(cfg, l if l is not None else d, rngs=rngs)
+    self.shared_experts = (MLP(cfg, cfg.shared_intermediate_size, rngs=rngs)
+                           if cfg.num_shared_experts else None)
+
+  def __call__(self, x_btd: jax.Array) -> tuple[jax.Array, Routing]:
+    b, t, d = x_btd.shape
+    x_nd = x_btd.reshape(b * t, d)
+    routing = self.gate(x_nd)
+    latent = self.cfg.latent_size is not None
+    z = self.routed_down(x_nd) if latent else x_nd
+    u = self.experts(z, routing).astype(x_nd.dtype)  # official: fp32 sum, cast to x's dtype
+    if latent:
+      if self.latent_norm is not None:
+        u = self.latent_norm(u)
+      u = self.routed_up(u)
+    y = u.reshape(b, t, d)
+    if self.shared_experts is not None:
+      y = y + self.shared_experts(x_btd)
+    return y, routing

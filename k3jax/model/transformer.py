@@ -1,0 +1,228 @@
+"""The K3 decoder stack (SPEC §2.2, §2.7): embeddings, layer schedule, Block AttnRes, head.
+
+Parameters of each kind are stacked along a leading `layers` axis (one stack of KDA mixers,
+one of MLA mixers, one of dense MLPs, one of MoEs, one of per-layer norms), so the tree has
+the same shape whatever the depth and a scanned stack needs no re-layout (`schedule.py` maps
+layers to stack entries and decides what is scanned). Data flow with AttnRes (S = block size):
+
+    partial = embed(ids); blocks = []
+    for l in range(L):
+        h = partial if not blocks else AttnRes(blocks, partial; attn_res[l])
+        if l % S == 0: blocks.append(partial); partial = None     # seal the finished block
+        partial = Attn_l(RMSNorm(h)) (+ partial)
+        h = AttnRes(blocks, partial; mlp_res[l])
+        partial = partial + MLP_l(RMSNorm(h))
+    logits = lm_head(RMSNorm(AttnRes(blocks, partial; output_res)))
+
+`blocks` is carried as a fixed buffer [n_seals, B, T, d] plus a count, and AttnRes masks the
+slots not sealed yet: the same numbers (a masked candidate gets weight exactly 0; only the
+float summation order can differ by an ulp), and a layer
+whose index is only known at run time (inside a scan) can seal with one slot update.
+Without AttnRes (Kimi-Linear) `partial` is an ordinary residual stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.config import ModelConfig
+from k3jax.model import schedule
+from k3jax.model.attn_res import AttnResQuery
+from k3jax.model.kda import KDA
+from k3jax.model.layers import RMSNorm, fan_in_normal, make_param
+from k3jax.model.mla import MLA
+from k3jax.model.mlp import MLP
+from k3jax.model.moe import MoE, Routing
+
+
+class LayerNorms(nnx.Module):
+  """A layer's pre-norms and its two AttnRes read points."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    del rngs  # deterministic init; the argument keeps every stack built the same way
+    d, eps = cfg.hidden_size, cfg.rms_norm_eps
+    self.input_norm = RMSNorm(cfg, d, ("embed",), eps=eps)
+    self.post_attention_norm = RMSNorm(cfg, d, ("embed",), eps=eps)
+    if cfg.attn_res_block_size is not None:
+      self.attn_res = AttnResQuery(cfg)
+      self.mlp_res = AttnResQuery(cfg)
+
+
+def stack(n: int, make: Callable[[nnx.Rngs], nnx.Module], rngs: nnx.Rngs) -> nnx.Module | None:
+  """n independently initialised copies of a module, stacked on a leading `layers` axis."""
+  if n == 0:
+    return None
+
+  @nnx.split_rngs(splits=n)
+  @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+  def create(r: nnx.Rngs):
+    return make(r)
+
+  return create(rngs)
+
+
+class Carry(NamedTuple):
+  """What flows between layers: sealed blocks [n_seals, B, T, d] (None without AttnRes),
+  how many are sealed (int32 scalar), and the running block sum / residual [B, T, d]."""
+  blocks: jax.Array | None
+  n_sealed: jax.Array
+  partial: jax.Array
+
+
+class ModelOutput(NamedTuple):
+  logits: jax.Array                      # [B, T, V] compute dtype
+  routing: tuple[Routing, ...]           # one per MoE layer (router scores, choices, weights)
+  layer_out: tuple[jax.Array, ...] = ()  # `partial` after each layer (return_layer_out=True)
+  hidden: jax.Array | None = None        # input of the final norm
+
+
+class K3Model(nnx.Module):
+  """Kimi K3 / Kimi-Linear causal LM. `model(ids)` -> ModelOutput."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    d, pd = cfg.hidden_size, cfg.jnp_param_dtype
+    self.embed = make_param(rngs, nnx.initializers.normal(1.0), (cfg.vocab_size, d),
+                            ("vocab", "embed"), pd)
+    self.kda = stack(len(cfg.kda_layers), lambda r: KDA(cfg, rngs=r), rngs)
+    self.mla = stack(len(cfg.mla_layers), lambda r: MLA(cfg, rngs=r), rngs)
+    self.dense_mlp = stack(len(cfg.dense_layers),
+                           lambda r: MLP(cfg, cfg.intermediate_size, rngs=r), rngs)
+    self.moe = stack(len(cfg.moe_layers), lambda r: MoE(cfg, rngs=r), rngs)
+    self.layers = stack(cfg.num_layers, lambda r: LayerNorms(cfg, rngs=r), rngs)
+    self.final_norm = RMSNorm(cfg, d, ("embed",), eps=cfg.rms_norm_eps)
+    if cfg.attn_res_block_size is not None:
+      self.output_res = AttnResQuery(cfg)
+    if not cfg.tie_word_embeddings:
+      self.lm_head = make_param(rngs, fan_in_normal(d), (d, cfg.vocab_size),
+                                ("embed", "vocab"), pd)
+
+  def __call__(self, input_ids: jax.Array | None = None, *,
+               inputs_embeds: jax.Array | None = None,
+               segment_ids: jax.Array | None = None,
+               return_layer_out: bool = False) -> ModelOutput:
+    """input_ids [B, T] int (or inputs_embeds [B, T, d]); segment_ids [B, T] int marks packed
+    sequences / padding: tokens interact only within equal ids (MLA mask, KDA state and conv
+    resets). `return_layer_out` disables layer scanning (per-layer outputs are for debugging)."""
+    cfg = self.cfg
+    if inputs_embeds is None:
+      inputs_embeds = self.embed[...][input_ids]
+    x = inputs_embeds.astype(cfg.jnp_dtype)
+    stacks = {name: nnx.split(getattr(self, name))
+              for name in ("kda", "mla", "dense_mlp", "moe", "layers")
+              if getattr(self, name) is not None}
+    carry = initial_carry(cfg, x)
+    routings: list[Routing] = []
+    layer_out: list[jax.Array] = []
+    for run in schedule.plan(cfg, scan=cfg.scan_layers and not return_layer_out):
+      carry, run_routing = run_layers(cfg, run, stacks, carry, segment_ids)
+      routings.extend(run_routing)
+      if return_layer_out:
+        layer_out.append(carry.partial)
+    if cfg.attn_res_block_size is not None:
+      h = self.output_res(carry.blocks, carry.partial, _valid(carry))
+    else:
+      h = carry.partial
+    head = self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]
+    logits = jnp.einsum("btd,dv->btv", self.final_norm(h), head.astype(cfg.jnp_dtype),
+                        precision=cfg.precision)
+    return ModelOutput(logits, tuple(routings), tuple(layer_out), h)
+
+
+def initial_carry(cfg: ModelConfig, x: jax.Array) -> Carry:
+  if cfg.attn_res_block_size is None:
+    return Carry(None, jnp.zeros((), jnp.int32), x)
+  n_seals = schedule.num_seals(cfg)
+  return Carry(jnp.zeros((n_seals, *x.shape), x.dtype), jnp.zeros((), jnp.int32), x)
+
+
+def _valid(carry: Carry) -> jax.Array:
+  """[n_seals + 1] bool: the sealed blocks, and the live partial (always last)."""
+  i = jnp.arange(carry.blocks.shape[0] + 1)
+  return (i < carry.n_sealed) | (i == carry.blocks.shape[0])
+
+
+def run_layers(cfg: ModelConfig, run: schedule.Run, stacks, carry: Carry, segment_ids
+               ) -> tuple[Carry, list[Routing]]:
+  """Apply one planned run: a single layer, or `run.count` repeats of a unit under lax.scan."""
+  graphdefs = [{k: stacks[k][0] for k in stacks} for _ in run.unit]
+
+  def unit_fn(carry: Carry, unit_states, first_layer):
+    routings = []
+    for q, (kinds, states) in enumerate(zip(run.unit, unit_states)):
+      norms, mixer, mlp = (nnx.merge(graphdefs[q][k], s) for k, s in zip(kinds, states))
+      step = layer_step
+      if cfg.remat:
+        step = nnx.remat(layer_step, static_argnums=(0,))
+      carry, routing = step(cfg, first_layer + q, norms, mixer, mlp, carry, segment_ids)
+      if routing is not None:
+        routings.append(routing)
+    return carry, routings
+
+  if run.count == 1 and not run.scanned:
+    unit_states = [tuple(_take(stacks[k][1], i) for k, i in zip(kinds, idx))
+                   for kinds, idx in zip(run.unit, run.indices[0])]
+    return unit_fn(carry, unit_states, run.start)
+
+  # states of every unit position, sliced from the stacks as [count, ...] scan inputs
+  xs = [tuple(_take_strided(stacks[k][1], i, stride, run.count)
+              for k, i, stride in zip(kinds, idx, strides))
+        for kinds, idx, strides in zip(run.unit, run.indices[0], run.strides)]
+  layer_ids = run.start + len(run.unit) * jnp.arange(run.count, dtype=jnp.int32)
+
+  def body(carry, x):
+    unit_states, first_layer = x
+    carry, routings = unit_fn(carry, unit_states, first_layer)
+    return carry, routings
+
+  carry, routings = jax.lax.scan(body, carry, (xs, layer_ids))
+  # scanned routing info comes back stacked [count, ...]; unstack to one entry per layer
+  flat = [jax.tree.map(lambda a, u=u: a[u], r) for u in range(run.count) for r in routings]
+  return carry, flat
+
+
+def _take(state: nnx.State, i: int) -> nnx.State:
+  return jax.tree.map(lambda a: a[i], state)
+
+
+def _take_strided(state: nnx.State, start: int, stride: int, count: int) -> nnx.State:
+  return jax.tree.map(lambda a: a[start:start + stride * count:stride], state)
+
+
+def layer_step(cfg: ModelConfig, l, norms: LayerNorms, mixer, mlp, carry: Carry, segment_ids
+               ) -> tuple[Carry, Routing | None]:
+  """One decoder layer. `l` is a Python int (unrolled) or a traced int32 (scanned)."""
+
+  def attend(h):
+    a = mixer(norms.input_norm(h), segment_ids=segment_ids)
+    return a[0] if isinstance(a, tuple) else a  # KDA also returns its decode state
+
+  def feed_forward(h):
+    out = mlp(norms.post_attention_norm(h))
+    return out if isinstance(out, tuple) else (out, None)
+
+  if cfg.attn_res_block_size is None:  # ordinary pre-norm residual stream
+    h = carry.partial + attend(carry.partial)
+    m, routing = feed_forward(h)
+    return carry._replace(partial=h + m), routing
+
+  blocks, n, partial = carry
+  h = norms.attn_res(blocks, partial, _valid(carry))
+  seal = l % cfg.attn_res_block_size == 0
+  if isinstance(seal, bool):  # static layer index: no select needed
+    if seal:
+      blocks = jax.lax.dynamic_update_index_in_dim(blocks, partial, n, 0)
+      n, partial = n + 1, jnp.zeros_like(partial)
+  else:
+    slot = jnp.where(seal, partial, jax.lax.dynamic_index_in_dim(blocks, n, 0, keepdims=False))
+    blocks = jax.lax.dynamic_update_index_in_dim(blocks, slot, n, 0)
+    n, partial = n + seal.astype(n.dtype), jnp.where(seal, jnp.zeros_like(partial), partial)
+  partial = partial + attend(h)
+  carry = Carry(blocks, n, partial)
+  m, routing = feed_forward(norms.mlp_res(blocks, partial, _valid(carry)))
+  return carry._replace(partial=partial + m), routing

@@ -1,0 +1,1 @@
+"""Mesh axes, logical-axis rules and (later) expert parallelism for k3jax (SPEC §6)."""

@@ -1,0 +1,116 @@
+"""RMSNorm, Projection, AttnRes, SiTU and the dense MLP against numpy transcriptions of their
+SPEC formulas (§2.2, §2.3, §2.6)."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from k3jax.model.attn_res import AttnResQuery, attn_res
+from k3jax.model.layers import RMSNorm
+from k3jax.model.mlp import MLP, situ
+from tests.k3jax.model.helpers import np64, randomize, tiny_cfg
+
+
+def np_rmsnorm(x, gamma, eps):
+  return gamma * (x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps))
+
+
+def test_rmsnorm_fp32():
+  cfg = tiny_cfg()
+  norm = randomize(RMSNorm(cfg, 32, ("embed",), eps=1e-5))
+  x = np.random.default_rng(0).standard_normal((2, 5, 32)).astype(np.float32) * 3
+  got = norm(jnp.asarray(x))
+  want = np_rmsnorm(np64(x), np64(norm.weight[...]), 1e-5)
+  np.testing.assert_allclose(np64(got), want, atol=1e-5, rtol=1e-6)
+
+
+def test_rmsnorm_bf16_casts_before_the_gain():
+  """fp32 normalisation, cast to bf16, then a bf16 multiply by the (bf16) gain."""
+  cfg = tiny_cfg(dtype="bfloat16", param_dtype="bfloat16")
+  norm = randomize(RMSNorm(cfg, 32, ("embed",), eps=1e-5))
+  x = (np.random.default_rng(1).standard_normal((4, 32)) * 5).astype(ml_dtypes.bfloat16)
+  got = np.asarray(norm(jnp.asarray(x)))
+  xn = np_rmsnorm(np.asarray(x, np.float32), 1.0, 1e-5).astype(ml_dtypes.bfloat16)
+  want = (np.asarray(norm.weight[...]).astype(np.float32) * xn.astype(np.float32)).astype(
+      ml_dtypes.bfloat16)
+  assert got.dtype == ml_dtypes.bfloat16
+  np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32))
+
+
+def np_attn_res(cands, w, gamma, eps):
+  v = np.stack(cands)                                     # [N, B, T, d]
+  k = v / np.sqrt(np.mean(v * v, -1, keepdims=True) + eps)
+  s = np.sum(k * gamma * w, -1)                           # [N, B, T]
+  a = np.exp(s - s.max(0))
+  a /= a.sum(0)
+  return np.sum(a[..., None] * v, 0)
+
+
+@pytest.mark.parametrize("n_blocks", [0, 1, 4])
+def test_attn_res_formula(n_blocks):
+  rng = np.random.default_rng(n_blocks)
+  cands = [rng.standard_normal((2, 3, 16)) * rng.uniform(0.5, 4) for _ in range(n_blocks + 1)]
+  w, gamma = rng.standard_normal(16), rng.uniform(0.5, 1.5, 16)
+  got = attn_res([jnp.asarray(c, jnp.float32) for c in cands[:-1]],
+                 jnp.asarray(cands[-1], jnp.float32), jnp.asarray(w), jnp.asarray(gamma), 1e-5)
+  np.testing.assert_allclose(np64(got), np_attn_res(cands, w, gamma, 1e-5), atol=1e-5)
+
+
+def test_attn_res_masked_slots_are_ignored_exactly():
+  rng = np.random.default_rng(3)
+  blocks = jnp.asarray(rng.standard_normal((4, 2, 3, 16)), jnp.float32)
+  partial = jnp.asarray(rng.standard_normal((2, 3, 16)), jnp.float32)
+  w, gamma = jnp.asarray(rng.standard_normal(16)), jnp.ones(16)
+  valid = jnp.array([True, True, False, False, True])
+  garbage = blocks.at[2:].set(1e3)
+  masked = attn_res(garbage, partial, w, gamma, 1e-5, valid)
+  assert np.isfinite(np.asarray(masked)).all()
+  # the masked slots get weight exactly 0; only the summation order differs (an ulp or so)
+  np.testing.assert_allclose(np.asarray(masked),
+                             np.asarray(attn_res(blocks[:2], partial, w, gamma, 1e-5)),
+                             atol=1e-6, rtol=0)
+
+
+def test_attn_res_zero_query_is_uniform_average():
+  cfg = tiny_cfg()
+  q = AttnResQuery(cfg)   # fresh init: w = 0, gamma = 1
+  rng = np.random.default_rng(4)
+  blocks = [jnp.asarray(rng.standard_normal((1, 2, 32)), jnp.float32) for _ in range(3)]
+  got = q(blocks[:2], blocks[2])
+  np.testing.assert_allclose(np64(got), np.mean(np.stack([np64(b) for b in blocks]), 0),
+                             atol=1e-6)
+
+
+def test_situ_formula_and_bounds():
+  a = np.linspace(-60, 60, 241)
+  b = np.linspace(-400, 400, 241)[::-1].copy()
+  got = np64(situ(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32), 4.0, 25.0))
+  want = (4 * np.tanh(a / 4) / (1 + np.exp(-a))) * (25 * np.tanh(b / 25))
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+  assert np.abs(got).max() <= 4 * 25
+
+
+def test_mlp_situ_and_swiglu():
+  rng = np.random.default_rng(5)
+  x = rng.standard_normal((2, 3, 32)).astype(np.float32)
+  for cfg in (tiny_cfg(), tiny_cfg(hidden_act="silu", situ_beta=1.0, situ_linear_beta=None)):
+    mlp = randomize(MLP(cfg, 48, rngs=nnx.Rngs(0)))
+    wg, wu, wd = (np64(p.kernel[...]) for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+    a, b = np64(x) @ wg, np64(x) @ wu
+    if cfg.hidden_act == "situ":
+      act = 4 * np.tanh(a / 4) / (1 + np.exp(-a)) * 25 * np.tanh(b / 25)
+    else:
+      act = a / (1 + np.exp(-a)) * b
+    np.testing.assert_allclose(np64(mlp(jnp.asarray(x))), act @ wd, atol=1e-5, rtol=1e-5)
+
+
+def test_projection_keeps_master_weights_fp32():
+  cfg = tiny_cfg(dtype="bfloat16", param_dtype="float32")
+  mlp = MLP(cfg, 48, rngs=nnx.Rngs(0))
+  assert mlp.gate_proj.kernel[...].dtype == jnp.float32
+  y = mlp(jnp.ones((1, 2, 32), jnp.bfloat16))
+  assert y.dtype == jnp.bfloat16
+  assert mlp.gate_proj.kernel.get_metadata()["out_sharding"] == ("embed", "mlp")

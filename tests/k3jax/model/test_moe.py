@@ -1,0 +1,136 @@
+"""Router, routed experts and LatentMoE against a per-token numpy loop (SPEC §2.6), and the
+Kimi-Linear MoE against transformers' KimiLinearMoE on the same weights."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from k3jax.model.moe import MoE
+from tests.k3jax.model.helpers import kimi_linear_cfg, np64, randomize, tiny_cfg
+
+
+def np_silu(a):
+  return a / (1 + np.exp(-a))
+
+
+def np_moe(moe: MoE, cfg, x):
+  """Per-token, per-expert transcription of SPEC §2.6."""
+  x = np64(x).reshape(-1, cfg.hidden_size)
+  w_r, bias = np64(moe.gate.kernel[...]), np64(moe.gate.bias[...])
+  s = 1 / (1 + np.exp(-(x @ w_r)))
+  k = cfg.num_experts_per_token
+  w1, w3, w2 = (np64(w[...]) for w in (moe.experts.w1, moe.experts.w3, moe.experts.w2))
+  latent = cfg.latent_size is not None
+  z = x @ np64(moe.routed_down.kernel[...]) if latent else x
+  out = np.zeros_like(x)
+  for n in range(x.shape[0]):
+    chosen = np.argsort(-(s[n] + bias), kind="stable")[:k]
+    p = s[n, chosen]
+    if cfg.moe_renormalize:
+      p = p / (p.sum() + 1e-20)
+    p = p * cfg.routed_scaling_factor
+    u = 0
+    for e, pe in zip(chosen, p):
+      a, b = z[n] @ w1[e], z[n] @ w3[e]
+      act = (4 * np.tanh(a / 4) / (1 + np.exp(-a)) * 25 * np.tanh(b / 25)
+             if cfg.hidden_act == "situ" else np_silu(a) * b)
+      u = u + pe * (act @ w2[e])
+    if latent:
+      g = np64(moe.latent_norm.weight[...])
+      u = g * u / np.sqrt(np.mean(u * u) + cfg.rms_norm_eps)
+      u = u @ np64(moe.routed_up.kernel[...])
+    sh = moe.shared_experts
+    a, b = x[n] @ np64(sh.gate_proj.kernel[...]), x[n] @ np64(sh.up_proj.kernel[...])
+    act = (4 * np.tanh(a / 4) / (1 + np.exp(-a)) * 25 * np.tanh(b / 25)
+           if cfg.hidden_act == "situ" else np_silu(a) * b)
+    out[n] = u + act @ np64(sh.down_proj.kernel[...])
+  return out
+
+
+def _moe(cfg, seed=0):
+  moe = randomize(MoE(cfg, rngs=nnx.Rngs(seed)), seed)
+  rng = np.random.default_rng(seed + 100)
+  moe.gate.bias.set_value(jnp.asarray(rng.uniform(-0.1, 0.1, cfg.num_experts), jnp.float32))
+  return moe
+
+
+@pytest.mark.parametrize("variant", ["k3_latent", "kimi_linear"])
+def test_moe_matches_per_token_loop(variant, x64):
+  cfg = (tiny_cfg if variant == "k3_latent" else kimi_linear_cfg)(
+      dtype="float64", param_dtype="float64")
+  moe = _moe(cfg)
+  x = np.random.default_rng(1).standard_normal((2, 7, cfg.hidden_size))
+  y, routing = moe(jnp.asarray(x))
+  np.testing.assert_allclose(np64(y).reshape(-1, cfg.hidden_size), np_moe(moe, cfg, x),
+                             atol=1e-10, rtol=1e-10)
+  assert routing.experts_nk.shape == (14, cfg.num_experts_per_token)
+
+
+def test_selection_uses_bias_but_weights_do_not():
+  cfg = tiny_cfg()
+  moe = _moe(cfg)
+  x = jnp.asarray(np.random.default_rng(2).standard_normal((1, 5, 32)), jnp.float32)
+  big = jnp.zeros(cfg.num_experts).at[jnp.array([1, 5, 6])].set(10.0)
+  moe.gate.bias.set_value(big)
+  _, routing = moe(x)
+  assert (np.sort(np.asarray(routing.experts_nk), -1) == [1, 5, 6]).all()
+  s = np.asarray(routing.scores_ne)[np.arange(5)[:, None], np.asarray(routing.experts_nk)]
+  np.testing.assert_allclose(np.asarray(routing.weights_nk), s / s.sum(-1, keepdims=True),
+                             rtol=1e-6)
+
+
+def test_dropless_when_every_token_picks_the_same_experts():
+  """No capacity: 64 tokens all routed to the same 3 experts are all computed."""
+  cfg = tiny_cfg()
+  moe = _moe(cfg)
+  moe.gate.bias.set_value(jnp.zeros(cfg.num_experts).at[:3].set(100.0))
+  x = np.random.default_rng(3).standard_normal((2, 32, 32)).astype(np.float32)
+  y, _ = moe(jnp.asarray(x))
+  with jax.enable_x64(True):
+    np.testing.assert_allclose(np64(y).reshape(-1, 32), np_moe(moe, cfg, x), atol=2e-5)
+
+
+def test_gradients_reach_every_selected_expert():
+  cfg = tiny_cfg()
+  moe = _moe(cfg)
+  x = jnp.asarray(np.random.default_rng(4).standard_normal((1, 16, 32)), jnp.float32)
+
+  def loss(m):
+    return jnp.sum(m(x)[0] ** 2)
+
+  grads = nnx.grad(loss)(moe)
+  _, routing = moe(x)
+  used = np.unique(np.asarray(routing.experts_nk))
+  g1 = np.abs(np.asarray(grads.experts.w1[...])).sum((1, 2))
+  assert (g1[used] > 0).all() and (g1[np.setdiff1d(np.arange(8), used)] == 0).all()
+  assert not hasattr(grads.gate, "bias") or np.all(np.asarray(grads.gate.bias[...]) == 0)
+
+
+def test_kimi_linear_moe_matches_transformers(x64):
+  torch = pytest.importorskip("torch")
+  from transformers import KimiLinearConfig
+  from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearMoE
+  cfg = kimi_linear_cfg(dtype="float64", param_dtype="float64")
+  moe = _moe(cfg, seed=7)
+  hf_cfg = KimiLinearConfig(hidden_size=32, moe_intermediate_size=16, num_local_experts=8,
+                            num_experts_per_tok=2, n_shared_experts=1, routed_scaling_factor=2.446,
+                            hidden_act="silu")
+  ref = KimiLinearMoE(hf_cfg).double()
+  f = cfg.moe_intermediate_size
+  t = lambda a: torch.from_numpy(np64(a))  # noqa: E731
+  with torch.no_grad():
+    ref.gate.weight.copy_(t(moe.gate.kernel[...]).T)
+    ref.gate.e_score_correction_bias.copy_(t(moe.gate.bias[...]))
+    ref.experts.gate_up_proj.copy_(torch.cat([t(moe.experts.w1[...]).transpose(1, 2),
+                                              t(moe.experts.w3[...]).transpose(1, 2)], 1))
+    ref.experts.down_proj.copy_(t(moe.experts.w2[...]).transpose(1, 2))
+    for name in ("gate_proj", "up_proj", "down_proj"):
+      getattr(ref.shared_experts, name).weight.copy_(
+          t(getattr(moe.shared_experts, name).kernel[...]).T)
+  x = np.random.default_rng(8).standard_normal((2, 9, 32))
+  want = ref(torch.from_numpy(x)).detach().numpy()
+  got = np64(moe(jnp.asarray(x))[0])
+  # transformers' router runs in fp32 even in a float64 module: fp32-level agreement
+  np.testing.assert_allclose(got, want, atol=1e-5)
