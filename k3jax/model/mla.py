@@ -72,7 +72,9 @@ class MLA(nnx.Module):
     c, k_rot = jnp.split(ckv, [self.cfg.kv_lora_rank], axis=-1)
     return self.kv_a_norm(c), k_rot
 
-  def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None) -> jax.Array:
+  def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None
+               ) -> tuple[jax.Array, jax.Array]:
+    """(output [B,T,d], per-head max pre-softmax logit [H]); the latter feeds QK-clip."""
     cfg = self.cfg
     b, t, _ = x.shape
     q = self.query(x)
@@ -83,8 +85,9 @@ class MLA(nnx.Module):
               + jnp.einsum("bqhr,bsr->bhqs", q_rot, k_rot, precision=cfg.precision))
     scores = scores.astype(wide_dtype(scores.dtype)) * cfg.qk_head_dim**-0.5
     scores = jnp.where(attention_mask(segment_ids, b, t), scores, -jnp.inf)
+    max_logits_h = jax.lax.stop_gradient(jnp.max(scores, axis=(0, 2, 3)))
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     o = jnp.einsum("bhqs,bshv->bqhv", probs, v, precision=cfg.precision)
     if cfg.mla_output_gate:
       o = o * jax.nn.sigmoid(self.g_proj(x))
-    return self.o_proj(o)
+    return self.o_proj(o), max_logits_h

@@ -77,6 +77,7 @@ class Carry(NamedTuple):
 class ModelOutput(NamedTuple):
   logits: jax.Array                      # [B, T, V] compute dtype
   routing: tuple[Routing, ...]           # one per MoE layer (router scores, choices, weights)
+  mla_max_logits: jax.Array | None       # [n_mla, H] max pre-softmax logit (for QK-clip)
   layer_out: tuple[jax.Array, ...] = ()  # `partial` after each layer (return_layer_out=True)
   hidden: jax.Array | None = None        # input of the final norm
 
@@ -118,10 +119,12 @@ class K3Model(nnx.Module):
               if getattr(self, name) is not None}
     carry = initial_carry(cfg, x)
     routings: list[Routing] = []
+    max_logits: list[jax.Array] = []
     layer_out: list[jax.Array] = []
     for run in schedule.plan(cfg, scan=cfg.scan_layers and not return_layer_out):
-      carry, run_routing = run_layers(cfg, run, stacks, carry, segment_ids)
+      carry, run_routing, run_logits = run_layers(cfg, run, stacks, carry, segment_ids)
       routings.extend(run_routing)
+      max_logits.extend(run_logits)
       if return_layer_out:
         layer_out.append(carry.partial)
     if cfg.attn_res_block_size is not None:
@@ -131,7 +134,8 @@ class K3Model(nnx.Module):
     head = self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]
     logits = jnp.einsum("btd,dv->btv", self.final_norm(h), head.astype(cfg.jnp_dtype),
                         precision=cfg.precision)
-    return ModelOutput(logits, tuple(routings), tuple(layer_out), h)
+    return ModelOutput(logits, tuple(routings), jnp.stack(max_logits) if max_logits else None,
+                       tuple(layer_out), h)
 
 
 def initial_carry(cfg: ModelConfig, x: jax.Array) -> Carry:
@@ -148,26 +152,30 @@ def _valid(carry: Carry) -> jax.Array:
 
 
 def run_layers(cfg: ModelConfig, run: schedule.Run, stacks, carry: Carry, segment_ids
-               ) -> tuple[Carry, list[Routing]]:
-  """Apply one planned run: a single layer, or `run.count` repeats of a unit under lax.scan."""
+               ) -> tuple[Carry, list[Routing], list[jax.Array]]:
+  """Apply one planned run: a single layer, or `run.count` repeats of a unit under lax.scan.
+  Returns the carry, the MoE layers' routing and the MLA layers' max logits, in layer order."""
   graphdefs = [{k: stacks[k][0] for k in stacks} for _ in run.unit]
 
   def unit_fn(carry: Carry, unit_states, first_layer):
-    routings = []
+    routings, max_logits = [], []
     for q, (kinds, states) in enumerate(zip(run.unit, unit_states)):
       norms, mixer, mlp = (nnx.merge(graphdefs[q][k], s) for k, s in zip(kinds, states))
       step = layer_step
       if cfg.remat:
         step = nnx.remat(layer_step, static_argnums=(0,))
-      carry, routing = step(cfg, first_layer + q, norms, mixer, mlp, carry, segment_ids)
+      carry, routing, logits = step(cfg, first_layer + q, norms, mixer, mlp, carry, segment_ids)
       if routing is not None:
         routings.append(routing)
-    return carry, routings
+      if logits is not None:
+        max_logits.append(logits)
+    return carry, (routings, max_logits)
 
   if run.count == 1 and not run.scanned:
     unit_states = [tuple(_take(stacks[k][1], i) for k, i in zip(kinds, idx))
                    for kinds, idx in zip(run.unit, run.indices[0])]
-    return unit_fn(carry, unit_states, run.start)
+    carry, (routings, max_logits) = unit_fn(carry, unit_states, run.start)
+    return carry, routings, max_logits
 
   # states of every unit position, sliced from the stacks as [count, ...] scan inputs
   xs = [tuple(_take_strided(stacks[k][1], i, stride, run.count)
@@ -177,13 +185,13 @@ def run_layers(cfg: ModelConfig, run: schedule.Run, stacks, carry: Carry, segmen
 
   def body(carry, x):
     unit_states, first_layer = x
-    carry, routings = unit_fn(carry, unit_states, first_layer)
-    return carry, routings
+    return unit_fn(carry, unit_states, first_layer)
 
-  carry, routings = jax.lax.scan(body, carry, (xs, layer_ids))
-  # scanned routing info comes back stacked [count, ...]; unstack to one entry per layer
-  flat = [jax.tree.map(lambda a, u=u: a[u], r) for u in range(run.count) for r in routings]
-  return carry, flat
+  carry, (routings, max_logits) = jax.lax.scan(body, carry, (xs, layer_ids))
+  # per-layer outputs come back stacked [count, ...]; unstack to one entry per layer
+  unstack = lambda items: [jax.tree.map(lambda a, u=u: a[u], r)  # noqa: E731
+                           for u in range(run.count) for r in items]
+  return carry, unstack(routings), unstack(max_logits)
 
 
 def _take(state: nnx.State, i: int) -> nnx.State:
@@ -195,12 +203,17 @@ def _take_strided(state: nnx.State, start: int, stride: int, count: int) -> nnx.
 
 
 def layer_step(cfg: ModelConfig, l, norms: LayerNorms, mixer, mlp, carry: Carry, segment_ids
-               ) -> tuple[Carry, Routing | None]:
-  """One decoder layer. `l` is a Python int (unrolled) or a traced int32 (scanned)."""
+               ) -> tuple[Carry, Routing | None, jax.Array | None]:
+  """One decoder layer. `l` is a Python int (unrolled) or a traced int32 (scanned).
+  Returns the carry, the MoE routing (None for a dense MLP) and MLA max logits (None for KDA)."""
+  max_logits = None
 
   def attend(h):
-    a = mixer(norms.input_norm(h), segment_ids=segment_ids)
-    return a[0] if isinstance(a, tuple) else a  # KDA also returns its decode state
+    nonlocal max_logits
+    a, aux = mixer(norms.input_norm(h), segment_ids=segment_ids)
+    if isinstance(mixer, MLA):
+      max_logits = aux  # KDA's aux is its decode state, unused here
+    return a
 
   def feed_forward(h):
     out = mlp(norms.post_attention_norm(h))
@@ -209,7 +222,7 @@ def layer_step(cfg: ModelConfig, l, norms: LayerNorms, mixer, mlp, carry: Carry,
   if cfg.attn_res_block_size is None:  # ordinary pre-norm residual stream
     h = carry.partial + attend(carry.partial)
     m, routing = feed_forward(h)
-    return carry._replace(partial=h + m), routing
+    return carry._replace(partial=h + m), routing, max_logits
 
   blocks, n, partial = carry
   h = norms.attn_res(blocks, partial, _valid(carry))
@@ -225,4 +238,4 @@ def layer_step(cfg: ModelConfig, l, norms: LayerNorms, mixer, mlp, carry: Carry,
   partial = partial + attend(h)
   carry = Carry(blocks, n, partial)
   m, routing = feed_forward(norms.mlp_res(blocks, partial, _valid(carry)))
-  return carry._replace(partial=partial + m), routing
+  return carry._replace(partial=partial + m), routing, max_logits

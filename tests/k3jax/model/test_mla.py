@@ -34,12 +34,13 @@ def np_mla(m: MLA, cfg, x, seg=None):
   if seg is not None:
     mask = mask & (seg[:, None, :, None] == seg[:, None, None, :])
   s = np.where(mask, s, -np.inf)
+  max_logits = s.max(axis=(0, 2, 3))
   a = np.exp(s - s.max(-1, keepdims=True))
   a /= a.sum(-1, keepdims=True)
   o = np.einsum("bhqs,bshv->bqhv", a, v)
   if cfg.mla_output_gate:
     o = o / (1 + np.exp(-np.einsum("btd,dhv->bthv", x, p(m.g_proj))))
-  return np.einsum("bthv,hvd->btd", o, p(m.o_proj))
+  return np.einsum("bthv,hvd->btd", o, p(m.o_proj)), max_logits
 
 
 @pytest.mark.parametrize("segments", [False, True])
@@ -49,8 +50,10 @@ def test_gated_mla_formula(segments, x64):
   rng = np.random.default_rng(1)
   x = rng.standard_normal((2, 11, cfg.hidden_size))
   seg = np.array([[1] * 4 + [2] * 7, [0] * 3 + [5] * 8]) if segments else None
-  got = m(jnp.asarray(x), segment_ids=None if seg is None else jnp.asarray(seg))
-  np.testing.assert_allclose(np64(got), np_mla(m, cfg, x, seg), atol=1e-10, rtol=1e-10)
+  got, max_logits = m(jnp.asarray(x), segment_ids=None if seg is None else jnp.asarray(seg))
+  want, want_logits = np_mla(m, cfg, x, seg)
+  np.testing.assert_allclose(np64(got), want, atol=1e-10, rtol=1e-10)
+  np.testing.assert_allclose(np64(max_logits), want_logits, atol=1e-10, rtol=1e-10)
 
 
 def test_packed_segments_equal_separate_sequences():
@@ -58,9 +61,9 @@ def test_packed_segments_equal_separate_sequences():
   m = randomize(MLA(cfg, rngs=nnx.Rngs(0)))
   x = jnp.asarray(np.random.default_rng(2).standard_normal((1, 12, 32)), jnp.float32)
   seg = jnp.asarray([[1] * 5 + [2] * 7])
-  packed = m(x, segment_ids=seg)
-  np.testing.assert_allclose(np.asarray(packed[:, :5]), np.asarray(m(x[:, :5])), atol=1e-6)
-  np.testing.assert_allclose(np.asarray(packed[:, 5:]), np.asarray(m(x[:, 5:])), atol=1e-6)
+  packed, _ = m(x, segment_ids=seg)
+  np.testing.assert_allclose(np.asarray(packed[:, :5]), np.asarray(m(x[:, :5])[0]), atol=1e-6)
+  np.testing.assert_allclose(np.asarray(packed[:, 5:]), np.asarray(m(x[:, 5:])[0]), atol=1e-6)
 
 
 def test_kimi_linear_mla_matches_transformers(x64):
@@ -88,4 +91,4 @@ def test_kimi_linear_mla_matches_transformers(x64):
   want, _ = ref(torch.from_numpy(x), attention_mask=causal)
   # transformers' eager attention takes its softmax in fp32 even in a float64 module, so the
   # agreement is fp32-level: SPEC §8's 1e-5 for a layer against PyTorch
-  np.testing.assert_allclose(np64(m(jnp.asarray(x))), want.detach().numpy(), atol=1e-5)
+  np.testing.assert_allclose(np64(m(jnp.asarray(x))[0]), want.detach().numpy(), atol=1e-5)

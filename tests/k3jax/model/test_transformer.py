@@ -12,9 +12,18 @@ from k3jax.model.transformer import K3Model
 from tests.k3jax.model.helpers import kimi_linear_cfg, randomize, tiny_cfg
 
 
+# 5 layers [KDA+dense, KDA, KDA, MLA, MLA], AttnRes blocks of 3: every part, small compiles
+SMALL = dict(num_layers=5, mla_layers=(3, 4))
+
+
 @pytest.fixture(scope="module")
 def model():
-  return randomize(K3Model(tiny_cfg(num_layers=9, mla_layers=(3, 7, 8)), rngs=nnx.Rngs(0)))
+  return randomize(K3Model(tiny_cfg(**SMALL), rngs=nnx.Rngs(0)))
+
+
+@nnx.jit
+def logits_fn(m, ids, seg):
+  return m(ids, segment_ids=seg).logits
 
 
 def _ids(cfg, shape, seed=0):
@@ -23,37 +32,35 @@ def _ids(cfg, shape, seed=0):
 
 def test_causal_by_gradient(model):
   """d logits[:, t] / d inputs_embeds[:, s] is exactly zero for every s > t, and not for s <= t."""
-  cfg = model.cfg
-  emb = model.embed[...][_ids(cfg, (1, 12))]
+  emb = model.embed[...][_ids(model.cfg, (1, 12))]
   t = 5
 
-  def logit_sum(e):
-    return model(inputs_embeds=e).logits[:, t].sum()
+  @nnx.jit
+  def grad_fn(m, e):
+    return jax.grad(lambda e: m(inputs_embeds=e).logits[:, t].sum())(e)
 
-  g = np.asarray(jax.grad(logit_sum)(emb))
+  g = np.asarray(grad_fn(model, emb))
   assert np.all(g[:, t + 1:] == 0)
   assert np.all(np.abs(g[:, : t + 1]).sum(-1) > 0)
 
 
-def test_deterministic(model):
-  ids = _ids(model.cfg, (2, 10), 1)
-  a = np.asarray(model(ids).logits)
-  b = np.asarray(model(ids).logits)
-  np.testing.assert_array_equal(a, b)
-  again = randomize(K3Model(model.cfg, rngs=nnx.Rngs(0)))
-  np.testing.assert_array_equal(np.asarray(again(ids).logits), a)
-
-
-def test_packed_sequences_do_not_interact(model):
+def test_deterministic_and_packed_sequences_do_not_interact(model):
+  """Same inputs give bit-identical logits; two sequences packed in one row (segment ids 1, 2)
+  give the logits each gets alone (alone = followed by a padding segment of id 0)."""
   cfg = model.cfg
   a, b = _ids(cfg, (1, 7), 2), _ids(cfg, (1, 9), 3)
-  packed = model(jnp.concatenate([a, b], 1),
-                 segment_ids=jnp.asarray([[1] * 7 + [2] * 9])).logits
-  np.testing.assert_allclose(np.asarray(packed[:, :7]), np.asarray(model(a).logits), atol=2e-5)
-  np.testing.assert_allclose(np.asarray(packed[:, 7:]), np.asarray(model(b).logits), atol=2e-5)
+  packed_ids = jnp.concatenate([a, b], 1)
+  packed = np.asarray(logits_fn(model, packed_ids, jnp.asarray([[1] * 7 + [2] * 9])))
+  np.testing.assert_array_equal(
+      packed, np.asarray(logits_fn(model, packed_ids, jnp.asarray([[1] * 7 + [2] * 9]))))
+  pad = lambda x: jnp.concatenate([x, jnp.zeros((1, 16 - x.shape[1]), x.dtype)], 1)  # noqa
+  alone_a = logits_fn(model, pad(a), jnp.asarray([[1] * 7 + [0] * 9]))
+  alone_b = logits_fn(model, pad(b), jnp.asarray([[1] * 9 + [0] * 7]))
+  np.testing.assert_allclose(packed[:, :7], np.asarray(alone_a[:, :7]), atol=2e-5)
+  np.testing.assert_allclose(packed[:, 7:], np.asarray(alone_b[:, :9]), atol=2e-5)
 
 
-@pytest.mark.parametrize("make", [lambda: tiny_cfg(num_layers=13, mla_layers=(3, 7, 11, 12)),
+@pytest.mark.parametrize("make", [lambda: tiny_cfg(num_layers=6, mla_layers=(5,)),
                                   kimi_linear_cfg])
 def test_scanned_equals_unrolled(make):
   cfg = make()
@@ -61,9 +68,10 @@ def test_scanned_equals_unrolled(make):
   assert any(r.scanned for r in runs)
   m = randomize(K3Model(cfg, rngs=nnx.Rngs(1)))
   ids = _ids(cfg, (2, 9), 4)
-  scanned = m(ids)
+  fwd = nnx.jit(lambda m, ids: m(ids))
+  scanned = fwd(m, ids)
   m.cfg = cfg.replace(scan_layers=False)
-  unrolled = m(ids)
+  unrolled = fwd(m, ids)
   np.testing.assert_allclose(np.asarray(scanned.logits), np.asarray(unrolled.logits), atol=1e-5)
   assert len(scanned.routing) == len(unrolled.routing) == len(cfg.moe_layers)
   for r1, r2 in zip(scanned.routing, unrolled.routing):
@@ -76,18 +84,22 @@ def test_remat_same_gradients(model):
   def loss(m):
     return jnp.mean(m(ids).logits ** 2)
 
-  g_plain = nnx.grad(loss)(model)
+  grad_fn = nnx.jit(nnx.grad(loss))
+  g_plain = grad_fn(model)
   model.cfg = model.cfg.replace(remat=True)
   try:
-    g_remat = nnx.grad(loss)(model)
+    g_remat = grad_fn(model)
   finally:
     model.cfg = model.cfg.replace(remat=False)
+  # recomputation may fuse differently: equal to float32 rounding, relative to each gradient
   for (p, a), (_, b) in zip(nnx.to_flat_state(g_plain), nnx.to_flat_state(g_remat)):
-    np.testing.assert_allclose(np.asarray(a[...]), np.asarray(b[...]), atol=1e-6, err_msg=str(p))
+    a, b = np.asarray(a[...]), np.asarray(b[...])
+    np.testing.assert_allclose(a, b, atol=1e-6 * max(1.0, np.abs(a).max()), rtol=1e-5,
+                               err_msg=str(p))
 
 
 def test_schedule_maps_layers_to_stacks():
-  cfg = tiny_cfg(num_layers=9, mla_layers=(3, 7, 8))
+  cfg = tiny_cfg(num_layers=9, mla_layers=(3, 7, 8))  # the tiny preset's schedule
   assert [cfg.stack_index(l) for l in range(9)] == [
       (0, 0), (1, 0), (2, 1), (0, 2), (3, 3), (4, 4), (5, 5), (1, 6), (2, 7)]
   assert schedule.num_seals(cfg) == 3   # block size 3: seals at 0, 3, 6
@@ -100,6 +112,6 @@ def test_schedule_maps_layers_to_stacks():
 
 def test_bf16_forward_is_finite():
   cfg = tiny_cfg(dtype="bfloat16", param_dtype="float32")
-  m = K3Model(cfg, rngs=nnx.Rngs(0))
-  logits = m(_ids(cfg, (1, 20), 6)).logits
+  m = K3Model(cfg.replace(**SMALL), rngs=nnx.Rngs(0))
+  logits = logits_fn(m, _ids(cfg, (1, 20), 6), None)
   assert logits.dtype == jnp.bfloat16 and bool(jnp.isfinite(logits).all())
