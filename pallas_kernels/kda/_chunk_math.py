@@ -1,0 +1,312 @@
+"""Per-chunk KDA math shared by the Pallas kernels (SPEC §2.4, chunked form).
+
+Everything here works on in-register values of ONE (batch, head, chunk) of C = 64 tokens and is
+plain `jnp`, so the TPU (Mosaic) and GPU (Triton) kernels trace the same code; the few
+layout-sensitive helpers are passed in as `bsub` (see `bsub_reshape` / `bsub_matmul`).
+
+Notation per chunk (float32): q, k [C,K]; v [C,V]; g [C,K] raw log decay; beta_c [C,1];
+rc [C,1] / rr [1,C] = number of segment starts in this chunk up to and including the token
+(column and row layouts of the same numbers); s0 [K,V] the state entering the chunk.
+
+    G = cumsum(g)                                  (inclusive, within the chunk)
+    L[i,j] = beta_i sum_c k_ic k_jc e^{G_ic-G_jc}   j < i, same segment
+    M[i,j] = sum_c (scale q_ic) k_jc e^{G_ic-G_jc}  j <= i, same segment
+    T = (I + L)^-1 Diag(beta);  W = T Kd;  U = T v;  V' = U - W s0
+    o  = Qd s0 + M V'
+    s1 = a * s0 + Kl^T V'
+with Kd = first * e^G k, Qd = first * e^G scale q (only the segment that continues the carried
+state reads it), Kl = last * e^{G_last-G} k (only the segment still open at the chunk end writes
+it), a = e^{G_last} if the chunk has no segment start, else 0.
+
+Decay differences are always taken inside the exponent. Pairs in different 16-token
+sub-chunks factor through the first token r of the later sub-chunk: e^{G_i-G_r} e^{G_r-G_j},
+both factors <= 1 because G is non-increasing, so nothing overflows whatever the decay.
+Pairs inside one sub-chunk are computed exactly, one column offset d at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import jax
+import jax.numpy as jnp
+
+C = 64  # chunk length
+SUB = 16  # sub-chunk length
+NSUB = C // SUB
+# Backend choices, set while a backend traces its kernels (`backend_options(...)`):
+#  precision: float32-accurate dots by default; the GPU uses 3xTF32 (tensor cores, ~fp32
+#    accuracy) instead of IEEE FMA loops.
+#  scan_cumsum: the GPU takes the in-chunk cumsum with lax.cumsum; feeding a matmul's result
+#    through the decay math into further matmuls makes Triton's compile time explode (a
+#    one-block gram went from 2 s to 94 s). Mosaic TPU uses a triangular matmul.
+_OPTIONS = contextvars.ContextVar(
+    "kda_chunk_options", default=dict(precision=jax.lax.Precision.HIGHEST, scan_cumsum=False))
+
+
+@contextlib.contextmanager
+def backend_options(**options):
+  token = _OPTIONS.set({**_OPTIONS.get(), **options})
+  try:
+    yield
+  finally:
+    _OPTIONS.reset(token)
+
+
+def mm(a, b, ta: bool = False, tb: bool = False):
+  """float32 matmul; ta / tb contract over a's rows / b's columns."""
+  dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
+  return jax.lax.dot_general(a, b, dims, precision=_OPTIONS.get()["precision"],
+                             preferred_element_type=jnp.float32)
+
+
+def _iota(shape, dim):
+  return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
+
+
+def bsub_reshape(x, d):
+  """[C,N] -> [C,N]: row i becomes row SUB*(i//SUB) + d (row d of its own sub-chunk)."""
+  n = x.shape[-1]
+  x3 = x.reshape(NSUB, SUB, n)
+  pick = _iota((NSUB, SUB, n), 1) == d
+  row = jnp.sum(jnp.where(pick, x3, 0.0), axis=1, keepdims=True)
+  return jnp.broadcast_to(row, (NSUB, SUB, n)).reshape(C, n)
+
+
+def bsub_matmul(x, d):
+  """Same as `bsub_reshape` via an exact 0/1 selection matmul (no 3-D values needed)."""
+  row, col = _iota((C, C), 0), _iota((C, C), 1)
+  sel = jnp.where(col == (row >> 4) * SUB + d, 1.0, 0.0)
+  return mm(sel, x)
+
+
+def pick_row(x, r: int):
+  """x[r:r+1, :] as a masked reduction (the Triton lowering has no value slicing)."""
+  return jnp.sum(jnp.where(_iota(x.shape, 0) == r, x, 0.0), axis=0, keepdims=True)
+
+
+def col_to_row(x_c):
+  """[N,1] -> [1,N] without a vector transpose (masked sublane reduction)."""
+  n = x_c.shape[0]
+  eye = _iota((n, n), 0) == _iota((n, n), 1)
+  return jnp.sum(jnp.where(eye, x_c, 0.0), axis=0, keepdims=True)
+
+
+def row_to_col(x_r):
+  """[1,N] -> [N,1]."""
+  n = x_r.shape[1]
+  eye = _iota((n, n), 0) == _iota((n, n), 1)
+  return jnp.sum(jnp.where(eye, x_r, 0.0), axis=1, keepdims=True)
+
+
+class _Masks:
+  """Index masks of one chunk; `same` comes from the segment-start counts."""
+
+  def __init__(self, rc, rr):
+    self.row, self.col = _iota((C, C), 0), _iota((C, C), 1)
+    same = rc == rr
+    self.strict = (self.col < self.row) & same
+    self.causal = (self.col <= self.row) & same
+    self.blk_r, self.blk_c = self.row >> 4, self.col >> 4
+    self.diag_blk = self.blk_r == self.blk_c
+    self.first = rc == 0.0  # [C,1]: token continues the carried state
+    r_last = pick_row(rc, C - 1)  # [1,1]
+    self.last = rc == r_last  # [C,1]: token's segment is open at the chunk end
+    self.all_first = r_last == 0.0  # [1,1]
+
+  def diag_col(self, d):
+    """[C,C] True at (i, SUB*(i//SUB) + d)."""
+    return self.col == self.blk_r * SUB + d
+
+
+def _ref_factors(G, blk):
+  """Row / column factors relative to r = first token of sub-chunk `blk` (clamped <= 1)."""
+  Gr = pick_row(G, blk * SUB)
+  return jnp.exp(jnp.minimum(G - Gr, 0.0)), jnp.exp(jnp.minimum(Gr - G, 0.0))
+
+
+def decay_grams(xs, y, G, m: _Masks, bsub):
+  """F_x[i,j] = sum_c x_ic y_jc e^{G_ic-G_jc} for j <= i, one [C,C] per x in `xs` (0 above)."""
+  outs = [jnp.zeros((C, C), jnp.float32) for _ in xs]
+  for blk in range(1, NSUB):  # pairs (i in sub-chunk blk, j in an earlier one)
+    f_row, f_col = _ref_factors(G, blk)
+    sel = (m.blk_r == blk) & (m.blk_c < blk)
+    yr = y * f_col
+    outs = [o + jnp.where(sel, mm(x * f_row, yr, tb=True), 0.0) for o, x in zip(outs, xs)]
+
+  def diag(d, outs):  # pairs inside one sub-chunk, column offset d: exact exponent
+    e = bsub(y, d) * jnp.exp(jnp.minimum(G - bsub(G, d), 0.0))
+    put = m.diag_col(d) & (m.col <= m.row)
+    return tuple(o + jnp.where(put, jnp.sum(x * e, axis=1, keepdims=True), 0.0) for o, x in zip(outs, xs))
+
+  return list(jax.lax.fori_loop(0, SUB, diag, tuple(outs)))
+
+
+def decay_gram_bwd(dF, x, y, G, m: _Masks, bsub):
+  """Gradients of F[i,j] = sum_c x_ic y_jc e^{G_ic-G_jc} (dF zero outside j <= i).
+
+  Returns dx, dy; the G gradient is x*dx - y*dy (the exponent is linear in G_i and -G_j).
+  """
+  dx = jnp.zeros(x.shape, jnp.float32)
+  dy = jnp.zeros(y.shape, jnp.float32)
+  for blk in range(1, NSUB):
+    f_row, f_col = _ref_factors(G, blk)
+    dF_b = jnp.where((m.blk_r == blk) & (m.blk_c < blk), dF, 0.0)
+    dx = dx + f_row * mm(dF_b, y * f_col)
+    dy = dy + f_col * mm(dF_b, x * f_row, ta=True)
+  dF_d = jnp.where(m.diag_blk, dF, 0.0)
+  dFT_d = dF_d.T
+
+  def diag(d, carry):
+    dx, dy = carry
+    Gd = bsub(G, d)
+    pick = m.diag_col(d)
+    a = jnp.sum(jnp.where(pick, dF_d, 0.0), axis=1, keepdims=True)  # dF[i, j(i,d)]
+    b = jnp.sum(jnp.where(pick, dFT_d, 0.0), axis=1, keepdims=True)  # dF[i(j,d), j]
+    dx = dx + a * bsub(y, d) * jnp.exp(jnp.minimum(G - Gd, 0.0))
+    dy = dy + b * bsub(x, d) * jnp.exp(jnp.minimum(Gd - G, 0.0))
+    return dx, dy
+
+  return jax.lax.fori_loop(0, SUB, diag, (dx, dy))
+
+
+def unit_lower_inverse(L, m: _Masks, bsub):
+  """(I + L)^-1 for strictly lower L [C,C]: forward substitution inside each 16-block, then
+  the nilpotent block correction (I+N)^-1 = I - N + N^2 - N^3 with N = D^-1 (L - D)."""
+  eye = jnp.where(m.row == m.col, 1.0, 0.0)
+  L_d = jnp.where(m.diag_blk, L, 0.0)
+
+  def subst(d, X):  # rows SUB*b + d of X are final here: eliminate them from the rows below
+    l_col = jnp.sum(jnp.where(m.diag_col(d), L_d, 0.0), axis=1, keepdims=True)
+    return X - l_col * bsub(X, d)
+
+  D_inv = jax.lax.fori_loop(0, SUB, subst, eye)
+  N = mm(D_inv, L - L_d)
+  N2 = mm(N, N)
+  return mm(eye - N + N2 - mm(N2, N), D_inv)
+
+
+def cumsum_rows(x, m: _Masks):
+  if _OPTIONS.get()["scan_cumsum"]:
+    return jnp.cumsum(x, axis=0)
+  return mm(jnp.where(m.col <= m.row, 1.0, 0.0), x)
+
+
+def rev_cumsum_rows(x, m: _Masks):
+  if _OPTIONS.get()["scan_cumsum"]:  # Triton has no reverse cumsum: sum_{t>=i} = total - before i
+    return jnp.sum(x, axis=0, keepdims=True) - jnp.cumsum(x, axis=0) + x
+  return mm(jnp.where(m.col >= m.row, 1.0, 0.0), x)
+
+
+# The chunk is split in two halves so that a backend may run them as separate kernels (GPU)
+# or back to back in one (TPU): the "intra" half needs no state (M, (I+L)^-1, L_raw: parallel
+# over chunks), the "state" half is the sequential recurrence that consumes them.
+
+
+def intra_fwd(q, k, g, beta_c, rc, rr, scale, bsub):
+  """-> M [C,C] (masked A_qk, scale included), L_inv = (I+L)^-1 [C,C], L_raw [C,C]."""
+  m = _Masks(rc, rr)
+  G = cumsum_rows(g, m)
+  M_raw, L_raw = decay_grams([q * scale, k], k, G, m, bsub)
+  M = jnp.where(m.causal, M_raw, 0.0)
+  L_raw = jnp.where(m.strict, L_raw, 0.0)
+  return M, unit_lower_inverse(beta_c * L_raw, m, bsub), L_raw
+
+
+class _Decays:
+  """The decayed operands of one chunk that involve the carried state."""
+
+  def __init__(self, q, k, g, beta_c, rc, rr, scale):
+    self.m = m = _Masks(rc, rr)
+    self.G = G = cumsum_rows(g, m)
+    self.eG = eG = jnp.exp(G)
+    self.beta_r = col_to_row(beta_c)
+    self.Kd = jnp.where(m.first, eG * k, 0.0)  # decayed from the chunk start
+    self.Qd = jnp.where(m.first, eG * (q * scale), 0.0)
+    G_last = pick_row(G, C - 1)
+    self.decay_last = jnp.exp(G_last - G)  # to the chunk end
+    self.Kl = jnp.where(m.last, k * self.decay_last, 0.0)
+    self.a_r = jnp.where(m.all_first, jnp.exp(G_last), 0.0)  # [1,K] state decay
+
+
+def state_fwd(q, k, v, g, beta_c, rc, rr, M, L_inv, s0, scale):
+  """-> o [C,V], s1 [K,V]. v and s0 may be a column block of V: columns are independent."""
+  d = _Decays(q, k, g, beta_c, rc, rr, scale)
+  T = L_inv * d.beta_r
+  Vp = mm(T, v) - mm(mm(T, d.Kd), s0)
+  o = mm(d.Qd, s0) + mm(M, Vp)
+  s1 = row_to_col(d.a_r) * s0 + mm(d.Kl, Vp, ta=True)
+  return o, s1
+
+
+def state_bwd(q, k, v, g, beta_c, rc, rr, M, L_inv, s0, do, ds1, scale):
+  """Backward of `state_fwd` -> dv [C,V], ds0 [K,V], and the cotangents of the chunk's
+  state-free intermediates (dQd, dM, dKl, dKd [C,K|C], dT [C,C], da [1,K]). With V split
+  into column blocks those are partial sums over the blocks: add them up before intra_bwd."""
+  d = _Decays(q, k, g, beta_c, rc, rr, scale)
+  T = L_inv * d.beta_r
+  W = mm(T, d.Kd)
+  Vp = mm(T, v) - mm(W, s0)
+  dVp = mm(M, do, ta=True) + mm(d.Kl, ds1)
+  ds0 = mm(d.Qd, do, ta=True) + row_to_col(d.a_r) * ds1 - mm(W, dVp, ta=True)
+  dW = -mm(dVp, s0, tb=True)
+  partials = (
+      mm(do, s0, tb=True),  # dQd
+      jnp.where(d.m.causal, mm(do, Vp, tb=True), 0.0),  # dM
+      mm(Vp, ds1, tb=True),  # dKl
+      mm(T, dW, ta=True),  # dKd
+      mm(dVp, v, tb=True) + mm(dW, d.Kd, tb=True),  # dT
+      col_to_row(jnp.sum(s0 * ds1, axis=1, keepdims=True)),  # da
+  )
+  return mm(T, dVp, ta=True), ds0, partials
+
+
+def intra_bwd(q, k, g, beta_c, rc, rr, L_inv, L_raw, partials, scale, bsub):
+  """-> dq, dk, dg [C,K], dbeta [C,1] from the summed `state_bwd` partials."""
+  dQd, dM, dKl, dKd, dT, da_r = partials
+  d = _Decays(q, k, g, beta_c, rc, rr, scale)
+  m, G = d.m, d.G
+  qs = q * scale
+  # T = L_inv Diag(beta), L_inv = (I + L)^-1, L = Diag(beta) L_raw
+  dbeta_r = jnp.sum(dT * L_inv, axis=0, keepdims=True)
+  dL = jnp.where(m.strict, -mm(mm(L_inv, dT * d.beta_r, ta=True), L_inv, tb=True), 0.0)
+  dbeta_c = jnp.sum(dL * L_raw, axis=1, keepdims=True)
+
+  dqs, dk_m = decay_gram_bwd(dM, qs, k, G, m, bsub)
+  dk_lr, dk_lc = decay_gram_bwd(beta_c * dL, k, k, G, m, bsub)
+  dG = qs * dqs - k * dk_m + k * dk_lr - k * dk_lc
+  dG = dG + d.Qd * dQd + d.Kd * dKd - d.Kl * dKl
+  dG_last = jnp.sum(d.Kl * dKl, axis=0, keepdims=True) + d.a_r * da_r
+  dG = dG + jnp.where(_iota((C, 1), 0) == C - 1, dG_last, 0.0)
+  dq = scale * (dqs + jnp.where(m.first, d.eG * dQd, 0.0))
+  dk = dk_m + dk_lr + dk_lc + jnp.where(m.first, d.eG * dKd, 0.0)
+  dk = dk + jnp.where(m.last, d.decay_last * dKl, 0.0)
+  return dq, dk, rev_cumsum_rows(dG, m), dbeta_c + row_to_col(dbeta_r)
+
+
+def chunk_fwd(q, k, v, g, beta_c, rc, rr, s0, scale, bsub):
+  """Whole chunk -> o [C,V], s1 [K,V] (float32)."""
+  M, L_inv, _ = intra_fwd(q, k, g, beta_c, rc, rr, scale, bsub)
+  return state_fwd(q, k, v, g, beta_c, rc, rr, M, L_inv, s0, scale)
+
+
+def chunk_bwd(q, k, v, g, beta_c, rc, rr, s0, do, ds1, scale, bsub):
+  """Recomputes the chunk forward, then -> dq, dk [C,K], dv [C,V], dg [C,K], dbeta [C,1],
+  ds0 [K,V] given do [C,V] and ds1 [K,V] (the gradient reaching the chunk's end state)."""
+  M, L_inv, L_raw = intra_fwd(q, k, g, beta_c, rc, rr, scale, bsub)
+  dv, ds0, partials = state_bwd(q, k, v, g, beta_c, rc, rr, M, L_inv, s0, do, ds1, scale)
+  dq, dk, dg, dbeta = intra_bwd(q, k, g, beta_c, rc, rr, L_inv, L_raw, partials, scale, bsub)
+  return dq, dk, dv, dg, dbeta, ds0
+
+
+def decode_step(q_c, k_c, v_r, g_c, beta, s, scale):
+  """One token of the recurrence, exactly as the naive form (no MXU, all float32).
+
+  q_c, k_c, g_c [..., K, 1] (K on sublanes so they scale the state's rows), v_r [..., 1, V],
+  beta [..., 1, 1], s [..., K, V]. -> o [..., 1, V], s_new [..., K, V].
+  """
+  s = s * jnp.exp(g_c)
+  pred = jnp.sum(k_c * s, axis=-2, keepdims=True)
+  s = s + k_c * (beta * (v_r - pred))
+  return jnp.sum((q_c * scale) * s, axis=-2, keepdims=True), s

@@ -1,0 +1,112 @@
+"""Wrapper-side plumbing shared by the KDA Pallas backends.
+
+The kernels want head-major, chunk-padded blocks ([B,H,Tp,K], Tp a multiple of 64) so a
+(b, h, chunk) grid point DMAs one contiguous [64,K] tile, and feature dims optionally padded to a
+lane multiple (128 on TPU). Padding is exact: padded tokens have k = v = 0, g = 0, beta = 0, so
+they neither read nor change the state; padded feature columns are zero in q, k, v, g and the
+state, so they contribute nothing and come back as zeros that we slice off.
+
+Also here: the optional raw-input preprocessing (decay gate with lower bound, beta sigmoid,
+q/k l2norm) that SPEC §4 lets the public op fuse; the backends apply it in the wrapper, where
+JAX differentiates it, before the kernel's own custom_vjp.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.kda import reference
+from pallas_kernels.kda._chunk_math import C
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def preprocess(q, k, g, beta, *, A_log=None, dt_bias=None, lower_bound=None, use_qk_l2norm=False,
+               beta_is_logits=False):
+  """Optional fused-input transforms (SPEC §2.4), all in float32.
+
+  With A_log [H] (per-head, the first H entries of the checkpoint's vector) given, `g` holds
+  the raw gate pre-activation x W_fa W_fb [B,T,H,K] and becomes
+  lower_bound * sigmoid(exp(A_log[h]) * (g + dt_bias[h,:])).
+  """
+  if use_qk_l2norm:
+    l2 = lambda x: (x.astype(jnp.float32) * jax.lax.rsqrt(
+        jnp.sum(jnp.square(x.astype(jnp.float32)), -1, keepdims=True) + 1e-6)).astype(x.dtype)
+    q, k = l2(q), l2(k)
+  if A_log is not None:
+    H, K = g.shape[-2:]
+    lb = -5.0 if lower_bound is None else lower_bound
+    x = g.astype(jnp.float32)
+    if dt_bias is not None:
+      x = x + dt_bias.astype(jnp.float32).reshape(H, K)
+    g = lb * jax.nn.sigmoid(jnp.exp(A_log.astype(jnp.float32)[:H])[:, None] * x)
+  if beta_is_logits:
+    beta = jax.nn.sigmoid(beta.astype(jnp.float32))
+  return q, k, g, beta
+
+
+def reset_counts(segment_ids, B: int, T: int, Tp: int):
+  """Per chunk, how many segment starts up to and including each token.
+
+  -> rc [B,Tp,1] (column layout) and rr [B,NT,1,C] (row layout), float32 so that they can
+  ride the kernels' float path. Two tokens of one chunk share a segment iff equal counts.
+  """
+  starts = reference.segment_starts(segment_ids, B, T).astype(jnp.float32)
+  starts = jnp.pad(starts, ((0, 0), (0, Tp - T)))
+  counts = jnp.cumsum(starts.reshape(B, Tp // C, C), axis=-1)
+  return counts.reshape(B, Tp, 1), counts.reshape(B, Tp // C, 1, C)
+
+
+def lane_multiple(n: int) -> int:
+  """TPU: features padded to a multiple of the 128 lanes."""
+  return _round_up(n, 128)
+
+
+def power_of_two(n: int) -> int:
+  """GPU (Triton): tensor sizes must be powers of two, and tl.dot wants dims >= 16."""
+  return max(16, 1 << (n - 1).bit_length())
+
+
+def to_kernel_layout(q, k, v, g, beta, initial_state, *, feature_size=lambda n: n):
+  """[B,T,H,*] -> [B,H,Tp,*'] (time padded to C, features n to feature_size(n))."""
+  B, T, H, K = q.shape
+  V = v.shape[-1]
+  Tp = _round_up(max(T, 1), C)
+  Kp, Vp = feature_size(K), feature_size(V)
+
+  def head_major(x, feat):
+    x = jnp.pad(x, ((0, 0), (0, Tp - T), (0, 0), (0, feat - x.shape[-1])))
+    return jnp.transpose(x, (0, 2, 1, 3))
+
+  h0 = jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None else initial_state
+  h0 = jnp.pad(h0.astype(jnp.float32), ((0, 0), (0, 0), (0, Kp - K), (0, Vp - V)))
+  beta = jnp.transpose(jnp.pad(beta.astype(jnp.float32), ((0, 0), (0, Tp - T), (0, 0))), (0, 2, 1))
+  return (head_major(q, Kp), head_major(k, Kp), head_major(v, Vp),
+          head_major(g.astype(jnp.float32), Kp), beta[..., None], h0)
+
+
+def from_kernel_layout(o, ht, *, T: int, V: int, K: int):
+  """[B,H,Tp,Vp] -> [B,T,H,V]; state [B,H,Kp,Vp] -> [B,H,K,V]."""
+  return jnp.transpose(o[:, :, :T, :V], (0, 2, 1, 3)), ht[:, :, :K, :V]
+
+
+def match_vma(*xs):
+  """Inside `shard_map` (check_vma), give every kernel operand the union of the operands'
+  varying mesh axes (e.g. a zero initial state made inside is not varying while q is), and
+  return that union for the kernel's output types. Outside shard_map this is a no-op."""
+  varying = frozenset().union(*(jax.typeof(x).mat.varying for x in xs))
+  out = []
+  for x in xs:
+    missing = tuple(sorted(varying - jax.typeof(x).mat.varying))
+    out.append(jax.lax.pcast(x, missing, to="varying") if missing else x)
+  return out, jax.typeof(out[0]).mat
+
+
+def out_struct(shape, dtype, mat):
+  """ShapeDtypeStruct for a pallas_call output with the operands' manual-axis type `mat`."""
+  if not mat.varying:
+    return jax.ShapeDtypeStruct(shape, dtype)
+  return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)

@@ -1,0 +1,230 @@
+"""Chunked KDA forward and backward in Pallas Mosaic TPU (SPEC §2.4, §4).
+
+Grid (B, H, NT): batch and heads "parallel", the chunk axis innermost and "arbitrary" so one
+core walks the chunks of a (b, h) in order and carries the [K,V] float32 state in VMEM scratch.
+Blocks are one chunk of one head ([64, K] tiles of the head-major layout from `_layout`), with
+K and V padded to multiples of 128 so every tile is lane-dense.
+
+Forward: per chunk `_chunk_math.chunk_fwd`; when differentiating it also writes the state
+entering every chunk (residual [B,H,NT,K,V] float32).
+Backward: the same grid with the chunk index reversed; each step recomputes its chunk's forward
+intermediates from the stored entering state and carries dS (float32 scratch) to the chunk
+before. Inputs may be bf16 or float32; all math and accumulation is float32, and every matmul
+runs at Precision.HIGHEST (the 1e-5 contract; the MXU then takes several bf16 passes).
+
+Unlike the GPU backend, one kernel per direction is enough: VMEM holds every [64,64] / [64,K]
+intermediate of a chunk comfortably (it compiles for v5e and v6e; see test_tpu_aot.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.kda import _chunk_math as cm
+from pallas_kernels.kda import _layout
+from pallas_kernels.kda import _wrapper
+
+C = cm.C
+LANES = 128
+_f32 = jnp.float32
+
+
+def _interpret_arg(interpret):
+  """interpret=True -> Pallas TPU interpret mode (simulates VMEM scratch, grid order)."""
+  if interpret is True:
+    return pltpu.InterpretParams()
+  return interpret or False
+
+
+def _specs(NT, K, V, reverse: bool):
+  """BlockSpecs for the per-chunk inputs, shared by the forward and backward calls."""
+  sq = pl.squeezed
+  ci = (lambda c: NT - 1 - c) if reverse else (lambda c: c)
+  tile = lambda n: pl.BlockSpec((sq, sq, C, n), lambda b, h, c: (b, h, ci(c), 0))
+  return dict(
+      k=tile(K), v=tile(V), beta=tile(1),
+      rc=pl.BlockSpec((sq, C, 1), lambda b, h, c: (b, ci(c), 0)),
+      rr=pl.BlockSpec((sq, sq, 1, C), lambda b, h, c: (b, ci(c), 0, 0)),
+      state=pl.BlockSpec((sq, sq, K, V), lambda b, h, c: (b, h, 0, 0)),
+      chunk_state=pl.BlockSpec((sq, sq, sq, K, V), lambda b, h, c: (b, h, ci(c), 0, 0)),
+  )
+
+
+_PARAMS = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"))
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, rc_ref, rr_ref, h0_ref,
+                o_ref, ht_ref, *rest, scale, save_states):
+  states_ref, s_scr = (rest[0], rest[1]) if save_states else (None, rest[0])
+  c = pl.program_id(2)
+
+  @pl.when(c == 0)
+  def _():
+    s_scr[...] = h0_ref[...]
+
+  s0 = s_scr[...]
+  if save_states:
+    states_ref[...] = s0
+  o, s1 = cm.chunk_fwd(q_ref[...].astype(_f32), k_ref[...].astype(_f32), v_ref[...].astype(_f32),
+                       g_ref[...].astype(_f32), beta_ref[...], rc_ref[...], rr_ref[...], s0, scale,
+                       cm.bsub_reshape)
+  o_ref[...] = o.astype(o_ref.dtype)
+  s_scr[...] = s1
+
+  @pl.when(c == pl.num_programs(2) - 1)
+  def _():
+    ht_ref[...] = s1
+
+
+def _fwd_call(q, k, v, g, beta, h0, rc, rr, *, scale, save_states, interpret):
+  B, H, Tp, K = q.shape
+  V = v.shape[-1]
+  NT = Tp // C
+  s = _specs(NT, K, V, reverse=False)
+  (q, k, v, g, beta, h0, rc, rr), mat = _layout.match_vma(q, k, v, g, beta, h0, rc, rr)
+  out_shape = [_layout.out_struct((B, H, Tp, V), v.dtype, mat),
+               _layout.out_struct((B, H, K, V), _f32, mat)]
+  out_specs = [s["v"], s["state"]]
+  if save_states:
+    out_shape.append(_layout.out_struct((B, H, NT, K, V), _f32, mat))
+    out_specs.append(s["chunk_state"])
+  outs = pl.pallas_call(
+      functools.partial(_fwd_kernel, scale=scale, save_states=save_states),
+      grid=(B, H, NT),
+      in_specs=[s["k"], s["k"], s["v"], s["k"], s["beta"], s["rc"], s["rr"], s["state"]],
+      out_specs=out_specs,
+      out_shape=out_shape,
+      scratch_shapes=[pltpu.VMEM((K, V), _f32)],
+      compiler_params=_PARAMS,
+      interpret=_interpret_arg(interpret),
+      name="kda_fwd_tpu",
+  )(q, k, v, g, beta, rc, rr, h0)
+  return outs if save_states else (*outs, None)
+
+
+def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, rc_ref, rr_ref, s0_ref, do_ref, dht_ref,
+                dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, dh0_ref, ds_scr, *, scale):
+  c = pl.program_id(2)  # counts chunks from the end
+
+  @pl.when(c == 0)
+  def _():
+    ds_scr[...] = dht_ref[...]
+
+  dq, dk, dv, dg, dbeta, ds0 = cm.chunk_bwd(
+      q_ref[...].astype(_f32), k_ref[...].astype(_f32), v_ref[...].astype(_f32),
+      g_ref[...].astype(_f32), beta_ref[...], rc_ref[...], rr_ref[...], s0_ref[...],
+      do_ref[...].astype(_f32), ds_scr[...], scale, cm.bsub_reshape)
+  dq_ref[...] = dq.astype(dq_ref.dtype)
+  dk_ref[...] = dk.astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+  dg_ref[...] = dg.astype(dg_ref.dtype)
+  dbeta_ref[...] = dbeta
+  ds_scr[...] = ds0
+
+  @pl.when(c == pl.num_programs(2) - 1)
+  def _():
+    dh0_ref[...] = ds0
+
+
+def _bwd_call(q, k, v, g, beta, rc, rr, states, do, dht, *, scale, interpret):
+  B, H, Tp, K = q.shape
+  V = v.shape[-1]
+  NT = Tp // C
+  s = _specs(NT, K, V, reverse=True)
+  (q, k, v, g, beta, rc, rr, states, do, dht), mat = _layout.match_vma(
+      q, k, v, g, beta, rc, rr, states, do, dht)
+  return pl.pallas_call(
+      functools.partial(_bwd_kernel, scale=scale),
+      grid=(B, H, NT),
+      in_specs=[s["k"], s["k"], s["v"], s["k"], s["beta"], s["rc"], s["rr"], s["chunk_state"],
+                s["v"], s["state"]],
+      out_specs=[s["k"], s["k"], s["v"], s["k"], s["beta"], s["state"]],
+      out_shape=[_layout.out_struct(x.shape, x.dtype, mat) for x in (q, k, v, g, beta)]
+      + [_layout.out_struct((B, H, K, V), _f32, mat)],
+      scratch_shapes=[pltpu.VMEM((K, V), _f32)],
+      compiler_params=_PARAMS,
+      interpret=_interpret_arg(interpret),
+      name="kda_bwd_tpu",
+  )(q, k, v, g, beta, rc, rr, states, do, dht)
+
+
+_kda_core = _wrapper.make_core(_fwd_call, _bwd_call)
+
+
+def kda_tpu(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,
+    output_final_state: bool = False,
+    segment_ids: jax.Array | None = None,
+    interpret=False,
+    A_log: jax.Array | None = None,
+    dt_bias: jax.Array | None = None,
+    lower_bound: float | None = None,
+    use_qk_l2norm: bool = False,
+    beta_is_logits: bool = False,
+) -> tuple[jax.Array, jax.Array | None]:
+  """KDA on TPU (see reference.naive_kda for the contract). Differentiable in q, k, v, g, beta
+  and initial_state. `interpret=True` runs the kernels in Pallas TPU interpret mode on CPU.
+
+  Optional fused inputs (SPEC §4): with `A_log` [H] (and `dt_bias` [H*K], `lower_bound`,
+  default -5) `g` is the raw gate pre-activation; `beta_is_logits` applies the sigmoid;
+  `use_qk_l2norm` normalises q and k. These run in the wrapper, in float32.
+  """
+  return _wrapper.kda_with(
+      _kda_core, _layout.lane_multiple, q, k, v, g, beta, scale=scale,
+      initial_state=initial_state, output_final_state=output_final_state,
+      segment_ids=segment_ids, interpret=interpret, A_log=A_log, dt_bias=dt_bias,
+      lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm, beta_is_logits=beta_is_logits)
+
+
+def _step_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref, *, scale):
+  o, s = cm.decode_step(q_ref[...].astype(_f32), k_ref[...].astype(_f32),
+                        v_ref[...].astype(_f32), g_ref[...].astype(_f32), beta_ref[...],
+                        s_ref[...], scale)
+  o_ref[...] = o.astype(o_ref.dtype)
+  s_out_ref[...] = s
+
+
+def kda_step_tpu(q, k, v, g, beta, state, *, scale=None, interpret=False):
+  """Fused single-token decode: q, k, g [B,H,K]; v [B,H,V]; beta [B,H]; state [B,H,K,V]
+  float32 -> (o [B,H,V] in v's dtype, new state). The state is updated in place (aliased).
+
+  One grid step handles up to 8 heads of one batch row; q/k/g arrive as columns [K,1] so they
+  scale the state's rows without a relayout, and the step is pure VPU math in float32.
+  """
+  B, H, K = q.shape
+  V = v.shape[-1]
+  scale = float(K**-0.5 if scale is None else scale)
+  hb = max(d for d in range(1, min(H, 8) + 1) if H % d == 0)
+  sq = pl.squeezed
+  col = pl.BlockSpec((sq, hb, K, 1), lambda b, h: (b, h, 0, 0))
+  row = pl.BlockSpec((sq, hb, 1, V), lambda b, h: (b, h, 0, 0))
+  one = pl.BlockSpec((sq, hb, 1, 1), lambda b, h: (b, h, 0, 0))
+  st = pl.BlockSpec((sq, hb, K, V), lambda b, h: (b, h, 0, 0))
+  args = (q[..., None], k[..., None], v[:, :, None, :], g.astype(_f32)[..., None],
+          beta.astype(_f32)[..., None, None], state.astype(_f32))
+  args, mat = _layout.match_vma(*args)
+  o, state = pl.pallas_call(
+      functools.partial(_step_kernel, scale=scale),
+      grid=(B, H // hb),
+      in_specs=[col, col, row, col, one, st],
+      out_specs=[row, st],
+      out_shape=[_layout.out_struct((B, H, 1, V), v.dtype, mat),
+                 _layout.out_struct((B, H, K, V), _f32, mat)],
+      input_output_aliases={5: 1},
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+      interpret=_interpret_arg(interpret),
+      name="kda_step_tpu",
+  )(*args)
+  return o[:, :, 0, :], state
