@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-import kda_cases
+from tests.pallas_kernels.kda import kda_cases
 from pallas_kernels.kda.reference import naive_kda
 from pallas_kernels.kda.tpu import kda_tpu
 
