@@ -8,6 +8,16 @@ and the in-memory loader are driven by this table alone.
 k3jax stores kernels as [in..., out...] with explicit head axes; HF stores torch Linear
 weights as [out, in]. The one structural difference: MLA's kv_b_proj [H*(nope+v), kv_lora]
 is held as two per-head projections k_b [kv_lora, H, nope] and v_b [kv_lora, H, v].
+
+Dialects. Names are relative to a prefix that depends on the layout (`DIALECTS`): the official
+K3 release nests the text model under `language_model.`; Kimi-Linear (the official 48B folder,
+and what transformers' `KimiLinearForCausalLM.save_pretrained` writes) uses `model.`. One
+difference inside the model: transformers renames every `mlp.` to `block_sparse_moe.` when it
+saves (its conversion mapping, reverted), so its dense layer 0 is `block_sparse_moe.gate_proj`;
+an entry lists such spellings in `alt`, and a checkpoint must hold exactly one of them.
+
+Routed experts are stored either as `.weight` (bf16/f32) or, when `Entry.mxfp4` is set, as
+MXFP4 `.weight_packed` + `.weight_scale` (decided per checkpoint from the tensors present).
 """
 
 from __future__ import annotations
@@ -33,6 +43,8 @@ class Entry:
   to_hf: Callable[[Arrays, ModelConfig], np.ndarray]
   hf_dtype: Literal["bf16", "f32"] = "bf16"
   when: Callable[[ModelConfig], bool] = lambda cfg: True
+  alt: tuple[str, ...] = ()   # other spellings of the same tensor (see the module docstring)
+  mxfp4: bool = False         # may be stored as MXFP4 codes + scales
 
 
 # ---- layout transforms (HF array, config) -> k3jax arrays, and back ---------------------------
@@ -45,19 +57,37 @@ def _vec_from_row():  # [1, d] pseudo-query -> [d]
   return (lambda a, c: (a.reshape(-1),)), (lambda t, c: t[0].reshape(1, -1))
 
 
+_TILE = 512
+
+
+def transpose(a: np.ndarray) -> np.ndarray:
+  """a.T of a 2-D array as a C-contiguous copy, made tile by tile: numpy's plain copy of a
+  transposed array strides through memory and runs ~5x slower on big bf16 matrices. Small or
+  zero-stride arrays (shape computations) stay a view."""
+  if a.size < _TILE * _TILE or 0 in a.strides:
+    return a.T
+  # as plain unsigned ints: numpy has no fast copy loop for ml_dtypes' bfloat16
+  bits = a.view(f"u{a.itemsize}") if a.itemsize in (1, 2, 4, 8) else a
+  out = np.empty(a.shape[::-1], bits.dtype)
+  for i in range(0, a.shape[0], _TILE):
+    for j in range(0, a.shape[1], _TILE):
+      out[j:j + _TILE, i:i + _TILE] = bits[i:i + _TILE, j:j + _TILE].T
+  return out.view(a.dtype)
+
+
 def _linear(out_shape: Callable[[ModelConfig], tuple[int, ...]] | None = None,
             in_shape: Callable[[ModelConfig], tuple[int, ...]] | None = None):
   """torch Linear [out, in] <-> k3jax [in..., out...] (optionally splitting in/out dims)."""
   def fwd(a, c):
     o = out_shape(c) if out_shape else (a.shape[0],)
     i = in_shape(c) if in_shape else (a.shape[1],)
-    return (a.T.reshape(*i, *o),)
+    return (transpose(a).reshape(*i, *o),)
 
   def inv(t, c):
     k = t[0]
     n_in = len(in_shape(c)) if in_shape else 1
     fan_in = int(np.prod(k.shape[:n_in]))
-    return k.reshape(fan_in, -1).T
+    return transpose(k.reshape(fan_in, -1))
   return fwd, inv
 
 
@@ -187,9 +217,12 @@ ENTRIES: tuple[Entry, ...] = (
     _e("layers.{i}.self_attn.o_proj.weight", "mla.o_proj.kernel", "mla",
        _linear(in_shape=_mla_v_heads)),
     # dense MLP
-    _e("layers.{i}.mlp.gate_proj.weight", "dense_mlp.gate_proj.kernel", "dense", _linear()),
-    _e("layers.{i}.mlp.up_proj.weight", "dense_mlp.up_proj.kernel", "dense", _linear()),
-    _e("layers.{i}.mlp.down_proj.weight", "dense_mlp.down_proj.kernel", "dense", _linear()),
+    _e("layers.{i}.mlp.gate_proj.weight", "dense_mlp.gate_proj.kernel", "dense", _linear(),
+       alt=("layers.{i}.block_sparse_moe.gate_proj.weight",)),
+    _e("layers.{i}.mlp.up_proj.weight", "dense_mlp.up_proj.kernel", "dense", _linear(),
+       alt=("layers.{i}.block_sparse_moe.up_proj.weight",)),
+    _e("layers.{i}.mlp.down_proj.weight", "dense_mlp.down_proj.kernel", "dense", _linear(),
+       alt=("layers.{i}.block_sparse_moe.down_proj.weight",)),
     # MoE
     _e("layers.{i}.block_sparse_moe.gate.weight", "moe.gate.kernel", "moe", _linear()),
     _e("layers.{i}.block_sparse_moe.gate.e_score_correction_bias", "moe.gate.bias", "moe",
@@ -211,46 +244,86 @@ ENTRIES: tuple[Entry, ...] = (
        when=lambda c: c.num_shared_experts > 0),
     # routed experts: `.weight` (bf16) or `.weight_packed` + `.weight_scale` (MXFP4)
     _e("layers.{i}.block_sparse_moe.experts.{e}.w1.weight", "moe.experts.w1", "expert",
-       _linear()),
+       _linear(), mxfp4=True),
     _e("layers.{i}.block_sparse_moe.experts.{e}.w3.weight", "moe.experts.w3", "expert",
-       _linear()),
+       _linear(), mxfp4=True),
     _e("layers.{i}.block_sparse_moe.experts.{e}.w2.weight", "moe.experts.w2", "expert",
-       _linear()),
+       _linear(), mxfp4=True),
 )
 
 
 @dataclasses.dataclass(frozen=True)
+class Dialect:
+  """Where a layout puts the text model's tensors."""
+  name: str
+  prefix: str   # before every model tensor name
+  head: str     # full name of lm_head
+
+
+DIALECTS = {
+    "k3": Dialect("k3", "language_model.model.", "language_model.lm_head.weight"),
+    "kimi_linear": Dialect("kimi_linear", "model.", "lm_head.weight"),
+}
+# What an MXFP4 expert `.weight` becomes on disk.
+PACKED, SCALE = ".weight_packed", ".weight_scale"
+
+
+def full_name(stem: str, dialect: Dialect) -> str:
+  return dialect.head if stem == "lm_head.weight" else dialect.prefix + stem
+
+
+@dataclasses.dataclass(frozen=True)
 class Slot:
-  """One HF tensor of one checkpoint: its full name and where its arrays go in k3jax."""
+  """One HF tensor of one checkpoint: its name(s) and where its arrays go in k3jax."""
   entry: Entry
-  hf_name: str
-  index: tuple[int, ...]  # leading stack indices ((), (j,), or (j, expert))
+  hf_name: str                  # primary spelling, relative to the dialect prefix
+  index: tuple[int, ...]        # leading stack indices ((), (j,), or (j, expert))
+  layer: int | None = None      # decoder layer, None for the global tensors
+  alt_names: tuple[str, ...] = ()
+
+  @property
+  def names(self) -> tuple[str, ...]:
+    return (self.hf_name, *self.alt_names)
 
 
-def layer_prefix(entry: Entry) -> bool:
-  return entry.scope != "global"
+def _slot(entry: Entry, index: tuple[int, ...], layer: int | None, **fmt) -> Slot:
+  return Slot(entry, entry.hf.format(**fmt), index, layer,
+              tuple(a.format(**fmt) for a in entry.alt))
 
 
 def slots(cfg: ModelConfig, layers: range | None = None) -> Iterator[Slot]:
-  """Every HF tensor `cfg` has (optionally restricted to `layers`), in checkpoint order."""
+  """Every HF tensor `cfg` has (its layers optionally restricted to `layers`), in checkpoint
+  order: embedding, layers, then norm / output AttnRes / head."""
   layers = range(cfg.num_layers) if layers is None else layers
   stacks = {"kda": cfg.kda_layers, "mla": cfg.mla_layers, "dense": cfg.dense_layers,
             "moe": cfg.moe_layers, "expert": cfg.moe_layers}
   active = [e for e in ENTRIES if e.when(cfg)]
   for e in active:
     if e.scope == "global" and e.hf.startswith("embed"):
-      yield Slot(e, e.hf, ())
+      yield _slot(e, (), None)
   for i in layers:
     for e in active:
       if e.scope == "layer":
-        yield Slot(e, e.hf.format(i=i), (i,))
+        yield _slot(e, (i,), i, i=i)
       elif e.scope in stacks and i in stacks[e.scope]:
         j = stacks[e.scope].index(i)
         if e.scope == "expert":
           for x in range(cfg.num_experts):
-            yield Slot(e, e.hf.format(i=i, e=x), (j, x))
+            yield _slot(e, (j, x), i, i=i, e=x)
         else:
-          yield Slot(e, e.hf.format(i=i), (j,))
+          yield _slot(e, (j,), i, i=i)
   for e in active:
     if e.scope == "global" and not e.hf.startswith("embed"):
-      yield Slot(e, e.hf, ())
+      yield _slot(e, (), None)
+
+
+def hf_shape(entry: Entry, cfg: ModelConfig, k3jax_shapes: dict[tuple[str, ...], tuple[int, ...]]
+             ) -> tuple[int, ...]:
+  """The HF shape of one tensor of `entry`, found by running the entry's own inverse transform
+  on zero-stride placeholder arrays of the k3jax shapes (one stack entry each): no second
+  table of shapes that could drift from the transforms."""
+  n_lead = {"global": 0, "expert": 2}.get(entry.scope, 1)
+  fakes = tuple(np.lib.stride_tricks.as_strided(np.zeros(1, np.uint8), k3jax_shapes[p][n_lead:],
+                                                (0,) * (len(k3jax_shapes[p]) - n_lead))
+                for p in entry.paths)
+  return tuple(entry.to_hf(fakes, cfg).shape)

@@ -1,0 +1,211 @@
+"""Conversion speed and memory on a synthetic checkpoint with the real K3 tensor shapes.
+
+Builds an official-layout folder (d=7168, 96 KDA/MLA heads, dense layer 0 of width 33792, a
+LatentMoE layer with MXFP4 experts of 3072 x 3584; random bytes, A_log padding zero) of a few
+GB in a temporary folder beside --workdir, then in one run:
+
+  raw read      the same shard files read front to back (64 MiB blocks), nothing else
+  raw copy      the same files read and written to a new folder, synced: the ceiling for
+                any converter that writes what it reads (on a disk that writes slower than
+                it reads, 50% of raw read may be out of reach for everyone)
+  convert       `k3jax convert` in a subprocess (end to end: start-up, validation, writes,
+                final sync), experts dequantised to bf16 (4x the bytes out), then kept as
+                MXFP4 codes (about the bytes in)
+
+Before each timed read the files are dropped from the page cache (posix_fadvise DONTNEED), so
+both read the disk. Throughput is source bytes / wall time. Peak RSS is the converter
+process's VmHWM, set against the bound 2 x largest tensor + 1 GiB. Cleans up after itself.
+
+    python benchmarks/convert.py [--experts 32] [--vocab 32768] [--workdir /tmp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from convert.hf_load import abstract_param_shapes  # noqa: E402
+from convert.name_map import DIALECTS, PACKED, SCALE, full_name, hf_shape, slots  # noqa: E402
+from convert.safetensors_io import DTYPES, ShardWriter, plan_header  # noqa: E402
+from k3jax.config import from_hf_config  # noqa: E402
+
+GiB = 1 << 30
+# (bits dtype, sign+mantissa mask, exponent of 0.5) per float dtype
+FLOAT_BITS = {"BF16": (np.uint16, np.uint16(0x807F), np.uint16(0x3F00)),
+              "F32": (np.uint32, np.uint32(0x807FFFFF), np.uint32(0x3F000000))}
+
+
+def k3_config(num_experts: int, vocab: int) -> dict:
+  """K3's text_config shapes, two layers: KDA + dense MLP, then MLA + LatentMoE."""
+  text = {
+      "model_type": "kimi_linear", "vocab_size": vocab, "hidden_size": 7168,
+      "num_hidden_layers": 2, "num_attention_heads": 96, "num_key_value_heads": 96,
+      "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+      "qk_rope_head_dim": 64, "v_head_dim": 128, "mla_use_nope": True,
+      "mla_use_output_gate": True, "intermediate_size": 33792, "moe_intermediate_size": 3072,
+      "routed_expert_hidden_size": 3584, "latent_moe_use_norm": True,
+      "num_experts": num_experts, "num_experts_per_token": min(16, num_experts),
+      "num_shared_experts": 2, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+      "moe_renormalize": True, "moe_router_activation_func": "sigmoid",
+      "routed_scaling_factor": 1.0, "hidden_act": "situ", "activation_situ_beta": 4.0,
+      "activation_situ_linear_beta": 25.0, "attn_res_block_size": 12, "rms_norm_eps": 1e-5,
+      "linear_attn_config": {"num_heads": 96, "head_dim": 128, "short_conv_kernel_size": 4,
+                             "use_full_rank_gate": True, "gate_lower_bound": -5.0,
+                             "full_attn_layers": [2], "kda_layers": [1]},
+      "tie_word_embeddings": False,
+  }
+  return {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
+          "text_config": text}
+
+
+def build(folder: str, num_experts: int, vocab: int) -> tuple[int, int]:
+  """Write the synthetic folder; returns (source bytes, largest tensor bytes)."""
+  config = k3_config(num_experts, vocab)
+  with open(os.path.join(folder, "config.json"), "w") as f:
+    json.dump(config, f, indent=2)
+  cfg = from_hf_config(config)
+  shapes = abstract_param_shapes(cfg)
+  dialect = DIALECTS["k3"]
+  shards: list[list] = [[], []]  # embedding + layer 0 | layer 1 + head
+  for slot in slots(cfg):
+    name, shape = full_name(slot.hf_name, dialect), hf_shape(slot.entry, cfg, shapes)
+    shard = shards[0] if slot.layer == 0 or "embed" in name else shards[1]
+    if slot.entry.mxfp4:
+      base = name.removesuffix(".weight")
+      shard.append((base + PACKED, "U8", (shape[0], shape[1] // 2)))
+      shard.append((base + SCALE, "U8", (shape[0], shape[1] // 32)))
+    else:
+      shard.append((name, "F32" if slot.entry.hf_dtype == "f32" else "BF16", shape))
+  rng = np.random.default_rng(0)
+  weight_map, total, largest = {}, 0, 0
+  for i, tensors in enumerate(shards):
+    file = f"model-{i + 1:05d}-of-00002.safetensors"
+    writer = ShardWriter(os.path.join(folder, file), plan_header(tensors, {"format": "pt"}))
+    for name, dtype, shape in tensors:
+      nbytes = math.prod(shape) * DTYPES[dtype].itemsize
+      if name.endswith("A_log"):
+        data = np.zeros(shape, np.float32)
+        data[:96] = rng.uniform(-1, 1.5, 96)
+      elif dtype == "U8":
+        data = np.frombuffer(rng.bytes(nbytes), np.uint8).reshape(shape)
+      else:  # random mantissas and signs, exponent fixed: values in +-[0.5, 1), no NaN
+        bits = np.frombuffer(rng.bytes(nbytes), FLOAT_BITS[dtype][0])
+        data = ((bits & FLOAT_BITS[dtype][1]) | FLOAT_BITS[dtype][2]).view(DTYPES[dtype])
+        data = data.reshape(shape)
+      writer.write(name, data)
+      weight_map[name] = file
+      total += nbytes
+      largest = max(largest, nbytes)
+    writer.close()
+  with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+    json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+  return total, largest
+
+
+def drop_cache(folder: str) -> None:
+  """Evict the folder's files from the page cache (no root needed), so reads hit the disk."""
+  os.sync()
+  for name in os.listdir(folder):
+    fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+
+
+def raw_read(folder: str) -> float:
+  drop_cache(folder)
+  buf = bytearray(64 << 20)
+  t = time.perf_counter()
+  for name in sorted(os.listdir(folder)):
+    if name.endswith(".safetensors"):
+      with open(os.path.join(folder, name), "rb", buffering=0) as f:
+        while f.readinto(buf):
+          pass
+  return time.perf_counter() - t
+
+
+def raw_copy(folder: str, dest: str) -> float:
+  """Read the shards and write them to `dest` as they are, synced: what any converter that
+  writes about as many bytes as it reads cannot beat on this disk."""
+  drop_cache(folder)
+  os.makedirs(dest)
+  buf = bytearray(64 << 20)
+  t = time.perf_counter()
+  for name in sorted(os.listdir(folder)):
+    if name.endswith(".safetensors"):
+      with open(os.path.join(folder, name), "rb", buffering=0) as src, \
+          open(os.path.join(dest, name), "wb", buffering=0) as dst:
+        while n := src.readinto(buf):
+          dst.write(memoryview(buf)[:n])
+        os.fsync(dst.fileno())
+  return time.perf_counter() - t
+
+
+def run_convert(src: str, out: str, experts: str) -> tuple[float, int]:
+  """(wall seconds, peak RSS bytes) of `k3jax convert` in a fresh process."""
+  drop_cache(src)
+  repo = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+  # VmHWM, the peak RSS of this process image: ru_maxrss would also count the pages the
+  # child shared with this (large) parent between fork and exec.
+  code = ("import sys; from k3jax.cli import main; rc = main(sys.argv[1:]); "
+          "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0]); "
+          "sys.exit(rc)")
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+      [repo, *filter(None, [os.environ.get("PYTHONPATH")])]), "JAX_PLATFORMS": "cpu"}
+  t = time.perf_counter()
+  proc = subprocess.run([sys.executable, "-c", code, "convert", src, out, "--experts", experts,
+                         "--quiet"], env=env, capture_output=True, text=True)
+  wall = time.perf_counter() - t
+  if proc.returncode != 0:
+    raise SystemExit(f"convert failed:\n{proc.stdout}\n{proc.stderr}")
+  rss = next(int(l.split()[1]) for l in proc.stdout.splitlines() if l.startswith("VmHWM"))
+  return wall, rss * 1024  # kB
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--experts", type=int, default=128, help="routed experts in the MoE layer")
+  p.add_argument("--vocab", type=int, default=16384)
+  p.add_argument("--workdir", default=tempfile.gettempdir())
+  args = p.parse_args()
+  root = tempfile.mkdtemp(prefix="k3jax-convert-bench-", dir=args.workdir)
+  try:
+    src = os.path.join(root, "hf")
+    os.makedirs(src)
+    t = time.perf_counter()
+    total, largest = build(src, args.experts, args.vocab)
+    print(f"synthetic K3-shaped checkpoint: {total / GiB:.2f} GiB in 2 shards, largest tensor "
+          f"{largest / GiB:.3f} GiB (built in {time.perf_counter() - t:.0f}s)")
+    raw = raw_read(src)
+    print(f"raw read:                 {raw:6.1f}s  {total / raw / GiB:6.2f} GiB/s")
+    copy = raw_copy(src, os.path.join(root, "copy"))
+    shutil.rmtree(os.path.join(root, "copy"))
+    print(f"raw copy (read + write):  {copy:6.1f}s  {total / copy / GiB:6.2f} GiB/s "
+          f"({100 * raw / copy:5.1f}% of raw read)")
+    bound = 2 * largest + GiB
+    for experts in ("bf16", "mxfp4"):
+      out = os.path.join(root, f"out_{experts}")
+      wall, rss = run_convert(src, out, experts)
+      size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out) for f in fs)
+      print(f"convert --experts {experts:5s}: {wall:6.1f}s  {total / wall / GiB:6.2f} GiB/s "
+            f"({100 * raw / wall:5.1f}% of raw read, {100 * copy / wall:5.1f}% of raw copy), "
+            f"wrote {size / GiB:.2f} GiB, peak RSS "
+            f"{rss / GiB:.2f} GiB (bound 2 x largest + 1 GiB = {bound / GiB:.2f} GiB: "
+            f"{'ok' if rss <= bound else 'EXCEEDED'})")
+      shutil.rmtree(out)
+  finally:
+    shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,72 @@
+"""`k3jax convert` and `k3jax export` (SPEC §3.2, §9)."""
+
+from __future__ import annotations
+
+import argparse
+
+from convert.errors import CheckpointError
+
+
+def _io_errors_are_user_errors(fn):
+  """A full disk or an unreadable file is reported as one line too (nothing half-written
+  stays behind either way: see outdir.staged)."""
+  def run(args):
+    try:
+      return fn(args)
+    except OSError as e:
+      where = f"{e.filename}: " if e.filename else ""
+      raise CheckpointError(f"{where}{e.strerror or e}") from None
+  return run
+
+
+@_io_errors_are_user_errors
+def _convert(args: argparse.Namespace) -> int:
+  from convert.to_orbax import convert  # noqa: PLC0415  (pulls in JAX)
+  manifest = convert(args.hf_dir, args.out_dir, layers=args.layers, experts=args.experts,
+                     force=args.force, progress=not args.quiet)
+  held = "all layers" if manifest["layers"] is None else "layers {}-{}".format(*manifest["layers"])
+  print(f"wrote {args.out_dir} ({manifest['dialect']} layout, {held}, experts "
+        f"{manifest['experts']})")
+  return 0
+
+
+@_io_errors_are_user_errors
+def _export(args: argparse.Namespace) -> int:
+  from convert.to_hf import export  # noqa: PLC0415
+  summary = export(args.ckpt_dir, args.out_dir, force=args.force, progress=not args.quiet,
+                   num_shards=args.num_shards)
+  print(f"wrote {args.out_dir}: {len(summary['files'])} shard(s), "
+        f"{summary['total_size']:,} bytes of tensors ({summary['dialect']} layout)")
+  return 0
+
+
+def register(sub) -> None:
+  p = sub.add_parser(
+      "convert", help="official safetensors folder -> k3jax Orbax checkpoint",
+      description="Convert an official K3 or Kimi-Linear folder (config.json, safetensors "
+      "shards and index) into an Orbax checkpoint of the k3jax parameter tree, streaming one "
+      "tensor at a time. Vision tensors are skipped unread.")
+  p.add_argument("hf_dir", metavar="HF_DIR")
+  p.add_argument("out_dir", metavar="OUT_DIR")
+  p.add_argument("--layers", metavar="A-B",
+                 help="convert only layers A..B (inclusive); the checkpoint records it. A "
+                 "prefix 0-B can be checked with `k3jax parity` layer by layer")
+  p.add_argument("--experts", choices=("bf16", "mxfp4"), default="bf16",
+                 help="routed experts dequantised to bf16 (default), or kept as MXFP4 codes "
+                 "and scales (dequantised at load; export is then byte-identical)")
+  p.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
+  p.add_argument("--quiet", action="store_true", help="no progress bar")
+  p.set_defaults(func=_convert)
+
+  p = sub.add_parser(
+      "export", help="k3jax Orbax checkpoint -> official safetensors folder",
+      description="Write a k3jax checkpoint back in the official layout: same names, dtypes "
+      "and shards as the folder it came from (or the official K3 layout for a checkpoint "
+      "trained in k3jax), routed experts as MXFP4.")
+  p.add_argument("ckpt_dir", metavar="CKPT_DIR")
+  p.add_argument("out_dir", metavar="OUT_DIR")
+  p.add_argument("--num-shards", type=int, default=None,
+                 help="shard count for a fresh layout (default: the source's, or 5 GiB each)")
+  p.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
+  p.add_argument("--quiet", action="store_true", help="no progress bar")
+  p.set_defaults(func=_export)

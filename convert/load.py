@@ -1,0 +1,141 @@
+"""Build a k3jax model from a converted checkpoint (or, via `load_any`, from an HF folder too).
+
+A converted checkpoint restores through the standard Orbax API into the abstract state of the
+model its `k3jax_config.json` describes. Two cases need more than that:
+- `--experts mxfp4` checkpoints hold the routed experts as codes + scales: they are restored
+  as uint8 and dequantised (exactly) into the model's expert weights, one expert at a time.
+- `--layers A-B` checkpoints hold a slice of the model. Only a prefix (A = 0) can run: it is
+  loaded as the truncated model of layers 0..B (`allow_partial=True`), whose per-layer outputs
+  can be checked against a reference; its head is absent unless B is the last layer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from convert import mxfp4, orbax_io
+from convert.errors import CheckpointError
+from convert.hf_load import abstract_state, build_model, load_model
+from convert.to_orbax import CONFIG, MANIFEST, packed_paths
+from k3jax.config import ModelConfig
+
+STACKS = ("kda", "mla", "dense_mlp", "moe", "layers")
+
+
+def is_checkpoint(path: str) -> bool:
+  return os.path.exists(os.path.join(path, CONFIG)) and os.path.exists(
+      os.path.join(path, orbax_io.METADATA))
+
+
+def read_manifest(directory: str) -> dict | None:
+  """The conversion manifest, or None for a checkpoint k3jax saved itself (e.g. training)."""
+  path = os.path.join(directory, MANIFEST)
+  if not os.path.exists(path):
+    return None
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise CheckpointError(f"{path}: unreadable manifest ({e})") from None
+
+
+def checkpoint_config(directory: str, **overrides: Any) -> ModelConfig:
+  import configs  # noqa: PLC0415
+  if not os.path.exists(os.path.join(directory, CONFIG)):
+    raise CheckpointError(f"{directory}: no {CONFIG} (not a k3jax checkpoint)")
+  return configs.resolve(directory, **overrides)
+
+
+def prefix_config(cfg: ModelConfig, n_layers: int) -> ModelConfig:
+  """The model made of layers 0..n_layers-1 of `cfg`."""
+  return cfg.replace(num_layers=n_layers, mla_layers=tuple(l for l in cfg.mla_layers
+                                                          if l < n_layers))
+
+
+def load_checkpoint(directory: str, *, allow_partial: bool = False, shardings=None,
+                    **overrides: Any):
+  """(model, cfg) from a converted checkpoint, in cfg.param_dtype (override it as for
+  `load_model`: dtype=..., param_dtype=..., matmul_precision=...). `shardings` (k3jax path ->
+  jax.sharding.Sharding) places each array as Orbax restores it."""
+  cfg = checkpoint_config(directory, **overrides)
+  manifest = read_manifest(directory) or {}
+  layers = manifest.get("layers")
+  if layers is not None and not allow_partial:
+    raise CheckpointError(f"{directory} holds layers {layers[0]}-{layers[1]} only "
+                          f"(converted with --layers); the model has {cfg.num_layers}")
+  if layers is not None and layers[0] != 0:
+    raise CheckpointError(f"{directory} holds layers {layers[0]}-{layers[1]}: only a prefix "
+                          "(0-B) can be run")
+  codes = manifest.get("experts") == "mxfp4"
+  variables = abstract_state(cfg)
+  saved = orbax_io.saved_paths(directory)
+  target = {}
+  for path, var in variables.items():
+    dtype = np.dtype(var.get_value().dtype)
+    sharding = (shardings or {}).get(path)
+    if codes and path[:2] == ("moe", "experts"):
+      for p in packed_paths(path):
+        target[p] = orbax_io.shape_dtype(saved.get(p, ()), np.uint8)
+    else:
+      target[path] = orbax_io.shape_dtype(var.shape, dtype, sharding)
+  for path, leaf in target.items():
+    if path not in saved:
+      raise CheckpointError(f"{directory}: no array {'.'.join(path)} (checkpoint of another "
+                            "config?)")
+    if tuple(saved[path]) != tuple(leaf.shape):
+      raise CheckpointError(f"{directory}: array {'.'.join(path)} has shape "
+                            f"{list(saved[path])}, the config needs {list(leaf.shape)}")
+  extra = sorted(".".join(p) for p in set(saved) - set(target))
+  if extra:
+    raise CheckpointError(f"{directory}: unexpected array {extra[0]}")
+
+  if layers is not None:
+    return _load_prefix(directory, cfg, layers[1] + 1, target, codes)
+  arrays = orbax_io.restore(directory, target)
+  if codes:
+    _dequantize_experts(arrays, variables)
+  return build_model(cfg, arrays), cfg
+
+
+def _dequantize_experts(arrays: dict, variables: dict) -> None:
+  for path, var in variables.items():
+    if path[:2] != ("moe", "experts"):
+      continue
+    c, s = packed_paths(path)
+    codes, scales = np.asarray(arrays.pop(c)), np.asarray(arrays.pop(s))
+    w = np.empty(var.shape, np.dtype(var.get_value().dtype))
+    for j in range(w.shape[0]):
+      for e in range(w.shape[1]):
+        w[j, e] = mxfp4.dequantize(codes[j, e], scales[j, e]).T  # [out, in] -> [in, out]
+    arrays[path] = w
+
+
+def _load_prefix(directory, cfg, n_layers, target, codes):
+  """The truncated model of the layers a partial checkpoint holds, read with TensorStore: the
+  arrays have the full model's shapes, and the entries never converted read as zeros."""
+  small = prefix_config(cfg, n_layers)
+  counts = {"kda": len(small.kda_layers), "mla": len(small.mla_layers),
+            "dense_mlp": len(small.dense_layers), "moe": len(small.moe_layers),
+            "layers": n_layers}
+  arrays = {}
+  for path in target:
+    store = orbax_io.open_array(directory, path)
+    if path[0] in STACKS:
+      if counts[path[0]] == 0:
+        continue
+      store = store[: counts[path[0]]]
+    arrays[path] = store.read().result()
+  if codes:
+    _dequantize_experts(arrays, abstract_state(small))
+  return build_model(small, arrays), small
+
+
+def load_any(path: str, **overrides: Any):
+  """(model, cfg) from a converted checkpoint or an official-layout folder."""
+  if is_checkpoint(path):
+    return load_checkpoint(path, allow_partial=True, **overrides)
+  return load_model(path, **overrides)

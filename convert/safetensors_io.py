@@ -1,0 +1,251 @@
+"""safetensors files: a strict header check before any read, and a streaming writer.
+
+Reading goes through `safetensors.safe_open` only (never pickle), and only after `read_header`
+has validated the file itself: the 8-byte header length, a bound on it, the JSON, known dtypes,
+sizes that match shapes, and data offsets that lie inside the file without overlapping. So a
+truncated or hostile file fails with a message naming it, not deep inside a reader.
+
+Writing streams: `ShardWriter` lays out the header first (names, dtypes, shapes, offsets) and
+then takes one tensor at a time, so a shard never has to be in memory at once. Without a
+recorded header it orders tensors exactly as `safetensors.numpy.save` does (by dtype, widest
+first, then by name) and pads the header with spaces to 8 bytes, so its files are the files
+safetensors itself would write; with a recorded header (from the converted source) it
+reproduces that header byte for byte.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import struct
+from typing import Any
+
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, which safe_open's numpy path needs)
+import numpy as np
+from safetensors import safe_open
+
+from convert.errors import CheckpointError
+
+# safetensors' own limit on the header (the Rust crate refuses larger ones).
+MAX_HEADER_BYTES = 100_000_000
+
+DTYPES: dict[str, np.dtype] = {
+    "BOOL": np.dtype(bool), "U8": np.dtype(np.uint8), "I8": np.dtype(np.int8),
+    "I16": np.dtype(np.int16), "U16": np.dtype(np.uint16), "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16), "I32": np.dtype(np.int32),
+    "U32": np.dtype(np.uint32), "F32": np.dtype(np.float32), "F64": np.dtype(np.float64),
+    "I64": np.dtype(np.int64), "U64": np.dtype(np.uint64),
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+# Data order of safetensors' serializer: descending in this (its Dtype enum) order, then name.
+_RANK = {name: i for i, name in enumerate(DTYPES)}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+  name: str
+  dtype: str               # safetensors name: "BF16", "F32", "U8", ...
+  shape: tuple[int, ...]
+  begin: int               # data offsets relative to the data section
+  end: int
+
+  @property
+  def nbytes(self) -> int:
+    return self.end - self.begin
+
+
+@dataclasses.dataclass(frozen=True)
+class Header:
+  path: str
+  raw: bytes               # the header JSON exactly as stored (with its padding)
+  metadata: dict[str, str] | None
+  tensors: dict[str, TensorInfo]  # in header order
+  data_start: int          # file offset of the data section
+
+
+def read_header(path: str) -> Header:
+  """Parse and validate the header of a safetensors file; CheckpointError names the file."""
+  name = os.path.basename(path)
+  try:
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+      head = f.read(8)
+      if len(head) < 8:
+        raise CheckpointError(f"{name}: not a safetensors file (shorter than 8 bytes)")
+      (n,) = struct.unpack("<Q", head)
+      if n > MAX_HEADER_BYTES:
+        raise CheckpointError(f"{name}: header length {n} exceeds the {MAX_HEADER_BYTES} "
+                              "byte limit (corrupt or not a safetensors file)")
+      if 8 + n > size:
+        raise CheckpointError(f"{name}: header length {n} runs past the end of the file "
+                              f"({size} bytes): truncated or corrupt")
+      raw = f.read(n)
+  except OSError as e:
+    raise CheckpointError(f"{name}: cannot read ({e.strerror})") from None
+  try:
+    parsed = json.loads(raw.decode("utf-8"))
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise CheckpointError(f"{name}: malformed header (not JSON: {e})") from None
+  if not isinstance(parsed, dict):
+    raise CheckpointError(f"{name}: malformed header (not a JSON object)")
+  metadata = parsed.pop("__metadata__", None)
+  if metadata is not None and not (isinstance(metadata, dict) and all(
+      isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
+    raise CheckpointError(f"{name}: malformed header (__metadata__ must map strings to strings)")
+  data_size = size - 8 - n
+  tensors: dict[str, TensorInfo] = {}
+  for key, info in parsed.items():
+    tensors[key] = _tensor_info(name, key, info, data_size)
+  spans = sorted((t.begin, t.end, t.name) for t in tensors.values() if t.end > t.begin)
+  for (_, prev_end, prev), (begin, _, cur) in zip(spans, spans[1:]):
+    if begin < prev_end:
+      raise CheckpointError(f"{name}: tensors {prev} and {cur} overlap in the data section")
+  return Header(path, raw, metadata, tensors, 8 + n)
+
+
+def _tensor_info(file: str, key: str, info: Any, data_size: int) -> TensorInfo:
+  bad = f"{file}: malformed header entry for tensor {key}"
+  if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+    raise CheckpointError(f"{bad} (needs exactly dtype, shape, data_offsets)")
+  dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+  if dtype not in DTYPES:
+    raise CheckpointError(f"{bad} (unsupported dtype {dtype!r})")
+  if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+    raise CheckpointError(f"{bad} (shape must be a list of non-negative integers)")
+  if not (isinstance(offsets, list) and len(offsets) == 2
+          and all(type(o) is int for o in offsets) and 0 <= offsets[0] <= offsets[1]):
+    raise CheckpointError(f"{bad} (data_offsets must be [begin, end] with 0 <= begin <= end)")
+  begin, end = offsets
+  expect = math.prod(shape) * DTYPES[dtype].itemsize
+  if end - begin != expect:
+    raise CheckpointError(f"{bad} ({end - begin} data bytes for {dtype} {shape}, "
+                          f"which needs {expect})")
+  if end > data_size:
+    raise CheckpointError(f"{file}: tensor {key} ends at byte {end} of a {data_size}-byte data "
+                          "section: the file is truncated")
+  return TensorInfo(key, dtype, tuple(shape), begin, end)
+
+
+class ShardReader:
+  """Reads tensors (or row ranges of them) from validated files through safe_open.
+
+  safe_open memory-maps the file and every page read stays resident in this process until
+  the map goes away, so a handle is reopened after `recycle_bytes` read through it: a handle
+  per shard for ~16k K3 tensors (re-parsing a header is cheap), yet resident memory bounded
+  by the tensors in use rather than by the shard.
+  """
+
+  def __init__(self, recycle_bytes: int = 256 << 20):
+    self._headers: dict[str, Header] = {}
+    self._handles: dict[str, Any] = {}
+    self._read: dict[str, int] = {}
+    self.recycle_bytes = recycle_bytes
+
+  def header(self, path: str) -> Header:
+    if path not in self._headers:
+      self._headers[path] = read_header(path)
+    return self._headers[path]
+
+  def _handle(self, path: str):
+    if path not in self._handles:
+      self.header(path)  # validate before safetensors parses the file
+      self._handles[path] = safe_open(path, framework="numpy")
+    return self._handles[path]
+
+  def read(self, path: str, name: str, rows: slice | None = None) -> np.ndarray:
+    """Tensor `name` of file `path` (only rows `rows` of its first axis, when given)."""
+    if name not in self.header(path).tensors:
+      raise CheckpointError(f"{os.path.basename(path)}: no tensor {name}")
+    info = self.header(path).tensors[name]
+    if rows is None and info.nbytes > self.recycle_bytes and len(info.shape) > 0:
+      return self._read_in_blocks(path, info)  # never map more than recycle_bytes at once
+    handle = self._handle(path)
+    out = handle.get_tensor(name) if rows is None else handle.get_slice(name)[rows]
+    self._count(path, out.nbytes)
+    return out
+
+  def _read_in_blocks(self, path: str, info: TensorInfo) -> np.ndarray:
+    out = np.empty(info.shape, DTYPES[info.dtype])
+    row = max(1, info.nbytes // max(info.shape[0], 1))
+    step = max(1, self.recycle_bytes // row)
+    for r in range(0, info.shape[0], step):
+      end = min(r + step, info.shape[0])  # safetensors refuses slices past the end
+      block = self._handle(path).get_slice(info.name)[r:end]
+      out[r:end] = block
+      self._count(path, block.nbytes)
+    return out
+
+  def _count(self, path: str, nbytes: int) -> None:
+    self._read[path] = self._read.get(path, 0) + nbytes
+    if self._read[path] >= self.recycle_bytes:
+      self._drop(path)
+
+  def _drop(self, path: str) -> None:
+    handle = self._handles.pop(path, None)
+    self._read.pop(path, None)
+    if handle is not None:
+      handle.__exit__(None, None, None)  # unmaps the file
+
+  def close(self) -> None:
+    for path in list(self._handles):
+      self._drop(path)
+
+
+# ---- writing ---------------------------------------------------------------------------------
+
+def plan_header(tensors: list[tuple[str, str, tuple[int, ...]]],
+                metadata: dict[str, str] | None) -> bytes:
+  """The header safetensors would write for these (name, dtype, shape) tensors."""
+  order = sorted(tensors, key=lambda t: (-_RANK[t[1]], t[0]))
+  header: dict[str, Any] = {}
+  if metadata is not None:
+    header["__metadata__"] = metadata
+  offset = 0
+  for name, dtype, shape in order:
+    size = math.prod(shape) * DTYPES[dtype].itemsize
+    header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+    offset += size
+  raw = json.dumps(header, separators=(",", ":")).encode()
+  return raw + b" " * (-len(raw) % 8)
+
+
+def header_from_raw(path: str, raw: bytes) -> Header:
+  """A Header object for header bytes that are about to be written (recorded or planned)."""
+  parsed = json.loads(raw)
+  metadata = parsed.pop("__metadata__", None)
+  tensors = {k: TensorInfo(k, v["dtype"], tuple(v["shape"]), *v["data_offsets"])
+             for k, v in parsed.items()}
+  return Header(path, raw, metadata, tensors, 8 + len(raw))
+
+
+class ShardWriter:
+  """Writes one safetensors file tensor by tensor, in any order, at their planned offsets."""
+
+  def __init__(self, path: str, header_raw: bytes):
+    self.header = header_from_raw(path, header_raw)
+    self._pending = set(self.header.tensors)
+    self._f = open(path, "wb")
+    self._f.write(struct.pack("<Q", len(header_raw)))
+    self._f.write(header_raw)
+    data_size = max((t.end for t in self.header.tensors.values()), default=0)
+    self._f.truncate(self.header.data_start + data_size)
+
+  def write(self, name: str, array: np.ndarray) -> None:
+    info = self.header.tensors[name]
+    if DTYPE_NAMES.get(array.dtype) != info.dtype or tuple(array.shape) != info.shape:
+      raise CheckpointError(f"{os.path.basename(self.header.path)}: tensor {name} is "
+                            f"{array.dtype} {tuple(array.shape)}, the header says "
+                            f"{info.dtype} {list(info.shape)}")
+    self._f.seek(self.header.data_start + info.begin)
+    # tofile writes the buffer as is: no bytes() copy of a possibly huge tensor
+    np.ascontiguousarray(array).reshape(-1).view(np.uint8).tofile(self._f)
+    self._pending.discard(name)
+
+  def close(self) -> None:
+    self._f.close()
+    if self._pending:
+      raise CheckpointError(f"{os.path.basename(self.header.path)}: "
+                            f"{len(self._pending)} tensors never written, e.g. "
+                            f"{sorted(self._pending)[0]}")
