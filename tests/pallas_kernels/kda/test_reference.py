@@ -1,0 +1,446 @@
+"""KDA references and the public op's jnp backends (SPEC §2.4, §8).
+
+Checked against independent implementations: fla's `naive_recurrent_kda` (loaded by file path,
+since `import fla` is blocked in tests), transformers' pure-torch KDA (recurrent and chunked),
+and numpy transcriptions; gradients against torch autograd and against JAX autodiff of the
+token-by-token recurrence. float32 tolerance 1e-5 absolute (SPEC §8), float64 ~1e-12.
+
+Compile time dominates on a CPU, so the grid reuses shapes: the chunked op compiles once per
+(chunk count, heads, dtype, packed or not), and T = 1, 63, 64 share one chunk count.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from pallas_kernels.kda import chunk_kda, kda, kda_step, naive_kda, ops, reference
+
+ATOL = 1e-5
+K, V = 16, 24  # K != V catches transposed state layouts
+torch.set_num_threads(1)  # two xdist workers share two cores with XLA's own threads
+
+
+# ----------------------------------------------------------------------------------------------
+# inputs and independent references
+# ----------------------------------------------------------------------------------------------
+
+
+def make_inputs(B, T, H, *, seed=0, decay="k3", dtype=jnp.float32):
+  """l2-normed q, k (as in the model); g from the K3 gate; a random linear functional (wo, ws)
+  of the outputs and final state to differentiate."""
+  ks = jax.random.split(jax.random.key(seed), 8)
+  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+  q = unit(jax.random.normal(ks[0], (B, T, H, K)))
+  k = unit(jax.random.normal(ks[1], (B, T, H, K)))
+  v = jax.random.normal(ks[2], (B, T, H, V))
+  x = jax.random.normal(ks[3], (B, T, H, K))
+  g = {"k3": -5.0 * jax.nn.sigmoid(2.0 * x),     # lower-bound gate: some channels near -5
+       "mild": -0.05 * jax.nn.sigmoid(x),         # long memory: the state matters across chunks
+       "strong": -5.0 + 0.01 * x,                 # every token decays ~e^-5: e^-320 per chunk
+       "extreme": -30.0 + x}[decay]               # beyond what a chunk can factor (clamped)
+  beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H)))
+  s0 = 0.5 * jax.random.normal(ks[5], (B, H, K, V))
+  wo = jax.random.normal(ks[6], (B, T, H, V))
+  ws = jax.random.normal(ks[7], (B, H, K, V))
+  cast = lambda a: a.astype(dtype)
+  return tuple(map(cast, (q, k, v, g, beta, s0))), (cast(wo), cast(ws))
+
+
+def jax_value_and_grads(fn, inputs, cotangents, segment_ids=None, with_state=True,
+                        state_grad=True):
+  """(o, s, grads w.r.t. q, k, v, g, beta[, s0]) of sum(o * wo) + sum(s * ws).
+
+  With state_grad=False the initial state is a constant (so are the zeros an omitted state
+  becomes), and "with" and "without initial state" share one compilation; ds0 is then None.
+  """
+  wo, ws = cotangents
+  *xs, s0 = inputs
+  s0 = s0 if with_state else None
+
+  def loss(q, k, v, g, beta, s0):
+    o, s = fn(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+              segment_ids=segment_ids)
+    return jnp.sum(o * wo) + jnp.sum(s * ws), (o, s)
+
+  argnums = tuple(range(6 if state_grad and with_state else 5))
+  (_, (o, s)), grads = jax.value_and_grad(loss, argnums, has_aux=True)(*xs, s0)
+  return o, s, tuple(grads) + (None,) * (6 - len(grads))
+
+
+chunked_op = functools.partial(kda, backend="chunked")
+
+
+@functools.lru_cache(maxsize=None)
+def fla_naive():
+  """fla's naive_recurrent_kda, loaded from its file: importing the fla package is blocked."""
+  path = importlib.metadata.distribution("fla-core").locate_file("fla/ops/kda/naive.py")
+  spec = importlib.util.spec_from_file_location("_fla_kda_naive", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.naive_recurrent_kda
+
+
+def transformers_kda():
+  from transformers.models.kimi_linear import modeling_kimi_linear as m
+  return m.recurrent_kimi_delta_attention, m.chunk_kimi_delta_attention
+
+
+def to_torch(*xs, grad=False):
+  return [torch.tensor(np.asarray(x, np.float32), requires_grad=grad) for x in xs]
+
+
+def torch_value_and_grads(fn, inputs, cotangents, with_state=True):
+  """The same functional through a torch reference, differentiated by torch autograd."""
+  q, k, v, g, beta, s0 = to_torch(*inputs, grad=True)
+  wo, ws = to_torch(*cotangents)
+  o, s = fn(q, k, v, g, beta, s0 if with_state else None)
+  ((o * wo).sum() + (s * ws).sum()).backward()
+  grads = [x.grad for x in (q, k, v, g, beta)] + [s0.grad if with_state else None]
+  return o.detach(), s.detach(), grads
+
+
+def assert_close(actual, expected, atol=ATOL, what=""):
+  actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+  assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+  err = np.max(np.abs(actual - expected), initial=0.0)
+  assert err <= atol, f"{what}: max abs error {err:.3e} > {atol:.0e}"
+
+
+def assert_grads_close(actual, expected, atol=ATOL, what=""):
+  names = ("dq", "dk", "dv", "dg", "dbeta", "ds0")
+  for name, a, e in zip(names, actual, expected):
+    if a is not None and e is not None:
+      assert_close(a, e, atol, f"{what} {name}")
+
+
+# ----------------------------------------------------------------------------------------------
+# the grid: chunked op vs naive recurrence vs fla vs transformers (outputs, state, gradients)
+# ----------------------------------------------------------------------------------------------
+
+# H = 3 with and without an initial state, H = 1 without; T = 1, 63, 64 share a chunk count.
+# The gradient w.r.t. the initial state is checked at T = 1000 (and in the packed test).
+GRID = [(T, 3, init) for T in (1, 63, 64, 65, 130) for init in (False, True)]
+GRID += [(T, 1, False) for T in (1, 63, 64, 65, 130)] + [(1000, 3, True), (1000, 1, False)]
+
+
+@pytest.mark.parametrize("T,H,init", GRID)
+def test_chunked_matches_references(T, H, init):
+  inputs, cot = make_inputs(1 if H == 3 else 2, T, H, seed=T + H)
+  opts = dict(with_state=init, state_grad=T == 1000)
+  o, s, grads = jax_value_and_grads(chunked_op, inputs, cot, **opts)
+
+  # JAX: the token-by-token recurrence, differentiated by autodiff.
+  o_n, s_n, grads_n = jax_value_and_grads(naive_kda, inputs, cot, **opts)
+  assert_close(o, o_n, what="o vs naive")
+  assert_close(s, s_n, what="state vs naive")
+  assert_grads_close(grads, grads_n, what="vs naive autodiff")
+
+  # fla's recurrence under torch autograd.
+  fla = lambda q, k, v, g, b, s0: fla_naive()(q, k, v, g, b, initial_state=s0,
+                                              output_final_state=True)
+  o_f, s_f, grads_f = torch_value_and_grads(fla, inputs, cot, with_state=init)
+  assert_close(o, o_f, what="o vs fla")
+  assert_close(s, s_f, what="state vs fla")
+  assert_grads_close(grads, grads_f, what="vs fla autograd")
+
+  # transformers' torch KDA: the recurrent one under autograd, the chunked one forward only.
+  # (Autograd through transformers' chunked form is itself ~2e-5 off the float64 gradient:
+  # it exponentiates differences of chunk-level cumsums. Not a 1e-5 gradient reference.)
+  recurrent, chunked = transformers_kda()
+  hf = lambda q, k, v, g, b, s0: recurrent(q, k, v, g, b, s0, True,
+                                           use_qk_l2norm_in_kernel=False)
+  o_r, s_r, grads_r = torch_value_and_grads(hf, inputs, cot, with_state=init)
+  assert_close(o, o_r, what="o vs transformers recurrent")
+  assert_close(s, s_r, what="state vs transformers recurrent")
+  assert_grads_close(grads, grads_r, what="vs transformers recurrent autograd")
+  q, k, v, g, beta, s0 = to_torch(*inputs)
+  o_c, s_c = chunked(q, k, v, g, beta, initial_state=s0 if init else None,
+                     output_final_state=True, use_qk_l2norm_in_kernel=False)
+  assert_close(o, o_c, what="o vs transformers chunk")
+  assert_close(s, s_c, what="state vs transformers chunk")
+
+
+def test_no_state_output():
+  (q, k, v, g, beta, _), _ = make_inputs(2, 70, 3)
+  o, s = kda(q, k, v, g, beta, backend="chunked")
+  assert s is None and o.shape == v.shape and o.dtype == v.dtype
+
+
+# ----------------------------------------------------------------------------------------------
+# packed sequences
+# ----------------------------------------------------------------------------------------------
+
+
+def test_packed_segments_equal_separate_runs():
+  """Row 0 packs (40, 64, 26) tokens (starts inside chunks), row 1 packs (5, 59, 66) (a start
+  exactly on a chunk edge): each row equals its sequences run one by one."""
+  packings = ((40, 64, 26), (5, 59, 66))
+  T, H = 130, 3
+  inputs, cot = make_inputs(2, T, H, seed=11, decay="mild")
+  ids = [np.repeat(np.arange(len(p)) + 7, p) for p in packings]  # only changes of id count
+  segment_ids = jnp.asarray(np.stack(ids))
+  o, s, grads = jax_value_and_grads(chunked_op, inputs, cot, segment_ids=segment_ids)
+
+  # Each sequence alone through fla's recurrence; the initial state belongs to the first one.
+  q, k, v, g, beta, s0 = to_torch(*inputs)
+  for row, lengths in enumerate(packings):
+    r = slice(row, row + 1)
+    bounds = np.cumsum((0,) + lengths)
+    o_parts, state = [], None
+    for n, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+      o_p, state = fla_naive()(q[r, a:b], k[r, a:b], v[r, a:b], g[r, a:b], beta[r, a:b],
+                               initial_state=s0[r] if n == 0 else None,
+                               output_final_state=True)
+      o_parts.append(o_p)
+    assert_close(o[r], torch.cat(o_parts, 1), what=f"row {row} o vs separate fla runs")
+    assert_close(s[r], state, what=f"row {row} final state vs its last sequence")
+
+  o_n, s_n, grads_n = jax_value_and_grads(naive_kda, inputs, cot, segment_ids=segment_ids)
+  assert_close(o, o_n, what="o vs naive")
+  assert_close(s, s_n, what="state vs naive")
+  assert_grads_close(grads, grads_n, what="vs naive autodiff")
+
+
+# ----------------------------------------------------------------------------------------------
+# fused input preparation: gates, l2norm, beta sigmoid
+# ----------------------------------------------------------------------------------------------
+
+
+def numpy_prepare(q, k, g, beta, A_log, dt_bias, gate, lower_bound):
+  q, k, g, beta, A_log, dt_bias = (np.asarray(x, np.float64)
+                                   for x in (q, k, g, beta, A_log, dt_bias))
+  l2 = lambda x: x / np.sqrt(np.sum(x * x, -1, keepdims=True) + 1e-6)
+  sigmoid = lambda x: 1 / (1 + np.exp(-x))
+  x = g + dt_bias.reshape(g.shape[-2:])
+  a = np.exp(A_log).reshape(-1, 1)
+  g = lower_bound * sigmoid(a * x) if gate == "lower_bound" else -a * np.log1p(np.exp(x))
+  return l2(q), l2(k), g, sigmoid(beta)
+
+
+def torch_gate(g, A_log, dt_bias, gate, lower_bound):
+  x = g + dt_bias.reshape(g.shape[-2:])
+  a = A_log.exp().reshape(-1, 1)
+  if gate == "lower_bound":
+    return lower_bound * torch.sigmoid(a * x)
+  return -a * torch.nn.functional.softplus(x)
+
+
+@pytest.mark.parametrize("gate", ["lower_bound", "softplus"])
+def test_prepared_inputs(gate):
+  B, T, H = 1, 100, 2
+  ks = jax.random.split(jax.random.key(3), 8)
+  q, k = (3.0 * jax.random.normal(ks[i], (B, T, H, K)) for i in (0, 1))  # raw, not unit
+  v = jax.random.normal(ks[2], (B, T, H, V))
+  g_raw = jax.random.normal(ks[3], (B, T, H, K))
+  beta_raw = jax.random.normal(ks[4], (B, T, H))
+  A_log = jax.random.uniform(ks[5], (H,), minval=0.0, maxval=2.0)
+  dt_bias = 0.5 * jax.random.normal(ks[6], (H, K))
+  wo = jax.random.normal(ks[7], (B, T, H, V))
+  opts = dict(gate=gate, lower_bound=-5.0, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm=True,
+              use_beta_sigmoid=True)
+
+  # The preparation itself vs a numpy transcription.
+  prepared = ops.prepare_inputs(q, k, g_raw, beta_raw, A_log=A_log, dt_bias=dt_bias, gate=gate,
+                                lower_bound=-5.0, use_qk_l2norm=True, use_beta_sigmoid=True)
+  expected = numpy_prepare(q, k, g_raw, beta_raw, A_log, dt_bias, gate, -5.0)
+  for name, a, e in zip(("q", "k", "g", "beta"), prepared, expected):
+    assert_close(a, e, atol=1e-6, what=name)
+
+  # The op with raw inputs vs the torch references on torch-prepared inputs: transformers'
+  # chunked KDA normalises q/k in-kernel (use_qk_l2norm_in_kernel=True).
+  def loss(q, k, v, g_raw, beta_raw, A_log, dt_bias, backend):
+    o, _ = kda(q, k, v, g_raw, beta_raw, backend=backend, **{**opts, "A_log": A_log,
+                                                            "dt_bias": dt_bias})
+    return jnp.sum(o * wo), o
+
+  argnums = (0, 1, 2, 3, 4, 5, 6)
+  (_, o), grads = jax.value_and_grad(loss, argnums, has_aux=True)(
+      q, k, v, g_raw, beta_raw, A_log, dt_bias, "chunked")
+  (_, o_n), grads_n = jax.value_and_grad(loss, argnums, has_aux=True)(
+      q, k, v, g_raw, beta_raw, A_log, dt_bias, "naive")
+  assert_close(o, o_n, what="o chunked vs naive")
+
+  # transformers' recurrent KDA normalises q/k itself (use_qk_l2norm_in_kernel=True); the gate
+  # and beta sigmoid are written out in torch. (Its chunked form: forward only, see the grid.)
+  t = to_torch(q, k, v, g_raw, beta_raw, A_log, dt_bias, grad=True)
+  recurrent, chunked = transformers_kda()
+  g_t, beta_t = torch_gate(t[3], t[5], t[6], gate, -5.0), torch.sigmoid(t[4])
+  o_t, _ = recurrent(t[0], t[1], t[2], g_t, beta_t, None, False, use_qk_l2norm_in_kernel=True)
+  (o_t * to_torch(wo)[0]).sum().backward()
+  assert_close(o, o_t.detach(), what="o vs transformers recurrent (l2norm in kernel)")
+  names = ("dq", "dk", "dv", "dg_raw", "dbeta_raw", "dA_log", "ddt_bias")
+  for name, a, a_n, x in zip(names, grads, grads_n, t):
+    assert_close(a, x.grad, what=f"{name} vs torch autograd")
+    assert_close(a, a_n, what=f"{name} chunked vs naive")
+  with torch.no_grad():
+    o_c, _ = chunked(t[0], t[1], t[2], g_t, beta_t, initial_state=None,
+                     output_final_state=False, use_qk_l2norm_in_kernel=True)
+  assert_close(o, o_c, what="o vs transformers chunk (l2norm in kernel)")
+
+
+def test_gate_argument_errors():
+  (q, k, v, g, beta, _), _ = make_inputs(1, 8, 2)
+  with pytest.raises(ValueError, match="A_log"):
+    kda(q, k, v, g, beta, gate="softplus")
+  with pytest.raises(ValueError, match="lower_bound"):
+    kda(q, k, v, g, beta, gate="lower_bound", A_log=jnp.zeros(2))
+  with pytest.raises(ValueError, match="gate"):
+    kda(q, k, v, g, beta, gate="tanh")
+
+
+# ----------------------------------------------------------------------------------------------
+# dtypes
+# ----------------------------------------------------------------------------------------------
+
+
+def numpy_recurrence(q, k, v, g, beta, s0, scale):
+  """float64 numpy transcription of SPEC §2.4, token by token."""
+  q, k, v, g, beta, s = (np.asarray(x, np.float64) for x in (q, k, v, g, beta, s0))
+  o = np.zeros(v.shape)
+  for t in range(q.shape[1]):
+    s = s * np.exp(g[:, t])[..., None]
+    delta = beta[:, t, :, None] * (v[:, t] - np.einsum("bhk,bhkv->bhv", k[:, t], s))
+    s = s + k[:, t, :, :, None] * delta[:, :, None, :]
+    o[:, t] = np.einsum("bhk,bhkv->bhv", scale * q[:, t], s)
+  return o, s
+
+
+def test_float64(x64):
+  inputs, cot = make_inputs(1, 130, 2, seed=5, dtype=jnp.float64)
+  o, s, grads = jax_value_and_grads(chunked_op, inputs, cot)
+  assert o.dtype == s.dtype == jnp.float64
+  o_np, s_np = numpy_recurrence(*inputs, scale=K**-0.5)
+  assert_close(o, o_np, atol=1e-12, what="o vs numpy float64")
+  assert_close(s, s_np, atol=1e-12, what="state vs numpy float64")
+  o_n, s_n, grads_n = jax_value_and_grads(naive_kda, inputs, cot)
+  assert_close(o, o_n, atol=1e-12, what="o vs naive float64")
+  assert_grads_close(grads, grads_n, atol=1e-10, what="float64 vs naive autodiff")
+
+
+def test_bfloat16_inputs():
+  """bf16 q, k, v (g, beta float32, as the model passes them) compute in float32: the result
+  equals the float32 computation on the same bf16 values up to the final bf16 rounding of o
+  and of dq, dk, dv (one bf16 ulp, 2^-7 relative). o's cotangent is bf16 too (it is o's dtype),
+  so the float32 run gets the same rounded cotangent."""
+  (q, k, v, g, beta, s0), (wo, ws) = make_inputs(1, 130, 3, seed=6)
+  q, k, v, wo = (x.astype(jnp.bfloat16) for x in (q, k, v, wo))
+  o, s, grads = jax_value_and_grads(chunked_op, (q, k, v, g, beta, s0), (wo, ws),
+                                    state_grad=False)
+  assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
+  assert [d.dtype for d in grads[:5]] == [jnp.bfloat16] * 3 + [jnp.float32] * 2
+  f32 = lambda *xs: tuple(x.astype(jnp.float32) for x in xs)
+  o32, s32, grads32 = jax_value_and_grads(chunked_op, f32(q, k, v) + (g, beta, s0), f32(wo, ws),
+                                          state_grad=False)
+  within_bf16_ulp = lambda a, e: np.all(np.abs(np.asarray(a, np.float64) - np.asarray(e)) <=
+                                        2.0**-7 * np.abs(np.asarray(e, np.float64)) + ATOL)
+  assert within_bf16_ulp(o, o32)
+  for d, d32 in zip(grads[:3], grads32[:3]):
+    assert within_bf16_ulp(d, d32)
+  assert_close(s, s32, what="state")
+  assert_grads_close((None,) * 3 + grads[3:], (None,) * 3 + grads32[3:], what="float32 grads")
+
+
+# ----------------------------------------------------------------------------------------------
+# numerical range
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("decay", ["strong", "extreme"])
+def test_strong_decay_stays_finite_and_exact(decay):
+  """g ~ -5 on every token and channel (130 tokens, two full chunks): the chunk cumsum reaches
+  -320, so any e^{G_i} / e^{G_j} would overflow. 'extreme' (g ~ -30) exceeds max_step_decay
+  and is clamped, which must stay invisible at float32 precision."""
+  inputs, cot = make_inputs(1, 130, 3, seed=7, decay=decay)
+  o, s, grads = jax_value_and_grads(chunked_op, inputs, cot, state_grad=False)
+  for x in (o, s) + tuple(grads[:5]):
+    assert np.all(np.isfinite(np.asarray(x)))
+  o_n, s_n, grads_n = jax_value_and_grads(naive_kda, inputs, cot, state_grad=False)
+  assert_close(o, o_n, what="o vs naive")
+  assert_close(s, s_n, what="state vs naive")
+  assert_grads_close(grads, grads_n, what="vs naive autodiff")
+
+
+# ----------------------------------------------------------------------------------------------
+# the reference chunk_kda itself, decoding, dispatch, structure of the backward
+# ----------------------------------------------------------------------------------------------
+
+
+def test_reference_chunk_kda():
+  """reference.chunk_kda itself (the op wraps the same pieces in its custom VJP)."""
+  (q, k, v, g, beta, s0), _ = make_inputs(2, 100, 3, seed=8)
+  ids = jnp.asarray(np.repeat([[0, 1]], [30, 70], axis=1).repeat(2, 0))
+  for segment_ids in (None, ids):
+    args = (q, k, v, g, beta)
+    kw = dict(initial_state=s0, output_final_state=True, segment_ids=segment_ids)
+    o, s = jax.jit(functools.partial(chunk_kda, **kw))(*args)
+    o_n, s_n = naive_kda(*args, **kw)
+    assert_close(o, o_n, what="o")
+    assert_close(s, s_n, what="state")
+
+
+def test_decode_steps_continue_the_sequence():
+  """Prefill with the chunked op, then kda_step token by token == the full sequence."""
+  (q, k, v, g, beta, s0), _ = make_inputs(2, 75, 3, seed=9)
+  o_full, s_full = kda(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                       backend="chunked")
+  o_pre, state = kda(q[:, :67], k[:, :67], v[:, :67], g[:, :67], beta[:, :67],
+                     initial_state=s0, output_final_state=True, backend="chunked")
+  outs = [o_pre]
+  for t in range(67, 75):
+    o_t, state = kda_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+    outs.append(o_t[:, None])
+  assert_close(jnp.concatenate(outs, 1), o_full, what="decode outputs")
+  assert_close(state, s_full, what="decode state")
+
+
+def test_dispatch(monkeypatch):
+  (q, k, v, g, beta, _), _ = make_inputs(2, 70, 3)
+  assert jax.default_backend() == "cpu" and ops.default_backend() == "chunked"
+  o_default, _ = kda(q, k, v, g, beta)
+  o_chunked, _ = kda(q, k, v, g, beta, backend="chunked")
+  np.testing.assert_array_equal(o_default, o_chunked)
+  with pytest.raises(ValueError, match="'cuda_magic'"):
+    kda(q, k, v, g, beta, backend="cuda_magic")
+  # On a TPU host whose Pallas module cannot be imported, the default falls back to chunked.
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  monkeypatch.setitem(__import__("sys").modules, "pallas_kernels.kda.tpu", None)
+  assert ops.default_backend() == "pallas_tpu"
+  np.testing.assert_array_equal(kda(q, k, v, g, beta)[0], o_chunked)
+  with pytest.raises(ImportError, match="pallas_tpu"):
+    kda(q, k, v, g, beta, backend="pallas_tpu")
+
+
+def _scan_lengths(jaxpr):
+  """Lengths of every scan in a jaxpr, nested ones included."""
+  def subjaxprs(value):
+    if hasattr(value, "jaxpr") and hasattr(value, "consts"):  # a ClosedJaxpr
+      yield value.jaxpr
+    elif hasattr(value, "eqns"):  # a Jaxpr
+      yield value
+    elif isinstance(value, (tuple, list)):
+      for v in value:
+        yield from subjaxprs(v)
+
+  lengths = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "scan":
+      lengths.append(eqn.params["length"])
+    for sub in subjaxprs(list(eqn.params.values())):
+      lengths += _scan_lengths(sub)
+  return lengths
+
+
+def test_backward_scans_chunks_not_tokens():
+  """The chunked op's gradient walks chunks (T / 64 steps), never tokens."""
+  (q, k, v, g, beta, s0), _ = make_inputs(1, 640, 1)
+  grad = jax.grad(lambda *a: jnp.sum(kda(*a, backend="chunked")[0]), argnums=(0, 1, 2, 3, 4))
+  lengths = _scan_lengths(jax.make_jaxpr(grad)(q, k, v, g, beta).jaxpr)
+  assert lengths and set(lengths) == {10}, lengths
