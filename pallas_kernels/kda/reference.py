@@ -227,50 +227,45 @@ def chunk_exponents(d: Decays) -> tuple[jax.Array, jax.Array]:
   return g_incl.reshape(shape), g_to_end.reshape(shape)
 
 
-def _band_factors(d: Decays, transposed: bool = False) -> tuple[jax.Array, jax.Array]:
-  """Factors through each band's middle row m (see decayed_pairs), [..., NB, ., K].
+class BandExponents(NamedTuple):
+  """The exponents decayed_pairs factors its decays through ([..., NB, ., K]); m is a band's
+  middle row, b the band of the rows, a an earlier band of the columns."""
+  own: jax.Array   # [..., NB, BAND, K]  G_i - G_m for the band's own tokens
+  rest: jax.Array  # [..., NB, BAND, K]  G_end(a) - G_j: sum of g over (j, end of its band]
+  pair: jax.Array  # [..., NB, NB, K]    G_m(b) - G_end(a): bands between, then start of b..m
 
-  Returns (e^{G_i - G_m} for the band's own rows i [..., NB, BAND, K],
-           e^{G_m - G_j} for columns j up to the band end, zero after [..., NB, C, K]);
-  with transposed=True the second is instead e^{G_i - G_m} for rows i from the band start on,
-  zero before: the factors the backward needs to sum over rows for a band of columns.
 
-  Across bands the exponent splits into a per-token part and a per-(band, band) part, e.g. for
-  a column j in an earlier band a: G_m - G_j = [sum over (j, end of a]] + [bands strictly
-  between a and b, plus the start of b through m]. Both parts are <= 0, so their product is
-  safe and only ~C*K + NB*NB*K exponentials are needed instead of NB*C*K.
-  """
+def band_exponents(d: Decays) -> BandExponents:
   lead, (length, feat) = d.local.shape[:-2], d.local.shape[-2:]
-  n_band, mid = length // BAND, BAND // 2
-  banded = lambda x: x.reshape(lead + (n_band, BAND, feat))
-  own = banded(d.own)
-  if transposed:
-    # Row i in a later band c: G_i - G_m = [sum over (m, end of b] + bands between] + [start
-    # of c through i]; in m's band: own.
-    per_token = jnp.exp(banded(d.local))                            # [..., NB(c), BAND, K]
-    per_pair = jnp.swapaxes(d.between, -2, -3) + banded(d.rest)[..., mid:mid + 1, :]
-    same, keep = jnp.exp(own), np.greater                           # pair [b, c]: c > b
-  else:
-    # Column j in an earlier band a: G_m - G_j = [sum over (j, end of a]] + [bands between
-    # plus the start of b through m]; in m's band: -own.
-    per_token = jnp.exp(banded(d.rest))                             # [..., NB(a), BAND, K]
-    per_pair = d.between + banded(d.local)[..., mid:mid + 1, :]
-    same, keep = jnp.exp(-own), np.less                             # pair [b, a]: a < b
+  banded = lambda x: x.reshape(lead + (length // BAND, BAND, feat))
+  local_m = banded(d.local)[..., BAND // 2:BAND // 2 + 1, :]        # sum over [start of b, m]
+  return BandExponents(banded(d.own), banded(d.rest), d.between + local_m)
+
+
+def _band_factors(e: BandExponents) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(e^{G_i - G_m} for each band's rows [..., NB, BAND, K],
+      e^{G_m(b) - G_j} for all columns j [..., NB(b), NB(a), BAND, K], zero for a > b,
+      the mask a < b [NB, NB, 1]).
+
+  Across bands the exponent is rest_j + pair[b, a]: a per-token and a per-(band, band) part,
+  both <= 0, so their product is safe and only ~C*K + NB*NB*K exponentials are needed.
+  """
+  n_band = e.own.shape[-3]
   bands = np.arange(n_band)
-  valid = keep(bands[None, :], bands[:, None])[:, :, None]          # [NB(b), NB(other), 1]
-  pair_f = jnp.exp(jnp.where(valid, per_pair, -jnp.inf))            # [..., NB, NB, K]
-  far = pair_f[..., :, :, None, :] * per_token[..., None, :, :, :]  # [..., NB, NB, BAND, K]
+  earlier = (bands[None, :] < bands[:, None])[:, :, None]           # [NB(b), NB(a), 1]
+  pair_f = jnp.exp(jnp.where(earlier, e.pair, -jnp.inf))
+  col_f = pair_f[..., :, :, None, :] * jnp.exp(e.rest)[..., None, :, :, :]
   diag = np.eye(n_band, dtype=bool)[:, :, None, None]
-  far = jnp.where(diag, same[..., :, None, :, :], far)
-  return (jnp.exp(-own) if transposed else jnp.exp(own)), far.reshape(lead + (n_band, length, feat))
+  col_f = jnp.where(diag, jnp.exp(-e.own)[..., :, None, :, :], col_f)
+  return jnp.exp(e.own), col_f, earlier
 
 
 @jax.custom_vjp
-def decayed_pairs(x_wck: jax.Array, y_ck: jax.Array, g_ck: jax.Array) -> jax.Array:
+def decayed_pairs(x_wck: jax.Array, y_ck: jax.Array, e: BandExponents) -> jax.Array:
   """P[w,i,j] = sum_c x[w,i,c] y[j,c] e^{G_ic - G_jc} for j < i (zero elsewhere), per chunk.
 
-  x_wck: [..., W, C, K] (W stacked left operands, e.g. q and k); y_ck, g_ck: [..., C, K], g the
-  per-token log decay (|g| <= max_step_decay) and G its cumsum. Returns [..., W, C, C].
+  x_wck: [..., W, C, K] (W stacked left operands, e.g. q and k); y_ck: [..., C, K]; e: the
+  chunk's band exponents (|g| <= max_step_decay). Returns [..., W, C, C].
 
   e^{G_i - G_j} must never be formed as e^{G_i} / e^{G_j}: a 64-token chunk decays to ~e^-320
   with the -5 lower bound. Rows are grouped in bands of BAND; every pair of band b factors
@@ -283,10 +278,12 @@ def decayed_pairs(x_wck: jax.Array, y_ck: jax.Array, g_ck: jax.Array) -> jax.Arr
   the diagonal (e^0 = 1) would pair a factor e^{4 max} with e^{-4 max}, the one product where
   flush-to-zero of the small factor could lose an O(1) term.
 
-  Its VJP (below) bands the columns the same way, so that every matmul contracts over 64-128
-  entries; plain autodiff would contract over 16 band rows and then reduce over 8 bands.
+  The VJP returns cotangents of the exponents themselves, which autodiff then carries into g
+  through the interval sums that define them. (Summing each pair's term into dG_i and -dG_j
+  and reverse-cumsumming is shorter but telescopes: every pair is added and cancelled again
+  at all earlier tokens, and the float32 residue of those cancellations reaches 1e-5 in dg.)
   """
-  return _pairs_fwd(x_wck, y_ck, g_ck)[0]
+  return _pairs_fwd(x_wck, y_ck, e)[0]
 
 
 def _banded_rows(a: jax.Array, n_band: int) -> jax.Array:
@@ -296,53 +293,53 @@ def _banded_rows(a: jax.Array, n_band: int) -> jax.Array:
   return jnp.moveaxis(a, -4, -3).reshape(lead + (n_band, n_w * BAND, a.shape[-1]))
 
 
-def _pairs_fwd(x_wck, y_ck, g_ck):
+def _unband_rows(a: jax.Array, n_w: int) -> jax.Array:
+  """Inverse of _banded_rows: [..., NB, W * BAND, N] -> [..., W, C, N]."""
+  lead, n_band = a.shape[:-3], a.shape[-3]
+  a = jnp.moveaxis(a.reshape(lead + (n_band, n_w, BAND, a.shape[-1])), -3, -4)
+  return a.reshape(lead + (n_w, n_band * BAND, a.shape[-1]))
+
+
+def _pairs_fwd(x_wck, y_ck, e):
   lead, (n_w, length, feat) = y_ck.shape[:-2], x_wck.shape[-3:]
   n_band = length // BAND
-  row_f, col_f = _band_factors(chunk_decays(g_ck))
+  row_f, col_f, _ = _band_factors(e)
   xr = _banded_rows(x_wck, n_band) * jnp.tile(row_f, (1,) * (row_f.ndim - 2) + (n_w, 1))
-  p = _dot("...bik,...bjk->...bij", xr, y_ck[..., None, :, :] * col_f)  # [..., NB, W*BAND, C]
-  p = jnp.moveaxis(p.reshape(lead + (n_band, n_w, BAND, length)), -3, -4)
+  yc = y_ck.reshape(lead + (1, n_band, BAND, feat)) * col_f         # [..., NB, NB, BAND, K]
+  yc = yc.reshape(lead + (n_band, length, feat))
+  p = _unband_rows(_dot("...bik,...bjk->...bij", xr, yc), n_w)
   below = np.tril(np.ones((length, length), bool), -1)
-  return jnp.where(below, p.reshape(lead + (n_w, length, length)), 0), (x_wck, y_ck, g_ck)
+  return jnp.where(below, p, 0), (x_wck, y_ck, e)
 
 
 def _pairs_bwd(res, dp):
-  """dx_i = sum_j dP_ij y_j e^{G_i-G_j},  dy_j = sum_i dP_ij x_i e^{G_i-G_j},
-  dG = sum_w x_w * dx_w - y * dy  (each pair's exponent is G_i - G_j),  dg = reverse cumsum."""
-  x_wck, y_ck, g_ck = res
+  x_wck, y_ck, e = res
   lead, (n_w, length, feat) = y_ck.shape[:-2], x_wck.shape[-3:]
   n_band = length // BAND
-  d = chunk_decays(g_ck)
-  row_f, col_f = _band_factors(d)
-  own_inv, rows_f = _band_factors(d, transposed=True)
-  dp = jnp.where(np.tril(np.ones((length, length), bool), -1), dp, 0)
-  # Row side, banded by rows as in the forward: [dP_b] (y e^{G_m - G})_b.
-  dxr = _dot("...bij,...bjk->...bik", _banded_rows(dp, n_band), y_ck[..., None, :, :] * col_f)
-  dxr = dxr * jnp.tile(row_f, (1,) * (row_f.ndim - 2) + (n_w, 1))
-  dx = jnp.moveaxis(dxr.reshape(lead + (n_band, n_w, BAND, feat)), -3, -4)
-  dx = dx.reshape(x_wck.shape)
-  # Column side, banded by columns: e^{G_m - G_j} [dP^T]_b (x e^{G - G_m}), all W at once.
-  dp_t = jnp.moveaxis(dp.reshape(lead + (n_w, length, n_band, BAND)), (-2, -1), (-4, -3))
-  dp_t = dp_t.reshape(lead + (n_band, BAND, n_w * length))            # [..., NB, BAND, W*C]
-  xf = (x_wck[..., None, :, :, :] * rows_f[..., :, None, :, :]).reshape(
-      lead + (n_band, n_w * length, feat))                           # [..., NB, W*C, K]
-  dy = (_dot("...bji,...bik->...bjk", dp_t, xf) * own_inv).reshape(y_ck.shape)
-  dG = small_sum(x_wck * dx, -3) - y_ck * dy
-  return dx, dy, chunk_reverse_cumsum(dG)
+  row_f, col_f, earlier = _band_factors(e)
+  row_f_w = jnp.tile(row_f, (1,) * (row_f.ndim - 2) + (n_w, 1))
+  xr = _banded_rows(x_wck, n_band) * row_f_w                        # [..., NB, W*BAND, K]
+  yc = (y_ck.reshape(lead + (1, n_band, BAND, feat)) * col_f).reshape(
+      lead + (n_band, length, feat))
+  dpb = _banded_rows(jnp.where(np.tril(np.ones((length, length), bool), -1), dp, 0), n_band)
+  # Rows: P_b = xr_b yc_b^T, so dxr_b = dP_b yc_b; xr = x * e^{own}.
+  dxr = _dot("...bij,...bjk->...bik", dpb, yc)
+  dx = _unband_rows(dxr * row_f_w, n_w)
+  d_own = small_sum((dxr * xr).reshape(lead + (n_band, n_w, BAND, feat)), -3)
+  # Columns: dyc_b = dP_b^T xr_b, per band; yc = y * col_f.
+  dyc = _dot("...bij,...bik->...bjk", dpb, xr).reshape(lead + (n_band, n_band, BAND, feat))
+  y_b = y_ck.reshape(lead + (1, n_band, BAND, feat))
+  dy = small_sum(dyc * col_f, -4).reshape(y_ck.shape)
+  d_col = dyc * col_f * y_b                                         # d(column exponent)
+  diag = np.eye(n_band, dtype=bool)[:, :, None, None]
+  d_own = d_own - small_sum(jnp.where(diag, d_col, 0), -4)          # own band: -own
+  d_far = jnp.where(earlier[..., None], d_col, 0)                   # earlier: rest + pair
+  d_rest = small_sum(d_far, -4)
+  d_pair = small_sum(d_far, -2)
+  return dx, dy, BandExponents(d_own, d_rest, d_pair)
 
 
 decayed_pairs.defvjp(_pairs_fwd, _pairs_bwd)
-
-
-def chunk_reverse_cumsum(x: jax.Array) -> jax.Array:
-  """sum over i >= t inside the chunk, [..., C, K] (the transpose of the chunk cumsum)."""
-  lead, (length, feat) = x.shape[:-2], x.shape[-2:]
-  n_band = length // BAND
-  inner = prefix_sum(x.reshape(lead + (n_band, BAND, feat)), -2, True)
-  later = _interval_masks(n_band)[1].astype(x.dtype)
-  after = _dot("pc,...ck->...pk", later, inner[..., 0, :])[..., None, :]
-  return (inner + after).reshape(x.shape)
 
 
 def unit_lower_inverse(l_cc: jax.Array) -> jax.Array:
@@ -460,7 +457,7 @@ def chunk_intra(q, k, v, g, beta, segs: Segments | None, scale: float) -> Intra:
   q = q * scale
   g = jnp.maximum(g, -max_step_decay(g.dtype))
   decays = chunk_decays(g)
-  pairs = decayed_pairs(jnp.stack([q, k], axis=-3), k, g)
+  pairs = decayed_pairs(jnp.stack([q, k], axis=-3), k, band_exponents(decays))
   aqk, akk = pairs[..., 0, :, :], pairs[..., 1, :, :]
   eye = np.eye(q.shape[-2], dtype=bool)
   aqk = aqk + jnp.where(eye, jnp.sum(q * k, axis=-1)[..., None], 0)

@@ -125,10 +125,12 @@ def assert_grads_close(actual, expected, atol=ATOL, what=""):
 # the grid: chunked op vs naive recurrence vs fla vs transformers (outputs, state, gradients)
 # ----------------------------------------------------------------------------------------------
 
-# H = 3 with and without an initial state, H = 1 without; T = 1, 63, 64 share a chunk count.
-# The gradient w.r.t. the initial state is checked at T = 1000 (and in the packed test).
+# H = 3 with and without an initial state; H = 1 (batch 2) where T = 1, 63, 64 share a chunk
+# count, and at T = 1000. The gradient w.r.t. the initial state is checked at T = 1000 (and in
+# the packed-sequence test); elsewhere the state is a constant so that with and without an
+# initial state share one compilation.
 GRID = [(T, 3, init) for T in (1, 63, 64, 65, 130) for init in (False, True)]
-GRID += [(T, 1, False) for T in (1, 63, 64, 65, 130)] + [(1000, 3, True), (1000, 1, False)]
+GRID += [(T, 1, False) for T in (1, 63, 64)] + [(1000, 3, True), (1000, 1, False)]
 
 
 @pytest.mark.parametrize("T,H,init", GRID)
@@ -235,7 +237,7 @@ def torch_gate(g, A_log, dt_bias, gate, lower_bound):
 
 @pytest.mark.parametrize("gate", ["lower_bound", "softplus"])
 def test_prepared_inputs(gate):
-  B, T, H = 1, 100, 2
+  B, T, H = 1, 130, 3  # the grid's shape: the chunked core's compilation is shared
   ks = jax.random.split(jax.random.key(3), 8)
   q, k = (3.0 * jax.random.normal(ks[i], (B, T, H, K)) for i in (0, 1))  # raw, not unit
   v = jax.random.normal(ks[2], (B, T, H, V))
@@ -251,8 +253,9 @@ def test_prepared_inputs(gate):
   prepared = ops.prepare_inputs(q, k, g_raw, beta_raw, A_log=A_log, dt_bias=dt_bias, gate=gate,
                                 lower_bound=-5.0, use_qk_l2norm=True, use_beta_sigmoid=True)
   expected = numpy_prepare(q, k, g_raw, beta_raw, A_log, dt_bias, gate, -5.0)
+  # float32 rounding relative to each tensor's magnitude (the softplus gate reaches ~30).
   for name, a, e in zip(("q", "k", "g", "beta"), prepared, expected):
-    assert_close(a, e, atol=1e-6, what=name)
+    assert_close(a, e, atol=1e-6 * max(1.0, float(np.max(np.abs(e)))), what=name)
 
   # The op with raw inputs vs the torch references on torch-prepared inputs: transformers'
   # chunked KDA normalises q/k in-kernel (use_qk_l2norm_in_kernel=True).
