@@ -34,7 +34,6 @@ from pallas_kernels.kda.reference import (CHUNK, Intra, chunk_apply, chunk_input
 BACKENDS = ("naive", "chunked", "pallas_tpu", "pallas_gpu")
 GATES = (None, "lower_bound", "softplus")
 
-kda_step = reference.kda_step  # decode path: one token, [B, H, K] in, (o [B, H, V], state) out
 
 
 def default_backend() -> str:
@@ -52,6 +51,45 @@ def _pallas_impl(backend: str):
     return kda_gpu
   except ImportError:
     return None
+
+
+def _pallas_step(backend: str):
+  """The fused decode-step kernel for `backend`, or None if its module cannot be imported."""
+  try:
+    if backend == "pallas_tpu":
+      from pallas_kernels.kda.tpu import kda_step_tpu
+      return kda_step_tpu
+    from pallas_kernels.kda.gpu import kda_step_gpu
+    return kda_step_gpu
+  except ImportError:
+    return None
+
+
+def _resolve(backend: str | None, available) -> str:
+  if backend is None:
+    backend = default_backend()
+    if backend.startswith("pallas") and available(backend) is None:
+      backend = "chunked"
+  if backend not in BACKENDS:
+    raise ValueError(f"unknown KDA backend {backend!r}; expected one of {BACKENDS}")
+  return backend
+
+
+def kda_step(q, k, v, g, beta, state, *, scale=None, backend=None, interpret=False):
+  """One decode token: q, k, g [B,H,K] (prepared: unit q/k, log decay g); v [B,H,V]; beta
+  [B,H]; state [B,H,K,V] -> (o [B,H,V] in v's dtype, new state float32).
+
+  The Pallas backends run one fused kernel that updates the state in place (aliased), so a
+  decode step reads and writes the state once; "naive" and "chunked" (no chunk to form for
+  one token) both use the jnp step.
+  """
+  backend = _resolve(backend, _pallas_step)
+  if backend in ("naive", "chunked"):
+    return reference.kda_step(q, k, v, g, beta, state, scale=scale)
+  impl = _pallas_step(backend)
+  if impl is None:
+    raise ImportError(f"KDA backend {backend!r} is not available in this installation")
+  return impl(q, k, v, g, beta, state, scale=scale, interpret=interpret)
 
 
 def prepare_inputs(q, k, g, beta, *, A_log=None, dt_bias=None, gate=None, lower_bound=None,
@@ -120,12 +158,7 @@ def kda(
   back to "chunked" when the Pallas module cannot be imported. `interpret` is passed to the
   Pallas kernels (to run them on a CPU).
   """
-  if backend is None:
-    backend = default_backend()
-    if backend.startswith("pallas") and _pallas_impl(backend) is None:
-      backend = "chunked"
-  if backend not in BACKENDS:
-    raise ValueError(f"unknown KDA backend {backend!r}; expected one of {BACKENDS}")
+  backend = _resolve(backend, _pallas_impl)
   q, k, g, beta = prepare_inputs(
       q, k, g, beta, A_log=A_log, dt_bias=dt_bias, gate=gate, lower_bound=lower_bound,
       use_qk_l2norm=use_qk_l2norm, l2norm_eps=l2norm_eps, use_beta_sigmoid=use_beta_sigmoid)

@@ -70,5 +70,7 @@ def test_lowers_to_triton_for_cuda_forward_and_gradient():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_decode_step_matches_naive(dtype):
-  from pallas_kernels.kda.gpu import kda_step_gpu
-  kda_cases.check_decode_steps(lambda *a: kda_step_gpu(*a, interpret=True), dtype=dtype)
+  """Through the public decode op, so the dispatch to the fused kernel is covered too."""
+  from pallas_kernels.kda import kda_step
+  kda_cases.check_decode_steps(
+      lambda *a: kda_step(*a, backend="pallas_gpu", interpret=True), dtype=dtype)

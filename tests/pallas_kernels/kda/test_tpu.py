@@ -61,8 +61,10 @@ def test_fused_gate_beta_and_l2norm_options():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_decode_step_matches_naive(dtype):
-  from pallas_kernels.kda.tpu import kda_step_tpu
-  kda_cases.check_decode_steps(lambda *a: kda_step_tpu(*a, interpret=True), dtype=dtype)
+  """Through the public decode op, so the dispatch to the fused kernel is covered too."""
+  from pallas_kernels.kda import kda_step
+  kda_cases.check_decode_steps(
+      lambda *a: kda_step(*a, backend="pallas_tpu", interpret=True), dtype=dtype)
 
 
 def test_inside_shard_map_over_batch():
