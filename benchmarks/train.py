@@ -1,0 +1,198 @@
+"""Train-step speed: tokens/s and model FLOP utilisation (MFU) of `k3jax train`'s jitted step.
+
+    python benchmarks/train.py                      # tiny and the ~100M K3-shaped config
+    python benchmarks/train.py --configs k3_100m --batch 4 --seq 512 --breakdown
+
+MFU = model FLOPs of the step / step time / peak, where
+  * model FLOPs = 3 x forward FLOPs x tokens, forward FLOPs per token as counted by
+    k3jax/train/flops.py: 2 x active matmul parameters (routed experts at k/E, embedding lookup
+    excluded, lm_head included) + MLA attention over the causal half + KDA's chunked core +
+    AttnRes reads; rematerialisation is not counted;
+  * peak = a dense [n, n] @ [n, n] matmul chain in the same dtype, measured in the same run on
+    the same device (the practical peak: what XLA's best kernel reaches here).
+The step is the real one (Per-Head Muon with clipping, Quantile Balancing, fp32 loss), on one
+batch of random tokens (full rows, one segment each), timed after compilation.
+`--breakdown` also times the parts of the step (one KDA, MLA and MoE layer forward+backward,
+the routed-expert grouped matmul against a dense matmul of the same FLOPs, the optimizer update)
+to show where the time goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def k3_100m():
+  """~100M parameters with every K3 part: [KDA, KDA, KDA, MLA] x 2 + the trailing MLA, a
+  dense first layer, LatentMoE (32 experts, top 4, latent 256, 2 shared) with QB, AttnRes blocks
+  of 3, SiTU, KDA head_dim 128 as in K3. A 32k vocabulary keeps the head K3-like in proportion
+  (byte-level would make the model all layers)."""
+  import configs  # noqa: PLC0415
+  return configs.get("tiny").replace(
+      vocab_size=32768, hidden_size=512, num_layers=9, mla_layers=(3, 7, 8),
+      kda_num_heads=4, kda_head_dim=128, mla_num_heads=4, q_lora_rank=192, kv_lora_rank=128,
+      qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, intermediate_size=1536,
+      num_experts=32, num_experts_per_token=4, num_shared_experts=2, moe_intermediate_size=256,
+      latent_size=256, attn_res_block_size=3)
+
+
+def model_config(name: str, dtype: str, remat: bool):
+  import configs  # noqa: PLC0415
+  cfg = k3_100m() if name == "k3_100m" else configs.resolve(name)
+  return cfg.replace(dtype=dtype, param_dtype="float32", remat=remat)
+
+
+def timed(fn, *args, iters: int) -> tuple[float, float]:
+  """(compile seconds, median seconds per call) of jax.jit(fn)(*args)."""
+  t0 = time.perf_counter()
+  compiled = jax.jit(fn).lower(*args).compile()
+  compile_s = time.perf_counter() - t0
+  jax.block_until_ready(compiled(*args))
+  times = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    times.append(time.perf_counter() - t0)
+  return compile_s, statistics.median(times)
+
+
+def bench_step(cfg, batch: int, seq: int, iters: int, peak: float) -> dict:
+  from k3jax.train import flops as flops_lib  # noqa: PLC0415
+  from k3jax.train import step as step_lib  # noqa: PLC0415
+  steps = step_lib.build(cfg, step_lib.StepConfig(decay_steps=1000))
+  params, bias = step_lib.init_params(cfg, 0)
+  state = step_lib.place(steps.init(params, bias, step_lib.new_rng(0)))
+  rng = np.random.default_rng(0)
+  data = {"inputs": rng.integers(0, cfg.vocab_size, (1, batch, seq)).astype(np.int32),
+          "targets": rng.integers(0, cfg.vocab_size, (1, batch, seq)).astype(np.int32),
+          "segment_ids": np.ones((1, batch, seq), np.int32),
+          "loss_mask": np.ones((1, batch, seq), bool)}
+  t0 = time.perf_counter()
+  train = steps.train.lower(state, data, step_lib.NO_QK_CLIP).compile()
+  compile_s = time.perf_counter() - t0
+  state, m = train(state, data, step_lib.NO_QK_CLIP)
+  jax.block_until_ready(m)
+  times = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    state, m = train(state, data, step_lib.NO_QK_CLIP)
+    jax.block_until_ready(m)
+    times.append(time.perf_counter() - t0)
+  step_s = statistics.median(times)
+  count = flops_lib.count(cfg, seq)
+  tokens = batch * seq
+  n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+  return {
+      "params": n_params, "active_matmul_params": count.active_matmul_params,
+      "tokens_per_step": tokens, "compile_s": compile_s, "step_s": step_s,
+      "tokens_per_s": tokens / step_s,
+      "model_tflops_per_step": count.train_per_token * tokens / 1e12,
+      "achieved_gflops": count.train_per_token * tokens / step_s / 1e9,
+      "mfu": count.train_per_token * tokens / step_s / peak,
+      "flops_per_token_fwd": {"matmul": count.matmul, "mla_attention": count.mla_attention,
+                              "kda_core": count.kda_core, "attn_res": count.attn_res},
+  }
+
+
+def breakdown(cfg, batch: int, seq: int, iters: int) -> dict[str, float]:
+  """Seconds of forward+backward of one layer of each kind, and of the optimizer update."""
+  from flax import nnx  # noqa: PLC0415
+
+  from k3jax.model.kda import KDA  # noqa: PLC0415
+  from k3jax.model.mla import MLA  # noqa: PLC0415
+  from k3jax.model.moe import MoE  # noqa: PLC0415
+  from k3jax.train import step as step_lib  # noqa: PLC0415
+  x = jax.random.normal(jax.random.key(0), (batch, seq, cfg.hidden_size), cfg.jnp_dtype)
+  seg = jnp.ones((batch, seq), jnp.int32)
+  out = {}
+  for name, make in (("kda_layer", KDA), ("mla_layer", MLA), ("moe_layer", MoE)):
+    graphdef, state = nnx.split(make(cfg, rngs=nnx.Rngs(0)))
+
+    def loss(state, x, graphdef=graphdef, name=name):
+      layer = nnx.merge(graphdef, state)
+      y = layer(x) if name == "moe_layer" else layer(x, segment_ids=seg)
+      return jnp.sum(y[0].astype(jnp.float32) ** 2)
+
+    out[name + "_fwd_bwd_s"] = timed(jax.grad(loss, argnums=(0, 1)), state, x, iters=iters)[1]
+  # the routed experts' grouped matmul alone against a dense matmul of the same FLOPs
+  m = batch * seq * cfg.num_experts_per_token
+  h, f, e = cfg.latent_size or cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+  z = jax.random.normal(jax.random.key(1), (m, h), cfg.jnp_dtype)
+  w = jax.random.normal(jax.random.key(2), (e, h, f), cfg.jnp_dtype)
+  sizes = jnp.asarray(np.random.default_rng(0).multinomial(m, np.ones(e) / e), jnp.int32)
+  ragged = lambda z, w: jnp.sum(jax.lax.ragged_dot(z, w, sizes) ** 2)  # noqa: E731
+  dense = lambda z, w: jnp.sum((z @ w[0]) ** 2)  # noqa: E731
+  out["expert_ragged_dot_fwd_bwd_s"] = timed(jax.grad(ragged, argnums=(0, 1)), z, w,
+                                             iters=iters)[1]
+  out["same_flops_dense_matmul_fwd_bwd_s"] = timed(jax.grad(dense, argnums=(0, 1)), z, w,
+                                                   iters=iters)[1]
+  steps = step_lib.build(cfg, step_lib.StepConfig(decay_steps=1000))
+  params, bias = step_lib.init_params(cfg, 0)
+  opt_state = steps.tx.init(params)
+
+  def update(grads, opt_state, params):
+    import optax  # noqa: PLC0415
+    updates, _ = steps.tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates)
+
+  out["optimizer_update_s"] = timed(update, params, opt_state, params, iters=iters)[1]
+  counts = {"kda_layer": len(cfg.kda_layers), "mla_layer": len(cfg.mla_layers),
+            "moe_layer": len(cfg.moe_layers)}
+  out["layers_total_fwd_bwd_s"] = sum(out[k + "_fwd_bwd_s"] * n for k, n in counts.items())
+  return out
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--configs", default="tiny,k3_100m",
+                 help="comma list of presets / config files / k3_100m")
+  p.add_argument("--batch", type=int, default=None, help="rows per step (default 8 / 4)")
+  p.add_argument("--seq", type=int, default=None, help="positions per row (default 128 / 512)")
+  p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+  p.add_argument("--remat", action="store_true")
+  p.add_argument("--iters", type=int, default=3)
+  p.add_argument("--breakdown", action="store_true", help="also time the parts of the step")
+  p.add_argument("--json", action="store_true", help="print one JSON object per config")
+  a = p.parse_args(argv)
+  from k3jax.train.flops import measure_matmul_peak  # noqa: PLC0415
+  dtype = jnp.dtype(a.dtype)
+  peak = max(measure_matmul_peak(dtype, n=2048), measure_matmul_peak(dtype, n=1024))
+  print(f"platform {jax.default_backend()}, {os.cpu_count()} CPUs; dense matmul peak "
+        f"({a.dtype}, measured now): {peak / 1e9:.1f} GFLOP/s", flush=True)
+  for name in a.configs.split(","):
+    big = name == "k3_100m"
+    batch, seq = a.batch or (4 if big else 8), a.seq or (512 if big else 128)
+    cfg = model_config(name, a.dtype, a.remat)
+    r = bench_step(cfg, batch, seq, a.iters, peak)
+    print(f"{name}: {r['params'] / 1e6:.1f}M params ({r['active_matmul_params'] / 1e6:.1f}M "
+          f"active matmul), batch {batch} x {seq}: compile {r['compile_s']:.0f}s, step "
+          f"{r['step_s']:.3f}s, {r['tokens_per_s']:.0f} tokens/s, "
+          f"{r['achieved_gflops']:.1f} model GFLOP/s = MFU {100 * r['mfu']:.1f}%", flush=True)
+    fwd = r["flops_per_token_fwd"]
+    total = sum(fwd.values())
+    print("  forward FLOPs/token: " + ", ".join(
+        f"{k} {v / 1e6:.2f}M ({100 * v / total:.0f}%)" for k, v in fwd.items()), flush=True)
+    if a.breakdown:
+      b = breakdown(cfg, batch, seq, a.iters)
+      r["breakdown"] = b
+      print("  breakdown (fwd+bwd seconds): " + ", ".join(
+          f"{k.removesuffix('_s')} {v:.3f}" for k, v in b.items()), flush=True)
+    if a.json:
+      print(json.dumps({"config": name, "batch": batch, "seq": seq, "dtype": a.dtype,
+                        "peak_gflops": peak / 1e9, **r}))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,141 @@
+"""Checkpoints of a run (SPEC §5): one Orbax `CheckpointManager`, async, keeping the last N.
+
+A checkpoint `OUT/checkpoints/<step>/` holds three items:
+  state  the TrainState (params, router biases, optimizer state, step, RNG key), Orbax
+         StandardSave (TensorStore arrays)
+  data   the grain iterator state of the training stream (JSON): the exact data position
+  meta   small JSON (tokens seen, wall time so far)
+Orbax writes a checkpoint into a temporary folder and renames it only once every item is
+committed, so a run killed mid-save leaves no checkpoint for that step: `latest_step()` is the
+last complete one, and the leftover temporary folder is removed when the next run opens the
+manager (`cleanup_tmp_directories`).
+
+The async save copies the arrays to host memory before `save()` returns and writes them in a
+background thread while training continues; the next save (and `close()`) waits for it.
+
+Test hook: with K3JAX_TEST_SAVE_DELAY=<seconds> in the environment every save carries one more
+small item whose background commit appends a line (the temporary folder) to
+OUT/save_events.log when it starts and then holds the commit open that long, so a test can kill
+the process while a save is provably in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from typing import Any
+
+import orbax.checkpoint as ocp
+
+SAVE_DELAY_ENV = "K3JAX_TEST_SAVE_DELAY"
+SAVE_EVENTS = "save_events.log"
+
+
+class _DelayedCommit:
+  """An Orbax commit future (a `result()` that waits) that sleeps in its own thread."""
+
+  def __init__(self, directory: str, seconds: float, log_path: str):
+    def run():
+      # Orbax may create the folders in the background: announce the save only once its
+      # temporary folder exists, so whoever reads the log finds the save really in flight
+      while not os.path.isdir(directory):
+        time.sleep(0.01)
+      with open(log_path, "a") as f:
+        f.write(f"{directory}\n")
+      time.sleep(seconds)
+    self._thread = threading.Thread(target=run, daemon=True)
+    self._thread.start()
+
+  def result(self, timeout: float | None = None) -> None:
+    self._thread.join(timeout)
+
+
+class _HeldCommitHandler(ocp.JsonCheckpointHandler):
+  """Writes a small JSON item whose commit is held open (test hook, see module docstring).
+  A separate item with its own args type, so the standard handlers stay untouched and a
+  checkpoint saved this way restores like any other."""
+
+  def __init__(self, seconds: float, log_path: str):
+    super().__init__()
+    self._seconds, self._log_path = seconds, log_path
+
+  async def async_save(self, directory, *args, **kwargs):
+    futures = list(await super().async_save(directory, *args, **kwargs) or [])
+    return futures + [_DelayedCommit(str(directory), self._seconds, self._log_path)]
+
+
+@ocp.args.register_with_handler(_HeldCommitHandler, for_save=True)
+@dataclasses.dataclass
+class _HoldSave(ocp.args.JsonSave):
+  """Save args of the held item (Orbax pairs args types with handler types)."""
+
+
+@ocp.args.register_with_handler(_HeldCommitHandler, for_restore=True)
+@dataclasses.dataclass
+class _HoldRestore(ocp.args.JsonRestore):
+  """Restore args of the held item (never restored; Orbax wants the pair registered)."""
+
+
+class Checkpointer:
+  """Save / find / restore the checkpoints of one run directory."""
+
+  def __init__(self, directory: str, *, keep: int, async_save: bool = True):
+    directory = os.path.abspath(directory)
+    handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
+                "meta": ocp.JsonCheckpointHandler()}
+    delay = os.environ.get(SAVE_DELAY_ENV)
+    self._hold = bool(delay)
+    if self._hold:
+      handlers["hold"] = _HeldCommitHandler(
+          float(delay), os.path.join(os.path.dirname(directory), SAVE_EVENTS))
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
+        cleanup_tmp_directories=True)
+    self.manager = ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    return list(self.manager.all_steps())
+
+  def save(self, step: int, state: Any, data_state: dict, meta: dict) -> None:
+    items = {"state": ocp.args.StandardSave(state), "data": ocp.args.JsonSave(data_state),
+             "meta": ocp.args.JsonSave(meta)}
+    if self._hold:
+      items["hold"] = _HoldSave({"step": step})
+    self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+  def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict, dict]:
+    out = self.manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
+        meta=ocp.args.JsonRestore()))
+    return out.state, out.data, out.meta
+
+  def wait(self) -> None:
+    self.manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.manager.wait_until_finished()
+    self.manager.close()
+
+
+MODEL_DIR = "model"
+MODEL_CONFIG = "k3jax_config.json"  # the name `k3jax convert` gives it (convert.to_orbax.CONFIG)
+
+
+def save_model(directory: str, graphdef: Any, params: Any, router_bias: Any, cfg) -> None:
+  """The trained weights as a k3jax model checkpoint: `nnx.state(model)` saved by Orbax plus
+  `k3jax_config.json`, the layout `k3jax export` turns into the official format and
+  `--init-from` fine-tunes from. Written synchronously, replacing an older one."""
+  import json  # noqa: PLC0415
+
+  from flax import nnx  # noqa: PLC0415
+  model = nnx.merge(graphdef, nnx.State(params), nnx.State(router_bias))
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(os.path.abspath(directory), nnx.state(model), force=True)
+  checkpointer.wait_until_finished()
+  with open(os.path.join(directory, MODEL_CONFIG), "w") as f:
+    json.dump({"format": "k3jax", "config": cfg.replace(remat=False).to_dict()}, f, indent=2)

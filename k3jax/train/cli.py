@@ -1,0 +1,139 @@
+"""`k3jax train`: train or fine-tune a K3-family model (SPEC §5, §9).
+
+Embedded default: `k3jax train --config tiny --steps 300 --out DIR` trains the tiny K3-shaped
+preset byte-level on this interpreter's standard-library sources (no download). The same
+command with a larger --steps resumes from DIR's last checkpoint. --init-from fine-tunes a
+converted checkpoint (`k3jax convert`) or an official-layout model folder, with the folder's
+tiktoken tokenizer when it has one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from k3jax.cli import UserError
+
+
+def _positive(kind):
+  def parse(text: str):
+    value = kind(text)
+    if value <= 0:
+      raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+  return parse
+
+
+def _optional_float(text: str) -> float | None:
+  return None if text.lower() in ("none", "off", "0") else float(text)
+
+
+def default_compile_cache() -> str:
+  root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(root, "k3jax", "xla")
+
+
+def options_from_args(args: argparse.Namespace):
+  from k3jax.train.loop import RunOptions  # noqa: PLC0415
+  if args.config and args.init_from:
+    raise UserError("--config and --init-from are exclusive: a checkpoint brings its config")
+  cache = None if args.compile_cache.lower() == "none" else args.compile_cache
+  return RunOptions(
+      out=args.out, config=args.config, init_from=args.init_from, steps=args.steps,
+      data=args.data, tokenizer=args.tokenizer, batch_size=args.batch_size,
+      grad_accum=args.grad_accum, seq_len=args.seq_len, learning_rate=args.lr,
+      adam_learning_rate=args.adam_lr, warmup_steps=args.warmup, decay_steps=args.decay_steps,
+      end_lr_ratio=args.end_lr_ratio, weight_decay=args.weight_decay, clip_norm=args.clip,
+      qb=not args.no_qb, qb_method=args.qb_method, qk_clip=args.qk_clip, remat=args.remat,
+      dtype=args.dtype, eval_every=args.eval_every, eval_batches=args.eval_batches,
+      save_every=args.save_every, keep=args.keep, log_every=args.log_every, seed=args.seed,
+      peak_tflops=args.peak_tflops, progress=not args.no_progress,
+      tensorboard=not args.no_tensorboard, plots=not args.no_plots, compile_cache=cache)
+
+
+def run(args: argparse.Namespace) -> int:
+  from k3jax.train.loop import run as run_training  # noqa: PLC0415  (jax, flax, grain)
+  summary = run_training(options_from_args(args))
+  if summary["first_loss"] is None:
+    print(f"nothing to do: {summary['out']} is already at step {summary['start_step']} "
+          f"(raise --steps to train on)")
+  else:
+    mfu = summary["mfu"]
+    print(f"steps {summary['start_step']}->{summary['steps']}: loss {summary['first_loss']:.4f}"
+          f" -> {summary['last_loss']:.4f}, eval {summary['eval_loss']:.4f}; compile + first "
+          f"step {summary['compile_and_first_step_s']:.1f}s"
+          + (f", {summary['tokens_per_s']:.0f} tokens/s, MFU {100 * mfu:.1f}% of a measured "
+             f"{summary['peak_flops'] / 1e9:.0f} GFLOP/s matmul peak" if mfu else ""))
+    print(f"outputs: {summary['out']} (metrics.jsonl, tb/, plots/, checkpoints/"
+          f"{summary['checkpoints'][-1] if summary['checkpoints'] else ''})")
+  if args.json:
+    print(json.dumps(summary))
+  return 0
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+  """The module docstring as written; options show their default when they have one."""
+
+  def _get_help_string(self, action):
+    text = action.help or ""
+    if action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in text:
+      text += " (default: %(default)s)"
+    return text
+
+
+def register(sub) -> None:
+  p = sub.add_parser("train", help="train or fine-tune (Per-Head Muon, Quantile Balancing)",
+                     description=__doc__, formatter_class=_Formatter)
+  g = p.add_argument_group("run")
+  g.add_argument("--out", required=True, help="run folder (created; resumed if it has one)")
+  g.add_argument("--config", default=None,
+                 help="preset (tiny, k3, ...) or config JSON (none given: tiny)")
+  g.add_argument("--init-from", default=None, metavar="CKPT",
+                 help="fine-tune: a converted k3jax checkpoint or an official-layout folder")
+  g.add_argument("--steps", type=_positive(int), default=300, help="train until this step")
+  g.add_argument("--seed", type=int, default=0, help="init and data-order seed")
+  g = p.add_argument_group("data")
+  g.add_argument("--data", default=None,
+                 help="text file or folder (none given: this Python's standard-library sources)")
+  g.add_argument("--tokenizer", choices=("auto", "byte", "tiktoken"), default="auto",
+                 help="auto: the --init-from folder's tiktoken.model if any, else bytes")
+  g.add_argument("--batch-size", type=_positive(int), default=4, help="rows per step")
+  g.add_argument("--seq-len", type=_positive(int), default=128, help="positions per row")
+  g.add_argument("--grad-accum", type=_positive(int), default=1,
+                 help="micro-batches per step (divides --batch-size)")
+  g = p.add_argument_group("optimizer (Per-Head Muon + AdamW)")
+  g.add_argument("--lr", type=_positive(float), default=1e-2, help="Muon peak learning rate")
+  g.add_argument("--adam-lr", type=_positive(float), default=None,
+                 help="AdamW peak learning rate (none given: --lr)")
+  g.add_argument("--warmup", type=int, default=20, help="linear warm-up steps")
+  g.add_argument("--decay-steps", type=_positive(int), default=None,
+                 help="cosine horizon (none given: --steps)")
+  g.add_argument("--end-lr-ratio", type=float, default=0.1, help="final lr / peak lr")
+  g.add_argument("--weight-decay", type=float, default=0.1)
+  g.add_argument("--clip", type=_optional_float, default=1.0,
+                 help="clip the global gradient norm (none: off)")
+  g.add_argument("--qk-clip", type=_optional_float, default=None, metavar="TAU",
+                 help="MuonClip QK-clip threshold for MLA (K2: 100; default off)")
+  g.add_argument("--no-qb", action="store_true", help="freeze the router bias (no QB)")
+  g.add_argument("--qb-method", choices=("exact", "histogram"), default="exact")
+  g = p.add_argument_group("numerics and speed")
+  g.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                 help="compute dtype over fp32 master weights (auto: bf16 on TPU/GPU, fp32 "
+                      "on CPU)")
+  g.add_argument("--remat", action="store_true", help="rematerialise each layer")
+  g.add_argument("--peak-tflops", type=_positive(float), default=None,
+                 help="peak for MFU (none given: a dense matmul measured at start-up)")
+  g.add_argument("--compile-cache", default=default_compile_cache(),
+                 help="persistent XLA compilation cache folder (none: off)")
+  g = p.add_argument_group("eval, logging, checkpoints")
+  g.add_argument("--eval-every", type=_positive(int), default=50)
+  g.add_argument("--eval-batches", type=_positive(int), default=4)
+  g.add_argument("--log-every", type=_positive(int), default=1)
+  g.add_argument("--save-every", type=_positive(int), default=100)
+  g.add_argument("--keep", type=_positive(int), default=3, help="checkpoints kept")
+  g.add_argument("--no-progress", action="store_true", help="no progress bar")
+  g.add_argument("--no-tensorboard", action="store_true")
+  g.add_argument("--no-plots", action="store_true")
+  g.add_argument("--json", action="store_true", help="also print the summary as JSON")
+  p.set_defaults(func=run)

@@ -1,0 +1,184 @@
+"""Input pipeline (SPEC §5): documents -> tokens -> pieces -> grain first-fit packing -> batches.
+
+A document of L tokens is cut into pieces of at most T+1 tokens that overlap by one token
+(starts 0, T, 2T, ...), so each next-token pair of the document is trained on exactly once.
+Pieces are shuffled (seeded), packed first-fit into rows of T+1 tokens (grain gives every piece
+its own segment id 1, 2, ...; 0 is padding), and a row becomes
+
+    inputs      = row[:-1]          targets = row[1:]          segment_ids = seg[:-1]
+    loss_mask   = (seg[:-1] == seg[1:]) & (seg[:-1] != 0)
+
+so no position is trained to predict across a segment boundary or into padding, and the model,
+given `segment_ids`, keeps packed pieces apart (MLA mask, KDA state and conv restarts).
+
+A step's batch has shape [A, b, T]: A micro-batches of b rows (gradient accumulation).
+The iterator is resumable: its grain state (a small JSON dict) goes into every checkpoint.
+
+Default corpus: the running interpreter's standard-library `*.py` files (top level of the
+stdlib folder, sorted by name), so the embedded default needs no download.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import sysconfig
+from collections.abc import Iterator, Sequence
+
+import grain
+import numpy as np
+
+from k3jax.cli import UserError
+
+EVAL_EVERY = 16          # one document in 16 is held out for eval (by sorted position)
+MIN_DOCS_FOR_DOC_SPLIT = 2 * EVAL_EVERY
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".json", ".jsonl", ".c", ".h", ".html")
+
+
+@dataclasses.dataclass(frozen=True)
+class Document:
+  name: str
+  data: bytes
+
+
+def stdlib_documents() -> list[Document]:
+  """The top-level `*.py` files of this interpreter's standard library, sorted by name."""
+  root = sysconfig.get_path("stdlib")
+  files = sorted(glob.glob(os.path.join(root, "*.py")))
+  if not files:
+    raise UserError(f"no standard-library sources under {root}; pass --data")
+  return [Document(os.path.basename(f), _read(f)) for f in files]
+
+
+def folder_documents(path: str) -> list[Document]:
+  """A text file, or every text file under a folder (recursively, sorted relative paths)."""
+  if os.path.isfile(path):
+    return [Document(os.path.basename(path), _read(path))]
+  if not os.path.isdir(path):
+    raise UserError(f"--data {path}: no such file or folder")
+  found = []
+  for dirpath, dirnames, filenames in os.walk(path):
+    dirnames.sort()
+    dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+    for name in sorted(filenames):
+      if name.endswith(TEXT_SUFFIXES):
+        full = os.path.join(dirpath, name)
+        found.append(Document(os.path.relpath(full, path), _read(full)))
+  if not found:
+    raise UserError(f"--data {path}: no text files ({', '.join(TEXT_SUFFIXES)})")
+  return found
+
+
+def _read(path: str) -> bytes:
+  with open(path, "rb") as f:
+    return f.read()
+
+
+def split_documents(docs: Sequence[Document]) -> tuple[list[Document], list[Document]]:
+  """(train, eval): with >= 32 documents every 16th (positions 8, 24, ...) is held out whole;
+  with fewer, the last 1/16 of every document is (so a single big file still has an eval set)."""
+  if len(docs) >= MIN_DOCS_FOR_DOC_SPLIT:
+    held = lambda i: i % EVAL_EVERY == EVAL_EVERY // 2  # noqa: E731
+    return ([d for i, d in enumerate(docs) if not held(i)],
+            [d for i, d in enumerate(docs) if held(i)])
+  train, held_out = [], []
+  for d in docs:
+    cut = len(d.data) - len(d.data) // EVAL_EVERY
+    train.append(Document(d.name, d.data[:cut]))
+    held_out.append(Document(d.name + "[eval]", d.data[cut:]))
+  return train, held_out
+
+
+def tokenize(docs: Sequence[Document], tokenizer) -> list[np.ndarray]:
+  out = [tokenizer.encode(d.data) for d in docs]
+  vocab = tokenizer.vocab_size
+  for d, ids in zip(docs, out):
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+      raise UserError(f"{d.name}: token ids outside [0, {vocab})")
+  return out
+
+
+def pieces(lengths: Sequence[int], seq_len: int) -> np.ndarray:
+  """[P, 2] (document, start) of every piece: starts 0, T, 2T, ... while at least two tokens
+  (one next-token pair) remain; a piece is doc[start : start + T + 1]."""
+  rows = [(i, s) for i, n in enumerate(lengths) for s in range(0, max(n - 1, 0), seq_len)]
+  if not rows:
+    raise UserError("the corpus has no document with two or more tokens")
+  return np.asarray(rows, np.int64)
+
+
+def rows_to_batch(tokens: np.ndarray, seg: np.ndarray, micro_batches: int) -> dict[str, np.ndarray]:
+  """Packed rows [A*b, T+1] -> model inputs [A, b, T] (see module docstring)."""
+  inputs, targets = tokens[:, :-1], tokens[:, 1:]
+  seg_in, seg_next = seg[:, :-1], seg[:, 1:]
+  batch = {
+      "inputs": inputs.astype(np.int32),
+      "targets": targets.astype(np.int32),
+      "segment_ids": seg_in.astype(np.int32),
+      "loss_mask": (seg_in == seg_next) & (seg_in != 0),
+  }
+  return {k: v.reshape(micro_batches, -1, v.shape[-1]) for k, v in batch.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+  seq_len: int          # T: positions per row
+  batch_rows: int       # rows per optimizer step (A * b)
+  micro_batches: int    # A
+  seed: int
+
+
+def _packed(docs_tokens: Sequence[np.ndarray], piece_table: np.ndarray, cfg: PipelineConfig,
+            *, shuffle: bool, repeat: bool) -> grain.IterDataset:
+  t = cfg.seq_len
+
+  def load(row) -> dict[str, np.ndarray]:
+    doc, start = int(row[0]), int(row[1])
+    return {"tokens": docs_tokens[doc][start:start + t + 1]}
+
+  ds = grain.MapDataset.source(piece_table)
+  if shuffle:
+    ds = ds.shuffle(seed=cfg.seed)  # a fresh permutation every epoch (seed, epoch)
+  if repeat:
+    ds = ds.repeat(None)
+  ds = ds.map(load).to_iter_dataset()
+  # first fit into as many bins as a step has rows: full pieces fill a bin alone, the short
+  # tails of documents share bins; bins are emitted together as one step's rows
+  ds = grain.experimental.FirstFitPackIterDataset(
+      ds, length_struct={"tokens": t + 1}, num_packing_bins=cfg.batch_rows, seed=cfg.seed,
+      shuffle_bins=shuffle)
+  ds = ds.batch(cfg.batch_rows, drop_remainder=True)
+  a = cfg.micro_batches
+  return ds.map(lambda r: rows_to_batch(r["tokens"], r["tokens_segment_ids"], a))
+
+
+def train_dataset(docs_tokens: Sequence[np.ndarray], cfg: PipelineConfig) -> grain.IterDataset:
+  """Endless, shuffled, packed batches; prefetched on a thread so packing overlaps the step.
+  (The prefetch does not disturb resumption: grain's state counts consumed batches only.)"""
+  ds = _packed(docs_tokens, pieces([len(d) for d in docs_tokens], cfg.seq_len), cfg,
+               shuffle=True, repeat=True)
+  return grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=2)
+
+
+def eval_batches(docs_tokens: Sequence[np.ndarray], cfg: PipelineConfig,
+                 max_batches: int) -> list[dict[str, np.ndarray]]:
+  """The first `max_batches` packed batches of the held-out documents, in order (fixed)."""
+  table = pieces([len(d) for d in docs_tokens], cfg.seq_len)
+  out = []
+  for batch in _packed(docs_tokens, table, cfg, shuffle=False, repeat=False):
+    out.append(batch)
+    if len(out) == max_batches:
+      break
+  if not out:
+    raise UserError(f"the eval split has fewer than {cfg.batch_rows} rows of "
+                    f"{cfg.seq_len + 1} tokens; lower --batch-size / --seq-len or add data")
+  return out
+
+
+def iterate(ds: grain.IterDataset, state: dict | None = None) -> Iterator:
+  """An iterator over `ds`, positioned by a saved grain state when given."""
+  it = iter(ds)
+  if state is not None:
+    it.set_state(state)
+  return it

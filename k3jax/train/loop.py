@@ -1,0 +1,283 @@
+"""A training run: set-up, resume, the step loop, eval, logging, checkpoints, plots.
+
+    OUT/run.json          options and model config of the run (a resume must match them)
+    OUT/checkpoints/<s>/  Orbax checkpoints (checkpoint.py), the last `keep` of them
+    OUT/metrics.jsonl     one JSON object per logged step (metrics.py)
+    OUT/tb/               TensorBoard events
+    OUT/plots/*.png       loss and expert load (plots.py), written at the end
+    OUT/model/            the final weights as a k3jax model checkpoint (k3jax_config.json +
+                          Orbax): `k3jax export OUT/model HF_DIR`, or `--init-from OUT/model`
+
+Running again with the same OUT resumes from the last complete checkpoint (params, optimizer
+state, router biases, step, RNG key and data position), so `--steps` can be raised to train
+on. The cosine schedule spans `decay_steps` (default: `steps`): give it explicitly to stop and
+resume on the same schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from k3jax.cli import UserError
+from k3jax.config import ModelConfig
+from k3jax.train import data as data_lib
+from k3jax.train import flops as flops_lib
+from k3jax.train import step as step_lib
+from k3jax.train.checkpoint import MODEL_DIR, Checkpointer, save_model
+from k3jax.train.metrics import MetricsWriter, read_records
+from k3jax.train.tokenizer import load_tokenizer
+
+RUN_FILE = "run.json"
+# options that fix what a checkpoint and its data position mean: a resume must not change them
+_RESUME_KEYS = ("data", "tokenizer", "seq_len", "batch_size", "seed", "init_from")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+  out: str
+  config: str | None = None          # preset or config file (default "tiny"); not with init_from
+  init_from: str | None = None       # converted Orbax checkpoint or official-layout HF folder
+  steps: int = 300
+  data: str | None = None            # text file / folder; None: the stdlib sources
+  tokenizer: str = "auto"            # auto | byte | tiktoken
+  batch_size: int = 4                # rows per optimizer step
+  grad_accum: int = 1                # micro-batches per step (batch_size % grad_accum == 0)
+  seq_len: int = 128
+  learning_rate: float = 1e-2
+  adam_learning_rate: float | None = None
+  warmup_steps: int = 20
+  decay_steps: int | None = None     # cosine horizon; default: steps
+  end_lr_ratio: float = 0.1
+  weight_decay: float = 0.1
+  clip_norm: float | None = 1.0
+  qb: bool = True
+  qb_method: str = "exact"
+  qk_clip: float | None = None       # MuonClip threshold (K2: 100); None: off
+  remat: bool = False
+  dtype: str = "auto"                # compute dtype; auto: bfloat16 on TPU/GPU, float32 on CPU
+  eval_every: int = 50
+  eval_batches: int = 4
+  save_every: int = 100
+  keep: int = 3
+  log_every: int = 1
+  seed: int = 0
+  peak_tflops: float | None = None   # for MFU; None: measured (dense matmul) at start-up
+  progress: bool = True
+  tensorboard: bool = True
+  plots: bool = True
+  compile_cache: str | None = None   # persistent XLA compilation cache folder
+
+
+def compute_dtype(name: str) -> str:
+  if name != "auto":
+    return name
+  # XLA:CPU has no fast bf16 matmul path on most CPUs, and fp32 keeps CPU runs exact
+  return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def step_config(opts: RunOptions) -> step_lib.StepConfig:
+  if opts.batch_size % opts.grad_accum:
+    raise UserError(f"--batch-size {opts.batch_size} is not a multiple of --grad-accum "
+                    f"{opts.grad_accum}")
+  return step_lib.StepConfig(
+      learning_rate=opts.learning_rate, adam_learning_rate=opts.adam_learning_rate,
+      warmup_steps=opts.warmup_steps, decay_steps=opts.decay_steps or opts.steps,
+      end_lr_ratio=opts.end_lr_ratio, weight_decay=opts.weight_decay, clip_norm=opts.clip_norm,
+      qb=opts.qb, qb_method=opts.qb_method)
+
+
+def _numerics(cfg: ModelConfig, opts: RunOptions) -> ModelConfig:
+  """bf16 (or fp32) compute over fp32 master weights; remat as asked."""
+  return cfg.replace(dtype=compute_dtype(opts.dtype), param_dtype="float32", remat=opts.remat)
+
+
+def _load_init(path: str, opts: RunOptions):
+  """(model, cfg) from a converted checkpoint or an official-layout folder."""
+  from convert import load as convert_load  # noqa: PLC0415  (pulls in tensorstore etc.)
+  if not os.path.isdir(path):
+    raise UserError(f"--init-from {path}: no such folder")
+  overrides = {"dtype": compute_dtype(opts.dtype), "param_dtype": "float32",
+               "remat": opts.remat}
+  if convert_load.is_checkpoint(path):
+    return convert_load.load_checkpoint(path, **overrides)
+  if os.path.exists(os.path.join(path, "config.json")):
+    from convert.hf_load import load_model  # noqa: PLC0415
+    return load_model(path, **overrides)
+  raise UserError(f"--init-from {path}: neither a k3jax checkpoint (k3jax_config.json) nor an "
+                  "official-layout model folder (config.json)")
+
+
+def _model_config(opts: RunOptions) -> ModelConfig:
+  import configs  # noqa: PLC0415
+  if opts.init_from and not os.path.isdir(opts.init_from):
+    raise UserError(f"--init-from {opts.init_from}: no such folder")
+  if opts.init_from:
+    from convert import load as convert_load  # noqa: PLC0415
+    if convert_load.is_checkpoint(opts.init_from):
+      cfg = convert_load.checkpoint_config(opts.init_from)
+    else:
+      cfg = configs.resolve(opts.init_from)
+  else:
+    cfg = configs.resolve(opts.config or "tiny")
+  return _numerics(cfg, opts)
+
+
+def _check_resume(out: str, opts: RunOptions, cfg: ModelConfig) -> None:
+  path = os.path.join(out, RUN_FILE)
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    saved = json.load(f)
+  if saved.get("model") != cfg.to_dict():
+    raise UserError(f"{out} holds a run of another model config; use a new --out")
+  for key in _RESUME_KEYS:
+    if saved["options"].get(key) != getattr(opts, key):
+      raise UserError(f"{out} holds a run with --{key.replace('_', '-')} "
+                      f"{saved['options'].get(key)!r} (now {getattr(opts, key)!r}); "
+                      "resuming must keep it, or use a new --out")
+
+
+def _write_run_file(out: str, opts: RunOptions, cfg: ModelConfig) -> None:
+  with open(os.path.join(out, RUN_FILE), "w") as f:
+    json.dump({"options": dataclasses.asdict(opts), "model": cfg.to_dict()}, f, indent=1)
+
+
+def _eval_loss(steps, state, batches) -> float:
+  total, tokens = 0.0, 0
+  for batch in batches:
+    s, n = steps.eval(state["params"], state["router_bias"], batch)
+    total, tokens = total + float(s), tokens + int(n)
+  return total / max(tokens, 1)
+
+
+def run(opts: RunOptions, *, on_step=None) -> dict[str, Any]:
+  """Train; returns a summary. `on_step(step, record)` is called after each logged step."""
+  from tqdm import tqdm  # noqa: PLC0415
+
+  if opts.compile_cache:
+    jax.config.update("jax_compilation_cache_dir", opts.compile_cache)
+  if opts.steps < 1:
+    raise UserError("--steps must be >= 1")
+  out = os.path.abspath(opts.out)
+  os.makedirs(out, exist_ok=True)
+  cfg = _model_config(opts)
+  _check_resume(out, opts, cfg)
+  sc = step_config(opts)
+  steps = step_lib.build(cfg, sc)
+
+  ckpt = Checkpointer(os.path.join(out, "checkpoints"), keep=opts.keep)
+  resume_step = ckpt.latest_step()
+  tokenizer = load_tokenizer(opts.tokenizer, opts.init_from)
+
+  docs = (data_lib.stdlib_documents() if opts.data is None
+          else data_lib.folder_documents(opts.data))
+  train_docs, eval_docs = data_lib.split_documents(docs)
+  train_tokens = data_lib.tokenize(train_docs, tokenizer)
+  eval_tokens = data_lib.tokenize(eval_docs, tokenizer)
+  pipe = data_lib.PipelineConfig(opts.seq_len, opts.batch_size, opts.grad_accum, opts.seed)
+  eval_batches = data_lib.eval_batches(eval_tokens, pipe, opts.eval_batches)
+
+  if resume_step is not None:
+    params, bias = jax.eval_shape(lambda: step_lib.init_params(cfg, opts.seed))
+    state, data_state, meta = ckpt.restore(resume_step,
+                                           step_lib.abstract_state(steps, params, bias))
+    start = int(state["step"])
+  else:
+    if opts.init_from:
+      _, params, bias = step_lib.split_model(_load_init(opts.init_from, opts)[0])
+    else:
+      params, bias = step_lib.init_params(cfg, opts.seed)
+    state = steps.init(params, bias, step_lib.new_rng(opts.seed))
+    data_state, meta, start = None, {"tokens_seen": 0, "train_seconds": 0.0}, 0
+  # Orbax restores committed arrays; placing a fresh state the same way makes a fresh run and
+  # a resumed one lower to the same program (one persistent-cache entry, not two)
+  state = step_lib.place(state)
+  _write_run_file(out, opts, cfg)
+
+  flop_count = flops_lib.count(cfg, opts.seq_len)
+  tokens_per_step = opts.batch_size * opts.seq_len
+  peak = (opts.peak_tflops * 1e12 if opts.peak_tflops
+          else flops_lib.measure_matmul_peak(cfg.jnp_dtype))
+  n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
+  print(f"k3jax train: {n_params / 1e6:.2f}M params ({flop_count.active_matmul_params / 1e6:.2f}M"
+        f" active matmul), {cfg.dtype} compute / fp32 master; {len(train_docs)} train + "
+        f"{len(eval_docs)} eval documents, {sum(map(len, train_tokens)):,} train tokens "
+        f"({tokenizer.name}); batch {opts.batch_size} x {opts.seq_len}"
+        f"{f' ({opts.grad_accum} micro-batches)' if opts.grad_accum > 1 else ''}; "
+        + (f"resuming from step {start}" if resume_step is not None else "from scratch"
+           if not opts.init_from else f"from {opts.init_from}"), flush=True)
+
+  writer = MetricsWriter(out, resume_step=resume_step, tensorboard=opts.tensorboard)
+  iterator = data_lib.iterate(data_lib.train_dataset(train_tokens, pipe), data_state)
+  bar = tqdm(total=opts.steps, initial=start, disable=not opts.progress, unit="step",
+             dynamic_ncols=True)
+  qk_threshold = step_lib.NO_QK_CLIP if opts.qk_clip is None else np.float32(opts.qk_clip)
+  first_loss = last_loss = eval_loss = None
+  step_times: list[float] = []
+  compile_s = None
+  t_prev = time.perf_counter()
+  try:
+    for s in range(start + 1, opts.steps + 1):
+      batch = next(iterator)
+      state, metrics = steps.train(state, batch, qk_threshold)
+      metrics = jax.device_get(metrics)
+      now = time.perf_counter()
+      dt, t_prev = now - t_prev, now
+      if compile_s is None:
+        compile_s = dt  # the first step of a process includes tracing and compilation
+      else:
+        step_times.append(dt)
+      meta["tokens_seen"] += tokens_per_step
+      meta["train_seconds"] += dt
+      loss = float(metrics["loss"])
+      first_loss = loss if first_loss is None else first_loss
+      last_loss = loss
+      record = {"step": s, "loss": loss, **metrics, "step_time_s": dt}
+      if len(step_times):
+        record["tokens_per_s"] = tokens_per_step / dt
+        record["mfu"] = flop_count.train_per_token * tokens_per_step / dt / peak
+      if s % opts.eval_every == 0 or s == opts.steps:
+        eval_loss = _eval_loss(steps, state, eval_batches)
+        record["eval_loss"] = eval_loss
+        t_prev = time.perf_counter()  # eval time is not step time
+      if s % opts.log_every == 0 or "eval_loss" in record or s == opts.steps:
+        writer.write(record)
+        if on_step is not None:
+          on_step(s, record)
+      if s % opts.save_every == 0 or s == opts.steps:
+        ckpt.save(s, state, iterator.get_state(), meta)
+        t_prev = time.perf_counter()  # the blocking part of a save is not step time
+      bar.update(1)
+      bar.set_postfix(loss=f"{loss:.3f}", **({"eval": f"{eval_loss:.3f}"} if eval_loss else {}),
+                      **({"tok/s": f"{tokens_per_step / dt:.0f}"} if step_times else {}))
+  finally:
+    bar.close()
+    iterator.close()
+    ckpt.wait()  # the last async save completes before the run reports
+    saved_steps = ckpt.all_steps()
+    ckpt.close()
+    writer.close()
+  if first_loss is not None:  # the final weights, exportable (`k3jax export`) and fine-tunable
+    save_model(os.path.join(out, MODEL_DIR), steps.graphdef, state["params"],
+               state["router_bias"], cfg)
+  plots = []
+  if opts.plots:
+    from k3jax.train.plots import write_plots  # noqa: PLC0415  (matplotlib is slow to import)
+    plots = write_plots(read_records(out), out)
+  median = float(np.median(step_times)) if step_times else None
+  summary = {
+      "out": out, "start_step": start, "steps": opts.steps, "first_loss": first_loss,
+      "last_loss": last_loss, "eval_loss": eval_loss, "compile_and_first_step_s": compile_s,
+      "median_step_s": median,
+      "tokens_per_s": tokens_per_step / median if median else None,
+      "mfu": (flop_count.train_per_token * tokens_per_step / median / peak) if median else None,
+      "peak_flops": peak, "plots": plots, "checkpoints": saved_steps,
+  }
+  return summary

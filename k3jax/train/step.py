@@ -1,0 +1,263 @@
+"""The jitted train and eval steps (SPEC §5) over a functional train state.
+
+TrainState, a plain pytree donated to the step:
+  params       nested dict of the model's nnx.Params (fp32 master weights)
+  router_bias  nested dict of its RouterBias ([n_moe, E]; set by Quantile Balancing only)
+  opt_state    optax state of clip_by_global_norm -> Per-Head Muon / AdamW
+  step         int32, optimizer steps done
+  rng          uint32 key data, split every step. K3's forward has no stochastic part today;
+               the key is carried and checkpointed so that one added later (dropout, noisy
+               routing) resumes exactly
+
+One step on a batch [A, b, T] (A micro-batches of b rows):
+  1. per micro-batch: forward routed with the current bias b_t, summed token NLL (fp32
+     log-softmax) and its gradient; summed over micro-batches (lax.scan), so accumulation
+     equals one batch of A*b rows up to float summation order;
+  2. gradient / valid tokens -> clip by global norm -> Per-Head Muon (warm-up + cosine);
+  3. QK-clip of the MLA query/key weights from this step's max logits. The threshold is an
+     argument of the compiled step, not a constant in it: off is +inf, where the clip
+     multiplies by exactly 1, so runs with and without it share one compiled program;
+  4. Quantile Balancing: b_{t+1} = QB(this step's router scores of every micro-batch, padding
+     rows excluded; b_t), applied after the update so it routes the next batch only.
+     Per-layer expert load (max/mean, dead fraction) is reported for the choices the batch
+     made under b_t ("before") and for the choices b_{t+1} makes on the same scores ("after").
+
+The compiled functions are cached per (model config, step config): repeated runs in one
+process (tests, resume) compile once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from k3jax.config import ModelConfig
+from k3jax.model.moe import RouterBias
+from k3jax.model.quantile_balancing import expert_load_stats, quantile_balancing_bias
+from k3jax.optim import logical_axes_from_state, per_head_muon, qk_clip
+
+MLA_PATH = ("mla",)
+NO_QK_CLIP = np.float32(np.inf)  # the train step's QK-clip threshold when the clip is off
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+  """Everything static about the step (hashable: it keys the compile cache)."""
+  learning_rate: float = 1e-2        # Muon peak learning rate
+  adam_learning_rate: float | None = None  # AdamW peak (default: learning_rate)
+  warmup_steps: int = 20
+  decay_steps: int = 300             # cosine horizon (total steps of the plan)
+  end_lr_ratio: float = 0.1          # final lr = ratio * peak
+  weight_decay: float = 0.1
+  clip_norm: float | None = 1.0
+  qb: bool = True
+  qb_method: str = "exact"           # "exact" | "histogram"
+  qb_bins: int = 1000
+
+
+def schedule(sc: StepConfig, peak: float) -> optax.Schedule:
+  warmup = min(sc.warmup_steps, max(sc.decay_steps - 1, 0))
+  # linear warm-up from peak / warmup (not 0: the first step already learns)
+  return optax.warmup_cosine_decay_schedule(
+      init_value=peak / max(warmup, 1), peak_value=peak, warmup_steps=warmup,
+      decay_steps=max(sc.decay_steps, warmup + 1), end_value=peak * sc.end_lr_ratio)
+
+
+def optimizer(sc: StepConfig, logical_axes: Any) -> optax.GradientTransformation:
+  muon = per_head_muon(schedule(sc, sc.learning_rate), logical_axes=logical_axes,
+                       weight_decay=sc.weight_decay,
+                       adam_learning_rate=schedule(sc, sc.adam_learning_rate or sc.learning_rate))
+  if sc.clip_norm is None:
+    return muon
+  return optax.chain(optax.clip_by_global_norm(sc.clip_norm), muon)
+
+
+def plain(tree: Any) -> Any:
+  """nnx.State (or any nested mapping) -> nested dicts with the same leaves."""
+  if isinstance(tree, Mapping):
+    return {k: plain(v) for k, v in tree.items()}
+  return tree
+
+
+def token_nll(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
+  """Per-position NLL [..., T] in fp32 (0 where mask is False)."""
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+  return jnp.where(mask, nll, 0.0)
+
+
+class Steps(NamedTuple):
+  graphdef: Any
+  logical_axes: Any
+  tx: optax.GradientTransformation
+  init: Any          # (params, router_bias, rng) -> TrainState (jitted)
+  train: Any         # (TrainState, batch, qk_clip_threshold) -> (TrainState, metrics)
+                     #   (jitted, state donated; threshold = inf: no QK-clip)
+  eval: Any          # (params, router_bias, batch) -> (nll_sum, tokens)  (jitted)
+  forward: Any       # (params, router_bias, inputs, targets, segment_ids, mask)
+                     #   -> (token NLL [b, T], router scores [L, b*T, E], experts [L, b*T, k])
+
+
+def split_model(model: nnx.Module) -> tuple[Any, dict, dict]:
+  """(graphdef, params, router_bias) as plain dicts; refuses any other state (it would not
+  be trained nor checkpointed)."""
+  graphdef, params, bias, rest = nnx.split(model, nnx.Param, RouterBias, ...)
+  if jax.tree.leaves(rest):
+    raise ValueError(f"model state outside Params and RouterBias: {rest}")
+  return graphdef, plain(nnx.as_pure(params)), plain(nnx.as_pure(bias))
+
+
+@functools.lru_cache(maxsize=8)
+def build(cfg: ModelConfig, sc: StepConfig) -> Steps:
+  from k3jax.model.transformer import K3Model  # noqa: PLC0415  (heavy import)
+  abstract = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
+  graphdef, params_abs, _, _ = nnx.split(abstract, nnx.Param, RouterBias, ...)
+  axes = plain(logical_axes_from_state(params_abs))
+  tx = optimizer(sc, axes)
+  lr_of = schedule(sc, sc.learning_rate)
+  k, n_experts = cfg.num_experts_per_token, cfg.num_experts
+
+  def forward(params, bias, inputs, segment_ids):
+    model = nnx.merge(graphdef, nnx.State(params), nnx.State(bias))
+    return model(inputs, segment_ids=segment_ids)
+
+  def nll(params, bias, inputs, targets, segment_ids, mask):
+    return token_nll(forward(params, bias, inputs, segment_ids).logits, targets, mask)
+
+  def forward_with_routing(params, bias, inputs, targets, segment_ids, mask):
+    out = forward(params, bias, inputs, segment_ids)
+    return (token_nll(out.logits, targets, mask),
+            jnp.stack([r.scores_ne for r in out.routing]),
+            jnp.stack([r.experts_nk for r in out.routing]))
+
+  def loss_sum(params, bias, mb):
+    out = forward(params, bias, mb["inputs"], mb["segment_ids"])
+    total = jnp.sum(token_nll(out.logits, mb["targets"], mb["loss_mask"]))
+    routing = out.routing
+    aux = {
+        "tokens": jnp.sum(mb["loss_mask"].astype(jnp.int32)),
+        "scores": jnp.stack([r.scores_ne for r in routing]) if routing else None,
+        "experts": jnp.stack([r.experts_nk for r in routing]) if routing else None,
+        "max_logits": out.mla_max_logits,
+    }
+    return total, aux
+
+  grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
+
+  def train(state, batch, qk_clip_threshold):
+    params, bias = state["params"], state["router_bias"]
+    rng, _ = jax.random.split(jax.random.wrap_key_data(state["rng"]))  # forward is deterministic
+
+    def micro(acc, mb):
+      (total, aux), g = grad_fn(params, bias, mb)
+      return jax.tree.map(jnp.add, acc, g), (total, aux)
+
+    if batch["inputs"].shape[0] == 1:  # no accumulation: no loop around the whole model
+      (total, aux), grads = grad_fn(params, bias, jax.tree.map(lambda x: x[0], batch))
+      totals, aux = total[None], jax.tree.map(lambda x: None if x is None else x[None], aux)
+    else:
+      zeros = jax.tree.map(jnp.zeros_like, params)
+      grads, (totals, aux) = jax.lax.scan(micro, zeros, batch)  # over the A micro-batches
+    tokens = jnp.sum(aux["tokens"])
+    denom = jnp.maximum(tokens, 1).astype(jnp.float32)
+    grads = jax.tree.map(lambda g: g / denom, grads)
+    metrics = {"loss": jnp.sum(totals) / denom, "grad_norm": optax.tree.norm(grads),
+               "lr": lr_of(state["step"]), "loss_tokens": tokens}
+
+    updates, opt_state = tx.update(grads, state["opt_state"], params)
+    params = optax.apply_updates(params, updates)
+    if aux["max_logits"] is not None:
+      max_logits = jnp.max(aux["max_logits"], axis=0)          # over micro-batches: [n_mla, H]
+      metrics["mla_max_logit"] = jnp.max(max_logits, axis=-1)  # [n_mla], before any clip
+      params = qk_clip(params, {MLA_PATH: max_logits}, logical_axes=axes,
+                       threshold=jnp.asarray(qk_clip_threshold, jnp.float32))
+
+    if aux["scores"] is not None:
+      bias, load = balance(bias, aux["scores"], aux["experts"], batch["segment_ids"])
+      metrics.update(load)
+    new_state = {"params": params, "router_bias": bias, "opt_state": opt_state,
+                 "step": state["step"] + 1, "rng": jax.random.key_data(rng)}
+    return new_state, metrics
+
+  def balance(bias, scores, experts, segment_ids):
+    """QB of every MoE layer from this step's rows; load before and after."""
+    # [A, L, n, .] -> [L, A*n, .], rows in the same (micro-batch, row, position) order as mask
+    rows = lambda x: jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, x.shape[-1])  # noqa: E731
+    scores, experts = rows(scores), rows(experts)
+    mask = segment_ids.reshape(-1) != 0
+    (path, b_t), = _leaves_with_path(bias)
+    before = jax.vmap(lambda e: expert_load_stats(e, n_experts, mask=mask))(experts)
+    if sc.qb:
+      b_next = jax.vmap(lambda s, b: quantile_balancing_bias(
+          s, b, k, method=sc.qb_method, bins=sc.qb_bins, mask=mask))(scores, b_t)
+    else:
+      b_next = b_t
+    chosen = jax.vmap(lambda s, b: jax.lax.top_k(s + b, k)[1])(scores, b_next)
+    after = jax.vmap(lambda e: expert_load_stats(e, n_experts, mask=mask))(chosen)
+    load = {"load_max_mean_before": before.max_over_mean, "dead_before": before.dead_fraction,
+            "load_max_mean_after": after.max_over_mean, "dead_after": after.dead_fraction}
+    return _set_path(bias, path, b_next.astype(b_t.dtype)), load
+
+  def init(params, bias, rng):
+    return {"params": params, "router_bias": bias, "opt_state": tx.init(params),
+            "step": jnp.zeros((), jnp.int32), "rng": rng}
+
+  def evaluate(params, bias, batch):
+    def one(acc, mb):
+      nll_ = nll(params, bias, mb["inputs"], mb["targets"], mb["segment_ids"], mb["loss_mask"])
+      return (acc[0] + jnp.sum(nll_), acc[1] + jnp.sum(mb["loss_mask"].astype(jnp.int32))), None
+    (total, tokens), _ = jax.lax.scan(one, (jnp.zeros((), jnp.float32),
+                                            jnp.zeros((), jnp.int32)), batch)
+    return total, tokens
+
+  return Steps(graphdef=graphdef, logical_axes=axes, tx=tx, init=jax.jit(init),
+               train=jax.jit(train, donate_argnums=0), eval=jax.jit(evaluate),
+               forward=jax.jit(forward_with_routing))
+
+
+def _leaves_with_path(tree):
+  return jax.tree_util.tree_flatten_with_path(tree)[0]
+
+
+def _set_path(tree: dict, path, value) -> dict:
+  keys = [p.key for p in path]
+  out = dict(tree)
+  node = out
+  for key in keys[:-1]:
+    node[key] = dict(node[key])
+    node = node[key]
+  node[keys[-1]] = value
+  return out
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def init_params(cfg: ModelConfig, seed: int) -> tuple[dict, dict]:
+  """(params, router_bias) of a freshly initialised model, built under jit: creating the
+  stacked modules eagerly runs thousands of tiny ops one by one (a minute on a CPU)."""
+  from k3jax.model.transformer import K3Model  # noqa: PLC0415
+  _, params, bias = split_model(K3Model(cfg, rngs=nnx.Rngs(seed)))
+  return params, bias
+
+
+def abstract_state(steps: Steps, params: Any, bias: Any) -> Any:
+  """Shapes and dtypes of the TrainState for `params` (for an Orbax restore target)."""
+  rng = jax.ShapeDtypeStruct((2,), jnp.uint32)
+  return jax.eval_shape(steps.init, params, bias, rng)
+
+
+def place(tree: Any) -> Any:
+  """Commit a state to the default device, as Orbax restores it: a fresh and a resumed state
+  then lower to the same program (one compile, one persistent-cache entry)."""
+  return jax.device_put(tree, jax.devices()[0])
+
+
+def new_rng(seed: int) -> jax.Array:
+  return jax.random.key_data(jax.random.key(seed))
