@@ -162,3 +162,24 @@ def test_bpe_pattern_is_read_without_running_the_file(tmp_path):
       "  def __init__(self):\n"
       '    self.pat_str = "|".join([r"""[a-z]+""", r"""\\d{1,3}"""])\n')
   assert tokenizer.read_pattern(str(tmp_path)) == r"[a-z]+|\d{1,3}"
+
+
+def test_folder_bpe_encodes_with_its_merges_and_special_tokens(tmp_path):
+  """A tiny BPE in the checkpoint-folder layout (tiktoken.model ranks, tokenization_*.py with
+  pat_str, tokenizer_config.json added tokens): merges apply, text round-trips, and a special
+  token's text inside a document stays ordinary text."""
+  import base64  # noqa: PLC0415
+  merges = [b"de", b"def", b" x"]
+  ranks = [bytes([i]) for i in range(256)] + merges
+  (tmp_path / "tiktoken.model").write_text(
+      "".join(f"{base64.b64encode(t).decode()} {r}\n" for r, t in enumerate(ranks)))
+  (tmp_path / "tokenization_kimi.py").write_text(
+      'pat_str = "|".join([r"""[a-z]+""", r""" ?[a-z]+""", r"""[^a-z]"""])\n')
+  (tmp_path / "tokenizer_config.json").write_text(
+      '{"added_tokens_decoder": {"259": {"content": "<|eos|>"}}}')
+  tok = tokenizer.load_tokenizer("auto", str(tmp_path))
+  assert tok.name == "tiktoken" and tok.vocab_size == 260
+  ids = tok.encode("def x(")
+  assert list(ids) == [257, 258, ord("(")]
+  assert tok.decode(ids) == "def x("
+  assert 259 not in tok.encode("<|eos|>")
