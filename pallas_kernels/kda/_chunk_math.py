@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -298,6 +299,81 @@ def chunk_bwd(q, k, v, g, beta_c, rc, rr, s0, do, ds1, scale, bsub):
   dv, ds0, partials = state_bwd(q, k, v, g, beta_c, rc, rr, M, L_inv, s0, do, ds1, scale)
   dq, dk, dg, dbeta = intra_bwd(q, k, g, beta_c, rc, rr, L_inv, L_raw, partials, scale, bsub)
   return dq, dk, dv, dg, dbeta, ds0
+
+
+# Optional in-kernel preparation of raw inputs (SPEC §4). The kernels apply it in float32 as they
+# load a chunk, the backward recomputes it from the raw inputs and chains its gradient through,
+# so raw q/k/logits/gate are the residuals and nothing prepared is ever written to HBM.
+
+
+class Fused(NamedTuple):
+  """Which raw-input transforms a kernel applies (static; Fused() = prepared inputs).
+
+  T, K: the unpadded token and feature counts. The prepared padding must stay exact (beta = 0
+  on padded tokens, g = 0 on padded tokens and features), but a transform of zero padding is
+  not zero (sigmoid(0) = 1/2), so the kernel masks it.
+  """
+  l2norm_eps: float | None = None  # q, k := x * rsqrt(sum_k x^2 + eps)
+  beta_sigmoid: bool = False  # beta := sigmoid(beta)
+  lower_bound: float | None = None  # g := lb * sigmoid(exp(A_log[h]) * (g + dt_bias[h]))
+  T: int = 0
+  K: int = 0
+
+  @property
+  def gate(self) -> bool:
+    return self.lower_bound is not None
+
+  @property
+  def active(self) -> bool:
+    return self.l2norm_eps is not None or self.beta_sigmoid or self.gate
+
+
+def _sigmoid(x):
+  return 1.0 / (1.0 + jnp.exp(-x))  # exp(-x) = inf gives exactly 0
+
+
+def prepare(f: Fused, q, k, g, beta_c, alog_r, dtb_r, t0):
+  """Raw chunk (float32; t0 = index of its first token) -> prepared (q, k, g, beta_c) and what
+  `raw_grads` needs. alog_r / dtb_r [1,K]: this head's A_log (repeated) and dt_bias rows."""
+  saved = {}
+  if f.l2norm_eps is not None:
+    for name, x in (("q", q), ("k", k)):
+      r = jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + f.l2norm_eps)
+      saved[name] = (x * r, r)
+    q, k = saved["q"][0], saved["k"][0]
+  if f.beta_sigmoid:
+    tok = t0 + _iota((C, 1), 0) < f.T
+    s = _sigmoid(beta_c)
+    saved["beta"] = (tok, s)
+    beta_c = jnp.where(tok, s, 0.0)
+  if f.gate:
+    shape = g.shape
+    valid = (t0 + _iota(shape, 0) < f.T) & (_iota(shape, 1) < f.K)
+    a = jnp.exp(alog_r)
+    s = _sigmoid(a * (g + dtb_r))
+    saved["g"] = (valid, a, s)
+    g = jnp.where(valid, f.lower_bound * s, 0.0)
+  return (q, k, g, beta_c), saved
+
+
+def raw_grads(f: Fused, saved, dq, dk, dg, dbeta_c):
+  """Chain rule from the prepared inputs' gradients to the raw ones (elementwise per token).
+
+  l2norm: y = x r, r = (|x|^2 + eps)^-1/2  =>  dx = r (dy - y <dy, y>).
+  gate: g = lb s(z), z = a (x + dt)  =>  dx = dg lb s (1 - s) a; dz/dA_log and dz/d dt_bias
+  are z and a, reductions over tokens that the wrapper takes from dx.
+  """
+  if f.l2norm_eps is not None:
+    def back(dy, y, r):
+      return r * (dy - y * jnp.sum(dy * y, axis=1, keepdims=True))
+    dq, dk = back(dq, *saved["q"]), back(dk, *saved["k"])
+  if f.beta_sigmoid:
+    tok, s = saved["beta"]
+    dbeta_c = jnp.where(tok, dbeta_c * (s * (1.0 - s)), 0.0)
+  if f.gate:
+    valid, a, s = saved["g"]
+    dg = jnp.where(valid, dg * (f.lower_bound * a) * (s * (1.0 - s)), 0.0)
+  return dq, dk, dg, dbeta_c
 
 
 def decode_step(q_c, k_c, v_r, g_c, beta, s, scale):

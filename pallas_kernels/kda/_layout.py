@@ -6,9 +6,8 @@ lane multiple (128 on TPU). Padding is exact: padded tokens have k = v = 0, g = 
 they neither read nor change the state; padded feature columns are zero in q, k, v, g and the
 state, so they contribute nothing and come back as zeros that we slice off.
 
-Also here: the optional raw-input preprocessing (decay gate with lower bound, beta sigmoid,
-q/k l2norm) that SPEC §4 lets the public op fuse; the backends apply it in the wrapper, where
-JAX differentiates it, before the kernel's own custom_vjp.
+Raw inputs (SPEC §4: gate pre-activation, beta logits, un-normalised q/k) are padded the same
+way; their transforms are not zero on zero padding, so the kernels mask them (_chunk_math.Fused).
 """
 
 from __future__ import annotations
@@ -24,28 +23,33 @@ def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 
 
-def preprocess(q, k, g, beta, *, A_log=None, dt_bias=None, lower_bound=None, use_qk_l2norm=False,
-               beta_is_logits=False):
-  """Optional fused-input transforms (SPEC §2.4), all in float32.
+GATES = (None, "lower_bound", "softplus")
 
-  With A_log [H] (per-head, the first H entries of the checkpoint's vector) given, `g` holds
-  the raw gate pre-activation x W_fa W_fb [B,T,H,K] and becomes
-  lower_bound * sigmoid(exp(A_log[h]) * (g + dt_bias[h,:])).
-  """
-  if use_qk_l2norm:
-    l2 = lambda x: (x.astype(jnp.float32) * jax.lax.rsqrt(
-        jnp.sum(jnp.square(x.astype(jnp.float32)), -1, keepdims=True) + 1e-6)).astype(x.dtype)
-    q, k = l2(q), l2(k)
-  if A_log is not None:
-    H, K = g.shape[-2:]
-    lb = -5.0 if lower_bound is None else lower_bound
-    x = g.astype(jnp.float32)
-    if dt_bias is not None:
-      x = x + dt_bias.astype(jnp.float32).reshape(H, K)
-    g = lb * jax.nn.sigmoid(jnp.exp(A_log.astype(jnp.float32)[:H])[:, None] * x)
-  if beta_is_logits:
-    beta = jax.nn.sigmoid(beta.astype(jnp.float32))
-  return q, k, g, beta
+
+def check_gate(g, A_log, dt_bias, gate, lower_bound):
+  """The decay gate's arguments (ops.prepare_inputs and the in-kernel gate take the same)."""
+  if gate not in GATES:
+    raise ValueError(f"unknown gate {gate!r}; expected one of {GATES}")
+  if gate is None:
+    return
+  H, K = g.shape[-2:]
+  if A_log is None:
+    raise ValueError(f"gate={gate!r} needs A_log (one value per head)")
+  if A_log.size != H:
+    raise ValueError(f"A_log must hold one value per head ({H}), got shape {A_log.shape}")
+  if dt_bias is not None and dt_bias.size != H * K:
+    raise ValueError(f"dt_bias must have H*K = {H * K} values, got shape {dt_bias.shape}")
+  if gate == "lower_bound" and lower_bound is None:
+    raise ValueError('gate="lower_bound" needs lower_bound (K3 uses -5)')
+
+
+def gate_rows(A_log, dt_bias, H: int, K: int, Kp: int):
+  """A_log [H] and dt_bias [H*K] (or None) -> float32 rows [H,1,Kp] for the in-kernel gate:
+  A_log repeated along the lanes (its gradient is then the sum over them), dt_bias zero-padded."""
+  alog = jnp.broadcast_to(A_log.astype(jnp.float32).reshape(H, 1, 1), (H, 1, Kp))
+  dtb = (jnp.zeros((H, 1, K), jnp.float32) if dt_bias is None
+         else dt_bias.astype(jnp.float32).reshape(H, 1, K))
+  return alog, jnp.pad(dtb, ((0, 0), (0, 0), (0, Kp - K)))
 
 
 def reset_counts(segment_ids, B: int, T: int, Tp: int):

@@ -148,7 +148,8 @@ def _state_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, rc_ref, rr_ref, M_re
   ht_ref[...] = jax.lax.fori_loop(0, nt, step, h0_ref[...])
 
 
-def _fwd_call(q, k, v, g, beta, h0, rc, rr, *, scale, save_states, interpret):
+def _fwd_call(q, k, v, g, beta, h0, rc, rr, alog, dtb, *, scale, save_states, interpret, fused):
+  assert not fused.active and alog is None, "the GPU kernels take prepared inputs"
   B, H, Tp, K = q.shape
   V = v.shape[-1]
   NT, bv = Tp // C, min(V, BV)
@@ -182,7 +183,9 @@ def _state_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, rc_ref, rr_ref, M_re
   dh0_ref[...] = jax.lax.fori_loop(0, nt, step, dht_ref[...])
 
 
-def _bwd_call(q, k, v, g, beta, rc, rr, states, do, dht, *, scale, interpret):
+def _bwd_call(q, k, v, g, beta, rc, rr, alog, dtb, states, do, dht, *, scale, interpret,
+              fused):
+  assert not fused.active and alog is None, "the GPU kernels take prepared inputs"
   B, H, Tp, K = q.shape
   V = v.shape[-1]
   NT, bv = Tp // C, min(V, BV)
@@ -223,15 +226,20 @@ def kda_gpu(
     dt_bias: jax.Array | None = None,
     lower_bound: float | None = None,
     use_qk_l2norm: bool = False,
+    l2norm_eps: float = 1e-6,
     beta_is_logits: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
   """KDA on NVIDIA GPUs; same contract and options as `tpu.kda_tpu`. `interpret=True` runs
-  the Triton-lowered kernels in Pallas interpret mode (any backend, e.g. CPU)."""
+  the Triton-lowered kernels in Pallas interpret mode (any backend, e.g. CPU).
+
+  The raw-input options are applied in the wrapper (ops.prepare_inputs), not in-kernel: the
+  K-blocked intra_bwd kernel never sees a whole q/k row, which the l2norm's backward needs."""
   return _wrapper.kda_with(
       _kda_core, _layout.power_of_two, q, k, v, g, beta, scale=scale,
       initial_state=initial_state, output_final_state=output_final_state,
-      segment_ids=segment_ids, interpret=interpret, A_log=A_log, dt_bias=dt_bias,
-      lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm, beta_is_logits=beta_is_logits)
+      segment_ids=segment_ids, interpret=interpret, in_kernel=False, A_log=A_log,
+      dt_bias=dt_bias, lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm,
+      l2norm_eps=l2norm_eps, beta_is_logits=beta_is_logits)
 
 
 def _step_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref, *, scale):

@@ -5,8 +5,9 @@ backend's custom backward.
                segment_ids=..., backend=None | "naive" | "chunked" | "pallas_tpu" | "pallas_gpu")
 
 Layouts: q, k [B,T,H,K]; v [B,T,H,V]; g [B,T,H,K]; beta [B,T,H]; state [B,H,K,V] float32.
-Optional raw-input preparation, in float32 (float64 for float64 inputs), differentiable, applied
-here in jnp before the core so a kernel can later fuse it:
+Optional raw-input preparation, in float32 (float64 for float64 inputs), differentiable; the
+Pallas backends fuse it into their kernels (except the softplus gate), the others apply it here
+in jnp (`prepare_inputs`, also the reference for the kernels' in-kernel version):
   use_qk_l2norm     q, k := x * rsqrt(sum_k x^2 + l2norm_eps)
   use_beta_sigmoid  beta := sigmoid(beta)
   gate="lower_bound"  g := lower_bound * sigmoid(exp(A_log[h]) * (g + dt_bias[h]))   (K3)
@@ -26,14 +27,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kda import reference
+from pallas_kernels.kda import _layout, reference
 from pallas_kernels.kda.reference import (CHUNK, Intra, chunk_apply, chunk_inputs, chunk_intra,
                                           from_chunks, heads_major, naive_kda, to_chunks,
                                           transposed)
 
 BACKENDS = ("naive", "chunked", "pallas_tpu", "pallas_gpu")
-GATES = (None, "lower_bound", "softplus")
-
+GATES = _layout.GATES
 
 
 def default_backend() -> str:
@@ -99,8 +99,7 @@ def prepare_inputs(q, k, g, beta, *, A_log=None, dt_bias=None, gate=None, lower_
   Everything runs in float32 (float64 when an input is float64); untouched inputs keep their
   dtype. Plain jnp, so JAX differentiates it, including into A_log and dt_bias.
   """
-  if gate not in GATES:
-    raise ValueError(f"unknown gate {gate!r}; expected one of {GATES}")
+  _layout.check_gate(g, A_log, dt_bias, gate, lower_bound)
   wide = lambda *xs: jnp.result_type(jnp.float32, *(x.dtype for x in xs if x is not None))
   if use_qk_l2norm:
     def l2norm(x):
@@ -111,20 +110,12 @@ def prepare_inputs(q, k, g, beta, *, A_log=None, dt_bias=None, gate=None, lower_
     beta = jax.nn.sigmoid(beta.astype(wide(beta)))
   if gate is not None:
     H, K = g.shape[-2:]
-    if A_log is None:
-      raise ValueError(f"gate={gate!r} needs A_log (one value per head)")
-    if A_log.size != H:
-      raise ValueError(f"A_log must hold one value per head ({H}), got shape {A_log.shape}")
     dt = wide(g, A_log, dt_bias)
     a_h1 = jnp.exp(A_log.astype(dt).reshape(H, 1))
     x = g.astype(dt)
     if dt_bias is not None:
-      if dt_bias.size != H * K:
-        raise ValueError(f"dt_bias must have H*K = {H * K} values, got shape {dt_bias.shape}")
       x = x + dt_bias.astype(dt).reshape(H, K)
     if gate == "lower_bound":
-      if lower_bound is None:
-        raise ValueError('gate="lower_bound" needs lower_bound (K3 uses -5)')
       g = lower_bound * jax.nn.sigmoid(a_h1 * x)
     else:
       g = -a_h1 * jax.nn.softplus(x)
@@ -159,6 +150,21 @@ def kda(
   Pallas kernels (to run them on a CPU).
   """
   backend = _resolve(backend, _pallas_impl)
+  if backend in ("pallas_tpu", "pallas_gpu") and gate != "softplus":
+    # K3's gate, beta sigmoid and q/k l2norm go to the backend raw: the TPU kernels prepare
+    # them in-kernel, the GPU wrapper with prepare_inputs (see gpu.py). Checked here because
+    # the backends read "gate" off A_log.
+    _layout.check_gate(g, A_log, dt_bias, gate, lower_bound)
+    impl = _pallas_impl(backend)
+    if impl is None:
+      raise ImportError(f"KDA backend {backend!r} is not available in this installation")
+    fused = gate == "lower_bound"
+    return impl(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, segment_ids=segment_ids,
+                interpret=interpret, A_log=A_log if fused else None,
+                dt_bias=dt_bias if fused else None, lower_bound=lower_bound,
+                use_qk_l2norm=use_qk_l2norm, l2norm_eps=l2norm_eps,
+                beta_is_logits=use_beta_sigmoid)
   q, k, g, beta = prepare_inputs(
       q, k, g, beta, A_log=A_log, dt_bias=dt_bias, gate=gate, lower_bound=lower_bound,
       use_qk_l2norm=use_qk_l2norm, l2norm_eps=l2norm_eps, use_beta_sigmoid=use_beta_sigmoid)

@@ -12,6 +12,11 @@ intermediates from the stored entering state and carries dS (float32 scratch) to
 before. Inputs may be bf16 or float32; all math and accumulation is float32, and every matmul
 runs at Precision.HIGHEST (the 1e-5 contract; the MXU then takes several bf16 passes).
 
+Raw inputs (static `fused`, see _chunk_math.Fused): each step prepares its chunk in float32 as it
+loads it (q/k l2norm, beta sigmoid, K3's gate from the per-head A_log / dt_bias rows), and the
+backward step recomputes that and returns the gradients w.r.t. the raw inputs; the wrapper turns
+the raw gate's gradient into those of A_log and dt_bias.
+
 Unlike the GPU backend, one kernel per direction is enough: VMEM holds every [64,64] / [64,K]
 intermediate of a chunk comfortably (it compiles for v5e and v6e; see test_tpu_aot.py).
 """
@@ -52,14 +57,28 @@ def _specs(NT, K, V, reverse: bool):
       rr=pl.BlockSpec((sq, sq, 1, C), lambda b, h, c: (b, ci(c), 0, 0)),
       state=pl.BlockSpec((sq, sq, K, V), lambda b, h, c: (b, h, 0, 0)),
       chunk_state=pl.BlockSpec((sq, sq, sq, K, V), lambda b, h, c: (b, h, ci(c), 0, 0)),
+      head_row=pl.BlockSpec((sq, 1, K), lambda b, h, c: (h, 0, 0)),
   )
 
 
 _PARAMS = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"))
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, rc_ref, rr_ref, h0_ref,
-                o_ref, ht_ref, *rest, scale, save_states):
+def _load(fused, c_data, q_ref, k_ref, g_ref, beta_ref, head_refs):
+  """The chunk's q, k, g, beta in float32, prepared in-kernel from raw inputs if `fused`."""
+  raw = (q_ref[...].astype(_f32), k_ref[...].astype(_f32), g_ref[...].astype(_f32),
+         beta_ref[...])
+  if not fused.active:
+    return raw, None
+  alog_r, dtb_r = (r[...] for r in head_refs) if head_refs else (None, None)
+  return cm.prepare(fused, *raw, alog_r, dtb_r, c_data * C)
+
+
+def _fwd_kernel(*refs, scale, save_states, fused):
+  n_in = 10 if fused.gate else 8
+  (q_ref, k_ref, v_ref, g_ref, beta_ref, rc_ref, rr_ref, h0_ref), head_refs = (
+      refs[:8], refs[8:n_in])
+  o_ref, ht_ref, *rest = refs[n_in:]
   states_ref, s_scr = (rest[0], rest[1]) if save_states else (None, rest[0])
   c = pl.program_id(2)
 
@@ -70,9 +89,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, rc_ref, rr_ref, h0_ref,
   s0 = s_scr[...]
   if save_states:
     states_ref[...] = s0
-  o, s1 = cm.chunk_fwd(q_ref[...].astype(_f32), k_ref[...].astype(_f32), v_ref[...].astype(_f32),
-                       g_ref[...].astype(_f32), beta_ref[...], rc_ref[...], rr_ref[...], s0, scale,
-                       cm.bsub_reshape)
+  (q, k, g, beta), _ = _load(fused, c, q_ref, k_ref, g_ref, beta_ref, head_refs)
+  o, s1 = cm.chunk_fwd(q, k, v_ref[...].astype(_f32), g, beta, rc_ref[...], rr_ref[...], s0,
+                       scale, cm.bsub_reshape)
   o_ref[...] = o.astype(o_ref.dtype)
   s_scr[...] = s1
 
@@ -81,12 +100,19 @@ def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, rc_ref, rr_ref, h0_ref,
     ht_ref[...] = s1
 
 
-def _fwd_call(q, k, v, g, beta, h0, rc, rr, *, scale, save_states, interpret):
+def _head_args(s, alog, dtb):
+  """Specs and operands of the per-head gate rows: only when the gate is fused."""
+  return ([s["head_row"]] * 2, [alog, dtb]) if alog is not None else ([], [])
+
+
+def _fwd_call(q, k, v, g, beta, h0, rc, rr, alog, dtb, *, scale, save_states, interpret, fused):
   B, H, Tp, K = q.shape
   V = v.shape[-1]
   NT = Tp // C
   s = _specs(NT, K, V, reverse=False)
-  (q, k, v, g, beta, h0, rc, rr), mat = _layout.match_vma(q, k, v, g, beta, h0, rc, rr)
+  head_specs, head_args = _head_args(s, alog, dtb)
+  (q, k, v, g, beta, h0, rc, rr, *head_args), mat = _layout.match_vma(
+      q, k, v, g, beta, h0, rc, rr, *head_args)
   out_shape = [_layout.out_struct((B, H, Tp, V), v.dtype, mat),
                _layout.out_struct((B, H, K, V), _f32, mat)]
   out_specs = [s["v"], s["state"]]
@@ -94,31 +120,39 @@ def _fwd_call(q, k, v, g, beta, h0, rc, rr, *, scale, save_states, interpret):
     out_shape.append(_layout.out_struct((B, H, NT, K, V), _f32, mat))
     out_specs.append(s["chunk_state"])
   outs = pl.pallas_call(
-      functools.partial(_fwd_kernel, scale=scale, save_states=save_states),
+      functools.partial(_fwd_kernel, scale=scale, save_states=save_states, fused=fused),
       grid=(B, H, NT),
-      in_specs=[s["k"], s["k"], s["v"], s["k"], s["beta"], s["rc"], s["rr"], s["state"]],
+      in_specs=[s["k"], s["k"], s["v"], s["k"], s["beta"], s["rc"], s["rr"], s["state"]]
+      + head_specs,
       out_specs=out_specs,
       out_shape=out_shape,
       scratch_shapes=[pltpu.VMEM((K, V), _f32)],
       compiler_params=_PARAMS,
       interpret=_interpret_arg(interpret),
       name="kda_fwd_tpu",
-  )(q, k, v, g, beta, rc, rr, h0)
+  )(q, k, v, g, beta, rc, rr, h0, *head_args)
   return outs if save_states else (*outs, None)
 
 
-def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, rc_ref, rr_ref, s0_ref, do_ref, dht_ref,
-                dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, dh0_ref, ds_scr, *, scale):
+def _bwd_kernel(*refs, scale, fused):
+  """With `fused`, recomputes the prepared inputs and returns gradients w.r.t. the raw ones."""
+  n_in = 12 if fused.gate else 10
+  (q_ref, k_ref, v_ref, g_ref, beta_ref, rc_ref, rr_ref, s0_ref, do_ref, dht_ref) = refs[:10]
+  head_refs = refs[10:n_in]
+  dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, dh0_ref, ds_scr = refs[n_in:]
   c = pl.program_id(2)  # counts chunks from the end
 
   @pl.when(c == 0)
   def _():
     ds_scr[...] = dht_ref[...]
 
+  c_data = pl.num_programs(2) - 1 - c
+  (q, k, g, beta), saved = _load(fused, c_data, q_ref, k_ref, g_ref, beta_ref, head_refs)
   dq, dk, dv, dg, dbeta, ds0 = cm.chunk_bwd(
-      q_ref[...].astype(_f32), k_ref[...].astype(_f32), v_ref[...].astype(_f32),
-      g_ref[...].astype(_f32), beta_ref[...], rc_ref[...], rr_ref[...], s0_ref[...],
+      q, k, v_ref[...].astype(_f32), g, beta, rc_ref[...], rr_ref[...], s0_ref[...],
       do_ref[...].astype(_f32), ds_scr[...], scale, cm.bsub_reshape)
+  if fused.active:
+    dq, dk, dg, dbeta = cm.raw_grads(fused, saved, dq, dk, dg, dbeta)
   dq_ref[...] = dq.astype(dq_ref.dtype)
   dk_ref[...] = dk.astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
@@ -131,18 +165,20 @@ def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, rc_ref, rr_ref, s0_ref, do
     dh0_ref[...] = ds0
 
 
-def _bwd_call(q, k, v, g, beta, rc, rr, states, do, dht, *, scale, interpret):
+def _bwd_call(q, k, v, g, beta, rc, rr, alog, dtb, states, do, dht, *, scale, interpret,
+              fused):
   B, H, Tp, K = q.shape
   V = v.shape[-1]
   NT = Tp // C
   s = _specs(NT, K, V, reverse=True)
-  (q, k, v, g, beta, rc, rr, states, do, dht), mat = _layout.match_vma(
-      q, k, v, g, beta, rc, rr, states, do, dht)
+  head_specs, head_args = _head_args(s, alog, dtb)
+  (q, k, v, g, beta, rc, rr, states, do, dht, *head_args), mat = _layout.match_vma(
+      q, k, v, g, beta, rc, rr, states, do, dht, *head_args)
   return pl.pallas_call(
-      functools.partial(_bwd_kernel, scale=scale),
+      functools.partial(_bwd_kernel, scale=scale, fused=fused),
       grid=(B, H, NT),
       in_specs=[s["k"], s["k"], s["v"], s["k"], s["beta"], s["rc"], s["rr"], s["chunk_state"],
-                s["v"], s["state"]],
+                s["v"], s["state"]] + head_specs,
       out_specs=[s["k"], s["k"], s["v"], s["k"], s["beta"], s["state"]],
       out_shape=[_layout.out_struct(x.shape, x.dtype, mat) for x in (q, k, v, g, beta)]
       + [_layout.out_struct((B, H, K, V), _f32, mat)],
@@ -150,7 +186,7 @@ def _bwd_call(q, k, v, g, beta, rc, rr, states, do, dht, *, scale, interpret):
       compiler_params=_PARAMS,
       interpret=_interpret_arg(interpret),
       name="kda_bwd_tpu",
-  )(q, k, v, g, beta, rc, rr, states, do, dht)
+  )(q, k, v, g, beta, rc, rr, states, do, dht, *head_args)
 
 
 _kda_core = _wrapper.make_core(_fwd_call, _bwd_call)
@@ -172,20 +208,24 @@ def kda_tpu(
     dt_bias: jax.Array | None = None,
     lower_bound: float | None = None,
     use_qk_l2norm: bool = False,
+    l2norm_eps: float = 1e-6,
     beta_is_logits: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
   """KDA on TPU (see reference.naive_kda for the contract). Differentiable in q, k, v, g, beta
-  and initial_state. `interpret=True` runs the kernels in Pallas TPU interpret mode on CPU.
+  and initial_state (and A_log, dt_bias when given). `interpret=True` runs the kernels in
+  Pallas TPU interpret mode on CPU.
 
-  Optional fused inputs (SPEC §4): with `A_log` [H] (and `dt_bias` [H*K], `lower_bound`,
-  default -5) `g` is the raw gate pre-activation; `beta_is_logits` applies the sigmoid;
-  `use_qk_l2norm` normalises q and k. These run in the wrapper, in float32.
+  Optional raw inputs (SPEC §4), prepared in-kernel in float32 as each chunk is loaded (the
+  math of ops.prepare_inputs): with `A_log` [H] (and `dt_bias` [H,K], `lower_bound`) `g` is the
+  raw gate pre-activation; `beta_is_logits` applies the sigmoid; `use_qk_l2norm` normalises q
+  and k with `l2norm_eps`. The backward kernel returns the raw inputs' gradients.
   """
   return _wrapper.kda_with(
       _kda_core, _layout.lane_multiple, q, k, v, g, beta, scale=scale,
       initial_state=initial_state, output_final_state=output_final_state,
-      segment_ids=segment_ids, interpret=interpret, A_log=A_log, dt_bias=dt_bias,
-      lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm, beta_is_logits=beta_is_logits)
+      segment_ids=segment_ids, interpret=interpret, in_kernel=True, A_log=A_log,
+      dt_bias=dt_bias, lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm,
+      l2norm_eps=l2norm_eps, beta_is_logits=beta_is_logits)
 
 
 def _step_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref, *, scale):

@@ -39,6 +39,13 @@ def test_odd_feature_sizes_are_padded():
   kda_cases.assert_close("final_state", ht, ht_ref)
 
 
+def test_public_op_with_the_lower_bound_gate():
+  """ops.kda hands K3's raw inputs to kda_gpu, which prepares them in its wrapper (the GPU
+  kernels take prepared inputs); same as "naive"."""
+  kda_cases.check_fused_against_naive(kda_cases.via_op("pallas_gpu"), B=2, T=63, H=2, K=16,
+                                      V=32, reference=kda_cases.via_op("naive"))
+
+
 def test_lowers_to_triton_for_cuda_forward_and_gradient():
   """Pallas -> Triton IR for an (abstract) H100, no GPU needed. Compiling that IR to a cubin
   happens inside XLA:GPU, which needs the CUDA PJRT plugin and a GPU: not checked here."""

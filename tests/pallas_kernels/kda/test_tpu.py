@@ -3,6 +3,8 @@
 K=32, V=64 exercise the wrapper's padding of K and V to the 128 lanes the kernel tiles use.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -39,24 +41,28 @@ def test_no_state_no_segments_and_custom_scale():
   kda_cases.assert_close("o", o, o_ref)
 
 
-def test_fused_gate_beta_and_l2norm_options():
-  """Raw inputs: g = lb*sigmoid(exp(A_log[h]) * (x + dt_bias)), beta = sigmoid(logits),
-  q/k l2norm, checked against naive_kda on the transformed inputs."""
-  B, T, H, K, V = 1, 64, 2, 32, 32
-  ks = jax.random.split(jax.random.key(11), 6)
-  q = jax.random.normal(ks[0], (B, T, H, K))
-  k = jax.random.normal(ks[1], (B, T, H, K))
-  v = jax.random.normal(ks[2], (B, T, H, V))
-  x = jax.random.normal(ks[3], (B, T, H, K))
-  logits = jax.random.normal(ks[4], (B, T, H))
-  A_log = jnp.concatenate([jnp.array([0.3, -0.5]), jnp.zeros(K - H)])  # checkpoint layout
-  dt_bias = 0.1 * jax.random.normal(ks[5], (H * K,))
-  o, _ = kernel(q, k, v, x, logits, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
-                use_qk_l2norm=True, beta_is_logits=True)
-  l2 = lambda a: a * jax.lax.rsqrt(jnp.sum(a * a, -1, keepdims=True) + 1e-6)
-  g = -5.0 * jax.nn.sigmoid(jnp.exp(A_log[:H])[:, None] * (x + dt_bias.reshape(H, K)))
-  o_ref, _ = naive_kda(l2(q), l2(k), v, g, jax.nn.sigmoid(logits))
-  kda_cases.assert_close("o", o, o_ref)
+def fused(*args, **kw):
+  return kernel(*args, **kw, use_qk_l2norm=True, beta_is_logits=True)
+
+
+@pytest.mark.parametrize("B, T, l2norm_eps", [(2, 63, 1e-6), (2, 130, 1e-6), (1, 63, 0.1)])
+def test_fused_raw_inputs_match_naive_on_prepared(B, T, l2norm_eps):
+  """K3's gate (lower bound), beta sigmoid and q/k l2norm prepared in-kernel, and their chain
+  rule in the backward kernel: outputs, state and gradients w.r.t. raw q, k, v, gate
+  pre-activation, beta logits, A_log, dt_bias and h0. eps=0.1 checks that eps reaches the
+  kernel (at 1e-6 it would move o by ~1e-3). Small B*T*K: see check_fused_against_naive."""
+  kda_cases.check_fused_against_naive(fused, B=B, T=T, H=2, K=16, V=32, l2norm_eps=l2norm_eps)
+
+
+def test_fused_bf16_raw_inputs():
+  kda_cases.check_fused_against_naive(fused, B=1, T=70, H=2, K=16, V=32, dtype=jnp.bfloat16,
+                                      seed=9)
+
+
+def test_public_op_fuses_the_lower_bound_gate():
+  """ops.kda with gate="lower_bound" hands the raw inputs to the kernel; same as "naive"."""
+  kda_cases.check_fused_against_naive(kda_cases.via_op("pallas_tpu"), B=2, T=63, H=2, K=16,
+                                      V=32, reference=kda_cases.via_op("naive"))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -82,3 +88,31 @@ def test_inside_shard_map_over_batch():
   o_ref, ht_ref = naive_kda(q, k, v, g, beta, output_final_state=True)
   kda_cases.assert_close("o", o, o_ref)
   kda_cases.assert_close("final_state", ht, ht_ref)
+
+
+def test_fused_inside_shard_map_over_batch():
+  """Fused raw inputs under shard_map with A_log / dt_bias replicated over the batch axis:
+  their gradients are the batch-sharded kernel's per-shard sums, summed over the mesh."""
+  from jax.sharding import PartitionSpec as P
+  mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+  raw = kda_cases.make_raw_inputs(2, 64, 2, 16, 32, seed=19)[:7]
+  put = lambda a, spec: jax.device_put(a, jax.sharding.NamedSharding(mesh, spec))
+  sharded = [put(a, P("data")) for a in raw[:5]] + [put(a, P()) for a in raw[5:]]
+  opts = dict(lower_bound=kda_cases.LOWER_BOUND, l2norm_eps=1e-6, output_final_state=True)
+  d = P("data")
+  run = jax.shard_map(lambda *a: fused(*a[:5], A_log=a[5], dt_bias=a[6], **opts), mesh=mesh,
+                      in_specs=(d,) * 5 + (P(), P()), out_specs=(d, d))
+  ref = lambda *a: kda_cases.naive_on_prepared(*a[:5], A_log=a[5], dt_bias=a[6], **opts)
+  wo = jax.random.normal(jax.random.key(3), raw[2].shape)
+
+  def loss(fn, *a):
+    o, ht = fn(*a)
+    return jnp.sum(o * wo) + jnp.sum(ht), (o, ht)
+
+  grad = lambda fn: jax.grad(functools.partial(loss, fn), (5, 6), has_aux=True)
+  (dA, ddt), (o, ht) = jax.jit(grad(run))(*sharded)
+  (dA_ref, ddt_ref), (o_ref, ht_ref) = grad(ref)(*raw)
+  kda_cases.assert_close("o", o, o_ref)
+  kda_cases.assert_close("final_state", ht, ht_ref)
+  kda_cases.assert_close("dA_log", dA, dA_ref)
+  kda_cases.assert_close("ddt_bias", ddt, ddt_ref)

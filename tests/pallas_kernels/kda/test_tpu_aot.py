@@ -2,7 +2,8 @@
 
 Interpret mode checks the math; only Mosaic's compiler proves the kernels lower for a TPU
 (SPEC §4). libtpu provides the compiler and the topology description; no TPU is needed. We
-compile forward and gradient (bf16, T=2048, H=4, K=V=128, B=2) inside a shard_map over a 2x2
+compile forward and gradient (bf16, T=2048, H=4, K=V=128, B=2; prepared inputs, and raw inputs
+with the gate, beta sigmoid and l2norm fused in-kernel) inside a shard_map over a 2x2
 mesh of the topology's chips (batch x heads), so the kernels compile as they would run sharded.
 """
 
@@ -33,22 +34,30 @@ def _mesh(topology_name):
                            else [topo.devices[:2], topo.devices[2:]], ("data", "heads"))
 
 
-def _sharded_kda(mesh):
+def _sharded_kda(mesh, fused=False):
+  """fused: raw inputs (K3's gate from A_log [H] / dt_bias [H,K], beta logits, q/k l2norm)
+  prepared in-kernel; A_log and dt_bias are sharded over heads only, replicated over data."""
   spec_t = P("data", None, "heads", None)
   spec_s = P("data", "heads", None, None)
+  specs = (spec_t, spec_t, spec_t, spec_t, P("data", None, "heads"), spec_s)
+  if fused:
+    specs += (P("heads"), P("heads", None))
 
-  @functools.partial(jax.shard_map, mesh=mesh,
-                     in_specs=(spec_t, spec_t, spec_t, spec_t, P("data", None, "heads"), spec_s),
-                     out_specs=(spec_t, spec_s))
-  def run(q, k, v, g, beta, h0):
-    return kda_tpu(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=specs, out_specs=(spec_t, spec_s))
+  def run(q, k, v, g, beta, h0, *gate):
+    opts = {}
+    if fused:
+      opts = dict(A_log=gate[0], dt_bias=gate[1], lower_bound=-5.0, use_qk_l2norm=True,
+                  beta_is_logits=True)
+    return kda_tpu(q, k, v, g, beta, initial_state=h0, output_final_state=True, **opts)
 
-  return run, (spec_t, spec_t, spec_t, spec_t, P("data", None, "heads"), spec_s)
+  return run, specs
 
 
 def _args(mesh, specs):
   shapes = [((B, T, H, K), jnp.bfloat16), ((B, T, H, K), jnp.bfloat16), ((B, T, H, V), jnp.bfloat16),
-            ((B, T, H, K), jnp.float32), ((B, T, H), jnp.float32), ((B, H, K, V), jnp.float32)]
+            ((B, T, H, K), jnp.float32), ((B, T, H), jnp.float32), ((B, H, K, V), jnp.float32),
+            ((H,), jnp.float32), ((H, K), jnp.float32)]
   return [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, p)) for (s, d), p in zip(shapes, specs)]
 
 
@@ -58,25 +67,26 @@ def _compile(fn, args):
   return compiled, time.perf_counter() - t0
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["prepared", "fused_raw_inputs"])
 @pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
-def test_kda_tpu_compiles_forward_and_gradient(topology):
+def test_kda_tpu_compiles_forward_and_gradient(topology, fused):
   mesh = _mesh(topology)
-  run, specs = _sharded_kda(mesh)
+  run, specs = _sharded_kda(mesh, fused)
   args = _args(mesh, specs)
 
   fwd, t_fwd = _compile(run, args)
   hlo = fwd.as_text()
   assert "kda_fwd_tpu" in hlo and "tpu_custom_call" in hlo
 
-  def loss(q, k, v, g, beta, h0):
-    o, ht = run(q, k, v, g, beta, h0)
+  def loss(*a):
+    o, ht = run(*a)
     return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(ht)
 
-  grad, t_grad = _compile(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)), args)
+  grad, t_grad = _compile(jax.grad(loss, argnums=tuple(range(len(args)))), args)
   hlo = grad.as_text()
   assert "kda_fwd_tpu" in hlo and "kda_bwd_tpu" in hlo
   mem = grad.memory_analysis()
-  print(f"\n{topology}: forward compiled in {t_fwd:.1f}s, gradient in {t_grad:.1f}s; gradient "
+  print(f"\n{topology} {'fused' if fused else 'prepared'}: forward compiled in {t_fwd:.1f}s, gradient in {t_grad:.1f}s; gradient "
         f"memory per device: args {mem.argument_size_in_bytes / 2**20:.1f} MiB, "
         f"temp {mem.temp_size_in_bytes / 2**20:.1f} MiB, out {mem.output_size_in_bytes / 2**20:.1f} MiB")
 
