@@ -74,6 +74,8 @@ class ModelConfig:
     matmul_precision: jax.lax.Precision name for matmuls ("default" or "highest"); parity
       work wants "highest".
     kda_backend: KDA op backend; None picks by platform (see pallas_kernels.kda.ops).
+    moe_grouped_matmul: routed experts' grouped matmul, "ragged_dot" or "tiled"; None picks by
+      platform (tiled on CPU, where ragged_dot is slow; see k3jax.model.grouped_matmul).
     remat: rematerialise each layer in the backward pass.
     scan_layers: run the longest stretch of identical repeating layer units under one
       lax.scan (compile time independent of depth); numerically identical to unrolling.
@@ -128,6 +130,7 @@ class ModelConfig:
   param_dtype: str = "float32"
   matmul_precision: Literal["default", "high", "highest"] = "default"
   kda_backend: str | None = None
+  moe_grouped_matmul: Literal["ragged_dot", "tiled"] | None = None
   remat: bool = False
   scan_layers: bool = True
 

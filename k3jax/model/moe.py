@@ -1,7 +1,8 @@
 """Router, routed experts and the Stable LatentMoE block (SPEC §2.6).
 
 Dropless: every selected (token, expert) pair is computed. The pairs are sorted by expert and
-run as grouped matmuls (`jax.lax.ragged_dot`), never as a loop over all experts.
+run as grouped matmuls (`grouped_matmul`: `jax.lax.ragged_dot`, or padded tiles on CPU), never
+as a loop over all experts.
 
     s = sigmoid(x W_r)                           # fp32 [N, E]
     T = topk(s + b, k)                           # b: router bias, set by Quantile Balancing
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import ModelConfig
+from k3jax.model.grouped_matmul import grouped_matmul
 from k3jax.model.layers import (Projection, RMSNorm, annotated, fan_in_normal, make_param,
                                 wide_dtype)
 from k3jax.model.mlp import MLP, glu
@@ -85,11 +87,10 @@ class RoutedExperts(nnx.Module):
     token = order // k
     group_sizes = jnp.bincount(flat_expert, length=e).astype(jnp.int32)
     z_mh = z_nh.astype(dt)[token]
-    prec = self.cfg.precision
-    gate = jax.lax.ragged_dot(z_mh, self.w1[...].astype(dt), group_sizes, precision=prec)
-    up = jax.lax.ragged_dot(z_mh, self.w3[...].astype(dt), group_sizes, precision=prec)
-    y_mh = jax.lax.ragged_dot(glu(self.cfg, gate, up), self.w2[...].astype(dt), group_sizes,
-                              precision=prec)
+    gmm = lambda x, w: grouped_matmul(x, w[...].astype(dt), group_sizes,  # noqa: E731
+                                      impl=self.cfg.moe_grouped_matmul,
+                                      precision=self.cfg.precision)
+    y_mh = gmm(glu(self.cfg, gmm(z_mh, self.w1), gmm(z_mh, self.w3)), self.w2)
     wide = wide_dtype(dt)
     p_m = routing.weights_nk.reshape(-1)[order].astype(wide)
     return jnp.zeros((n, y_mh.shape[-1]), wide).at[token].add(y_mh.astype(wide) * p_m[:, None])

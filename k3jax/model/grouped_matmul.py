@@ -1,0 +1,55 @@
+"""Grouped matmul of expert-sorted rows: y[i] = x[i] @ w[expert of row i] (dropless MoE).
+
+    grouped_matmul(x_mh, w_ehf, group_sizes_e, impl=None) -> y_mf
+
+Rows arrive sorted by expert, `group_sizes` [E] of them per expert (sum = m). Two
+implementations, equal up to float summation order:
+
+  "ragged_dot"  jax.lax.ragged_dot: XLA's grouped matmul (MXU / tensor-core kernels on TPU and
+                GPU). On XLA:CPU it runs ~50x slower than a dense matmul of the same FLOPs
+                (measured at m=8192, h=f=256, E=32): the CPU lowering does not tile by group.
+  "tiled"       every group is padded to a multiple of `tile` rows, so each tile of rows
+                belongs to one expert; the tiles then run as one batched matmul against their
+                experts' weights (gathered per tile). Static shapes: at most ceil(m / tile) + E
+                tiles, so padding costs at most E * tile rows. ~18x faster than ragged_dot on
+                XLA:CPU at the shape above (fwd+bwd), 2.7x a dense matmul of the same FLOPs.
+
+impl=None picks "tiled" on CPU and "ragged_dot" elsewhere.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+IMPLS = ("ragged_dot", "tiled")
+TILE = 128  # rows per tile; the padding waste (< E * TILE rows) buys fewer, larger matmuls
+
+
+def default_impl() -> str:
+  return "tiled" if jax.default_backend() == "cpu" else "ragged_dot"
+
+
+def grouped_matmul(x_mh: jax.Array, w_ehf: jax.Array, group_sizes_e: jax.Array, *,
+                   impl: str | None = None, precision=None, tile: int = TILE) -> jax.Array:
+  impl = impl or default_impl()
+  if impl == "ragged_dot":
+    return jax.lax.ragged_dot(x_mh, w_ehf, group_sizes_e, precision=precision)
+  if impl != "tiled":
+    raise ValueError(f"unknown grouped matmul {impl!r}; expected one of {IMPLS}")
+  m, e = x_mh.shape[0], w_ehf.shape[0]
+  n_tiles = -(-m // tile) + e
+  padded_e = (group_sizes_e + tile - 1) // tile * tile
+  padded_end_e = jnp.cumsum(padded_e)
+  start_e = jnp.cumsum(group_sizes_e) - group_sizes_e
+  expert_m = jnp.repeat(jnp.arange(e), group_sizes_e, total_repeat_length=m)
+  # row i of group g goes to (padded start of g) + (i - start of g)
+  pos_m = padded_end_e[expert_m] - padded_e[expert_m] + jnp.arange(m) - start_e[expert_m]
+  x_pad = jnp.zeros((n_tiles * tile, x_mh.shape[1]), x_mh.dtype).at[pos_m].set(
+      x_mh, unique_indices=True)
+  # tiles past the last group hold only zeros; any expert index will do for them
+  expert_j = jnp.minimum(
+      jnp.searchsorted(padded_end_e, jnp.arange(n_tiles) * tile, side="right"), e - 1)
+  y_jtf = jnp.einsum("jth,jhf->jtf", x_pad.reshape(n_tiles, tile, -1), w_ehf[expert_j],
+                     precision=precision)
+  return y_jtf.reshape(n_tiles * tile, -1)[pos_m]
