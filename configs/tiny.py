@@ -1,9 +1,9 @@
 """A tiny model with every K3 part: KDA and MLA 3:1 plus a trailing MLA, AttnRes blocks, a
 dense first layer, LatentMoE with shared experts, SiTU. Trains byte-level on a CPU.
 
-8 experts, top 2: on XLA:CPU a grouped matmul (ragged_dot) costs about E dense matmuls, so the
-routed experts dominate a CPU train step; 8 / 2 keeps routing and Quantile Balancing
-meaningful at a quarter of the 16 / 4 cost (`k3jax train`'s embedded default)."""
+8 experts, top 2: the routed experts' grouped matmuls dominate a CPU train step (padding and
+weight gathers, see k3jax/model/grouped_matmul.py); 8 / 2 keeps routing and Quantile Balancing
+meaningful at a fraction of the 16 / 4 cost (`k3jax train`'s embedded default)."""
 
 from k3jax.config import ModelConfig
 
