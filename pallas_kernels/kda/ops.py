@@ -23,6 +23,7 @@ sequential dependence, a few batched matmuls) goes through jax.vjp.
 from __future__ import annotations
 
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -41,38 +42,31 @@ def default_backend() -> str:
   return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), "chunked")
 
 
-def _pallas_impl(backend: str):
-  """The Pallas kernel for `backend`, or None if its module cannot be imported here."""
+def _pallas(backend: str, op: str):
+  """The Pallas kernel `<op>_tpu` / `<op>_gpu` for `backend`, or None if its module cannot be
+  imported here."""
+  kind = backend.removeprefix("pallas_")
   try:
-    if backend == "pallas_tpu":
-      from pallas_kernels.kda.tpu import kda_tpu
-      return kda_tpu
-    from pallas_kernels.kda.gpu import kda_gpu
-    return kda_gpu
+    module = importlib.import_module(f"pallas_kernels.kda.{kind}")
   except ImportError:
     return None
+  return getattr(module, f"{op}_{kind}")
 
 
-def _pallas_step(backend: str):
-  """The fused decode-step kernel for `backend`, or None if its module cannot be imported."""
-  try:
-    if backend == "pallas_tpu":
-      from pallas_kernels.kda.tpu import kda_step_tpu
-      return kda_step_tpu
-    from pallas_kernels.kda.gpu import kda_step_gpu
-    return kda_step_gpu
-  except ImportError:
-    return None
-
-
-def _resolve(backend: str | None, available) -> str:
+def _resolve(backend: str | None, op: str):
+  """(backend name, its Pallas kernel or None for the jnp backends)."""
   if backend is None:
     backend = default_backend()
-    if backend.startswith("pallas") and available(backend) is None:
+    if backend.startswith("pallas") and _pallas(backend, op) is None:
       backend = "chunked"
   if backend not in BACKENDS:
     raise ValueError(f"unknown KDA backend {backend!r}; expected one of {BACKENDS}")
-  return backend
+  if not backend.startswith("pallas"):
+    return backend, None
+  impl = _pallas(backend, op)
+  if impl is None:
+    raise ImportError(f"KDA backend {backend!r} is not available in this installation")
+  return backend, impl
 
 
 def kda_step(q, k, v, g, beta, state, *, scale=None, backend=None, interpret=False):
@@ -83,12 +77,9 @@ def kda_step(q, k, v, g, beta, state, *, scale=None, backend=None, interpret=Fal
   decode step reads and writes the state once; "naive" and "chunked" (no chunk to form for
   one token) both use the jnp step.
   """
-  backend = _resolve(backend, _pallas_step)
-  if backend in ("naive", "chunked"):
-    return reference.kda_step(q, k, v, g, beta, state, scale=scale)
-  impl = _pallas_step(backend)
+  _, impl = _resolve(backend, "kda_step")
   if impl is None:
-    raise ImportError(f"KDA backend {backend!r} is not available in this installation")
+    return reference.kda_step(q, k, v, g, beta, state, scale=scale)
   return impl(q, k, v, g, beta, state, scale=scale, interpret=interpret)
 
 
@@ -149,43 +140,37 @@ def kda(
   back to "chunked" when the Pallas module cannot be imported. `interpret` is passed to the
   Pallas kernels (to run them on a CPU).
   """
-  backend = _resolve(backend, _pallas_impl)
-  if backend in ("pallas_tpu", "pallas_gpu") and gate != "softplus":
-    # K3's gate, beta sigmoid and q/k l2norm go to the backend raw: the TPU kernels prepare
-    # them in-kernel, the GPU wrapper with prepare_inputs (see gpu.py). Checked here because
-    # the backends read "gate" off A_log.
+  backend, impl = _resolve(backend, "kda")
+  prepare = dict(A_log=A_log, dt_bias=dt_bias, gate=gate, lower_bound=lower_bound,
+                 use_qk_l2norm=use_qk_l2norm, l2norm_eps=l2norm_eps,
+                 use_beta_sigmoid=use_beta_sigmoid)
+  if impl is not None:
+    # K3's gate, beta sigmoid and q/k l2norm go to the kernel raw: the TPU kernels prepare
+    # them in-kernel, the GPU wrapper with prepare_inputs (see gpu.py). The softplus gate
+    # (Kimi-Linear) is prepared here. Checked here because the backends read "gate" off A_log.
+    if gate == "softplus":
+      q, k, g, beta = prepare_inputs(q, k, g, beta, **prepare)
+      A_log = dt_bias = gate = None
+      use_qk_l2norm = use_beta_sigmoid = False
     _layout.check_gate(g, A_log, dt_bias, gate, lower_bound)
-    impl = _pallas_impl(backend)
-    if impl is None:
-      raise ImportError(f"KDA backend {backend!r} is not available in this installation")
-    fused = gate == "lower_bound"
     return impl(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, segment_ids=segment_ids,
-                interpret=interpret, A_log=A_log if fused else None,
-                dt_bias=dt_bias if fused else None, lower_bound=lower_bound,
+                interpret=interpret, A_log=A_log if gate else None,
+                dt_bias=dt_bias if gate else None, lower_bound=lower_bound,
                 use_qk_l2norm=use_qk_l2norm, l2norm_eps=l2norm_eps,
                 beta_is_logits=use_beta_sigmoid)
-  q, k, g, beta = prepare_inputs(
-      q, k, g, beta, A_log=A_log, dt_bias=dt_bias, gate=gate, lower_bound=lower_bound,
-      use_qk_l2norm=use_qk_l2norm, l2norm_eps=l2norm_eps, use_beta_sigmoid=use_beta_sigmoid)
+  q, k, g, beta = prepare_inputs(q, k, g, beta, **prepare)
   scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
 
   if backend == "naive":
     return naive_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                      output_final_state=output_final_state, segment_ids=segment_ids)
-  if backend == "chunked":
-    B, _, H, K = q.shape
-    s0 = initial_state
-    if s0 is None:
-      s0 = jnp.zeros((B, H, K, v.shape[-1]), reference.compute_dtype(q, k, v, g, beta))
-    o, s_final = _chunked(q, k, v, g, beta, s0, segment_ids, scale)
-    return o, (s_final if output_final_state else None)
-  impl = _pallas_impl(backend)
-  if impl is None:
-    raise ImportError(f"KDA backend {backend!r} is not available in this installation")
-  return impl(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-              output_final_state=output_final_state, segment_ids=segment_ids,
-              interpret=interpret)
+  B, _, H, K = q.shape  # "chunked"
+  s0 = initial_state
+  if s0 is None:
+    s0 = jnp.zeros((B, H, K, v.shape[-1]), reference.compute_dtype(q, k, v, g, beta))
+  o, s_final = _chunked(q, k, v, g, beta, s0, segment_ids, scale)
+  return o, (s_final if output_final_state else None)
 
 
 # ----------------------------------------------------------------------------------------------
