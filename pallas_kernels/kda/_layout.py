@@ -12,6 +12,9 @@ way; their transforms are not zero on zero padding, so the kernels mask them (_c
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -43,10 +46,42 @@ def check_gate(g, A_log, dt_bias, gate, lower_bound):
     raise ValueError('gate="lower_bound" needs lower_bound (K3 uses -5)')
 
 
+def tree_sum(x, axes):
+  """Sum over `axes` as a balanced tree of float32 adds (pairwise summation).
+
+  For the gate's parameter gradients, sums of B*T per-token terms t: pairwise, the float32
+  rounding is at most ceil(log2 N) u sum|t| whatever the machine, where XLA:CPU's reduce adds
+  each vector lane's share in sequence (error up to N/lanes u sum|t|, lanes set by the CPU).
+  """
+  axes = tuple(a % x.ndim for a in axes)
+  x = jnp.moveaxis(x, axes, tuple(range(len(axes))))
+  n = math.prod(x.shape[:len(axes)])
+  x = x.reshape((n,) + x.shape[len(axes):])
+  while x.shape[0] > 1:
+    if x.shape[0] % 2:
+      x = jnp.concatenate([x, jnp.zeros_like(x[:1])])
+    half = x.shape[0] // 2
+    x = x[:half] + x[half:]
+  return x[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _repeat_lanes(a_h, n: int):
+  """[H] -> [H,1,n]; the gradient sums the lanes pairwise (tree_sum)."""
+  return jnp.broadcast_to(a_h[:, None, None], a_h.shape + (1, n))
+
+
+def _repeat_lanes_bwd(n, _, ct):
+  return (tree_sum(ct[:, 0, :], (1,)),)
+
+
+_repeat_lanes.defvjp(lambda a_h, n: (_repeat_lanes(a_h, n), None), _repeat_lanes_bwd)
+
+
 def gate_rows(A_log, dt_bias, H: int, K: int, Kp: int):
   """A_log [H] and dt_bias [H*K] (or None) -> float32 rows [H,1,Kp] for the in-kernel gate:
   A_log repeated along the lanes (its gradient is then the sum over them), dt_bias zero-padded."""
-  alog = jnp.broadcast_to(A_log.astype(jnp.float32).reshape(H, 1, 1), (H, 1, Kp))
+  alog = _repeat_lanes(A_log.astype(jnp.float32).reshape(H), Kp)
   dtb = (jnp.zeros((H, 1, K), jnp.float32) if dt_bias is None
          else dt_bias.astype(jnp.float32).reshape(H, 1, K))
   return alog, jnp.pad(dtb, ((0, 0), (0, 0), (0, Kp - K)))

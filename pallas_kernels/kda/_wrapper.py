@@ -52,9 +52,10 @@ def make_core(fwd_call, bwd_call):
     if fused.gate:
       # z = exp(A_log[h]) (x + dt_bias[h]) and dg is already dL/dx = dL/dz exp(A_log[h]), so
       # dL/d dt_bias = sum dx and dL/dA_log = sum dL/dz z = sum dx (x + dt_bias), over batch and
-      # time here and over the lanes by the transpose of A_log's broadcast (padding has dx = 0).
-      ddtb = jnp.sum(dg, axis=(0, 2))[:, None, :]
-      dalog = jnp.sum(dg * (g + dtb), axis=(0, 2))[:, None, :]
+      # time here and over the lanes by the transpose of A_log's broadcast (_layout.gate_rows;
+      # padding has dx = 0). Both pairwise: a running float32 sum of B*T terms drifts.
+      ddtb = _layout.tree_sum(dg, (0, 2))[:, None, :]
+      dalog = _layout.tree_sum(dg * (g + dtb), (0, 2))[:, None, :]
     return (dq, dk, dv, dg, dbeta, dh0, jnp.zeros_like(rc), jnp.zeros_like(rr), dalog, ddtb)
 
   core.defvjp(core_fwd, core_bwd)

@@ -12,8 +12,9 @@ shared memory than an H100 has (the backward asked Triton for 704 KiB of 227):
 The backward recomputes intra_fwd rather than keeping three [T,64] float32 residuals.
 Chunks are [64, K] tiles of the head-major, chunk-padded layout of `_layout`; K and V are
 padded to powers of two (Triton tensor sizes), at least 16 (tl.dot). The per-chunk math is
-`_chunk_math`, shared with the TPU kernel, with the sub-chunk row broadcast done as an exact
-0/1 selection matmul (no 3-D values in Triton). Inputs bf16 or float32; math float32.
+`_chunk_math`, shared with the TPU kernel, with the sub-chunk row broadcast done as a 0/1
+selection matmul and the sub-chunk tail sums as masked reductions (no 3-D values in Triton).
+Inputs bf16 or float32; math float32.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def _intra_fwd_kernel(q_ref, k_ref, g_ref, beta_ref, rc_ref, rr_ref, M_ref, Linv
                       *, scale):
   f = lambda r: r[...].astype(_f32)
   M, L_inv, L_raw = cm.intra_fwd(f(q_ref), f(k_ref), f(g_ref), beta_ref[...], rc_ref[...],
-                                 rr_ref[...], scale, cm.bsub_matmul)
+                                 rr_ref[...], scale, cm.MASK_OPS)
   M_ref[...], Linv_ref[...], Lraw_ref[...] = M, L_inv, L_raw
 
 
@@ -87,7 +88,7 @@ def _intra_bwd_kernel(q_ref, k_ref, g_ref, beta_ref, rc_ref, rr_ref, Linv_ref, L
   partials = tuple(r[...] for r in (dQd_ref, dM_ref, dKl_ref, dKd_ref, dT_ref, da_ref))
   dq, dk, dg, dbeta = cm.intra_bwd(f(q_ref), f(k_ref), f(g_ref), beta_ref[...], rc_ref[...],
                                    rr_ref[...], Linv_ref[...], Lraw_ref[...], partials, scale,
-                                   cm.bsub_matmul)
+                                   cm.MASK_OPS)
   for ref, val in ((dq_ref, dq), (dk_ref, dk), (dg_ref, dg), (dbeta_ref, dbeta)):
     ref[...] = val.astype(ref.dtype)
 

@@ -91,7 +91,7 @@ def _fwd_kernel(*refs, scale, save_states, fused):
     states_ref[...] = s0
   (q, k, g, beta), _ = _load(fused, c, q_ref, k_ref, g_ref, beta_ref, head_refs)
   o, s1 = cm.chunk_fwd(q, k, v_ref[...].astype(_f32), g, beta, rc_ref[...], rr_ref[...], s0,
-                       scale, cm.bsub_reshape)
+                       scale, cm.RESHAPE_OPS)
   o_ref[...] = o.astype(o_ref.dtype)
   s_scr[...] = s1
 
@@ -150,7 +150,7 @@ def _bwd_kernel(*refs, scale, fused):
   (q, k, g, beta), saved = _load(fused, c_data, q_ref, k_ref, g_ref, beta_ref, head_refs)
   dq, dk, dv, dg, dbeta, ds0 = cm.chunk_bwd(
       q, k, v_ref[...].astype(_f32), g, beta, rc_ref[...], rr_ref[...], s0_ref[...],
-      do_ref[...].astype(_f32), ds_scr[...], scale, cm.bsub_reshape)
+      do_ref[...].astype(_f32), ds_scr[...], scale, cm.RESHAPE_OPS)
   if fused.active:
     dq, dk, dg, dbeta = cm.raw_grads(fused, saved, dq, dk, dg, dbeta)
   dq_ref[...] = dq.astype(dq_ref.dtype)

@@ -1,9 +1,14 @@
 """KDA references and the public op's jnp backends (SPEC §2.4, §8).
 
-Checked against independent implementations: fla's `naive_recurrent_kda` (loaded by file path,
-since `import fla` is blocked in tests), transformers' pure-torch KDA (recurrent and chunked),
-and numpy transcriptions; gradients against torch autograd and against JAX autodiff of the
-token-by-token recurrence. float32 tolerance 1e-5 absolute (SPEC §8), float64 ~1e-12.
+The truth is the token-by-token recurrence (`naive_kda`) run in float64 on the very inputs the
+float32 op gets, differentiated by JAX autodiff. Independent implementations meet the same
+truth: fla's `naive_recurrent_kda` (loaded by file path, since `import fla` is blocked in tests)
+and transformers' pure-torch KDA (recurrent and chunked) under torch autograd, both of which
+compute in float32 whatever their inputs, and numpy transcriptions in float64. Tolerances
+(tests/numerics.py): float32 results within 1e-5 of their scale of the truth, gate parameter
+gradients within `sum_tolerance`; float64 implementations agree to 1e-12 (outputs) and 1e-10
+(gradients) of the scale (float64 rounding, u = 2^-53, is ~1e-14 here). No two float32 results
+are compared with each other.
 
 Compile time dominates on a CPU, so the grid reuses shapes: the chunked op compiles once per
 (chunk count, heads, dtype, packed or not), and T = 1, 63, 64 share one chunk count.
@@ -22,8 +27,8 @@ import pytest
 import torch
 
 from pallas_kernels.kda import chunk_kda, kda, kda_step, naive_kda, ops, reference
+from tests import numerics
 
-ATOL = 1e-5
 K, V = 16, 24  # K != V catches transposed state layouts
 torch.set_num_threads(1)  # two xdist workers share two cores with XLA's own threads
 
@@ -94,11 +99,18 @@ def transformers_kda():
 
 
 def to_torch(*xs, grad=False):
-  return [torch.tensor(np.asarray(x, np.float32), requires_grad=grad) for x in xs]
+  """float32 torch copies: the torch references compute in float32 (they cast to it)."""
+  return [torch.tensor(np.asarray(x).astype(np.float32), requires_grad=grad) for x in xs]
+
+
+def truth_value_and_grads(inputs, cotangents, **kw):
+  """`jax_value_and_grads` of the naive recurrence in float64 on the same values."""
+  return numerics.float64_truth(
+      lambda i, c: jax_value_and_grads(naive_kda, i, c, **kw), inputs, cotangents)
 
 
 def torch_value_and_grads(fn, inputs, cotangents, with_state=True):
-  """The same functional through a torch reference, differentiated by torch autograd."""
+  """The same functional through a torch reference, under torch autograd."""
   q, k, v, g, beta, s0 = to_torch(*inputs, grad=True)
   wo, ws = to_torch(*cotangents)
   o, s = fn(q, k, v, g, beta, s0 if with_state else None)
@@ -107,14 +119,15 @@ def torch_value_and_grads(fn, inputs, cotangents, with_state=True):
   return o.detach(), s.detach(), grads
 
 
-def assert_close(actual, expected, atol=ATOL, what=""):
-  actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-  assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
-  err = np.max(np.abs(actual - expected), initial=0.0)
-  assert err <= atol, f"{what}: max abs error {err:.3e} > {atol:.0e}"
+def assert_close(actual, expected, atol=numerics.ATOL, what=""):
+  """`actual` (float32, or bf16 rounded once more) within `numerics.tolerance_for` of its dtype
+  of the truth `expected`."""
+  actual, expected = np.asarray(actual), np.asarray(expected, np.float64)
+  numerics.assert_close(what, actual, expected,
+                        numerics.tolerance_for(actual.dtype, expected, atol))
 
 
-def assert_grads_close(actual, expected, atol=ATOL, what=""):
+def assert_grads_close(actual, expected, atol=numerics.ATOL, what=""):
   names = ("dq", "dk", "dv", "dg", "dbeta", "ds0")
   for name, a, e in zip(names, actual, expected):
     if a is not None and e is not None:
@@ -139,35 +152,35 @@ def test_chunked_matches_references(T, H, init):
   opts = dict(with_state=init, state_grad=T == 1000)
   o, s, grads = jax_value_and_grads(chunked_op, inputs, cot, **opts)
 
-  # JAX: the token-by-token recurrence, differentiated by autodiff.
-  o_n, s_n, grads_n = jax_value_and_grads(naive_kda, inputs, cot, **opts)
-  assert_close(o, o_n, what="o vs naive")
-  assert_close(s, s_n, what="state vs naive")
-  assert_grads_close(grads, grads_n, what="vs naive autodiff")
+  # The truth: the token-by-token recurrence in float64, differentiated by JAX autodiff.
+  o_n, s_n, grads_n = truth_value_and_grads(inputs, cot, **opts)
+  assert_close(o, o_n, what="o vs float64 naive")
+  assert_close(s, s_n, what="state vs float64 naive")
+  assert_grads_close(grads, grads_n, what="vs float64 naive autodiff")
 
-  # fla's recurrence under torch autograd.
+  # fla's recurrence under torch autograd (float32): the same function as the truth.
   fla = lambda q, k, v, g, b, s0: fla_naive()(q, k, v, g, b, initial_state=s0,
                                               output_final_state=True)
   o_f, s_f, grads_f = torch_value_and_grads(fla, inputs, cot, with_state=init)
-  assert_close(o, o_f, what="o vs fla")
-  assert_close(s, s_f, what="state vs fla")
-  assert_grads_close(grads, grads_f, what="vs fla autograd")
+  assert_close(o_f, o_n, what="fla o vs float64 naive")
+  assert_close(s_f, s_n, what="fla state vs float64 naive")
+  assert_grads_close(grads_f, grads_n, what="fla autograd vs float64 naive")
 
-  # transformers' torch KDA: the recurrent one under autograd, the chunked one forward only.
-  # (Autograd through transformers' chunked form is itself ~2e-5 off the float64 gradient:
-  # it exponentiates differences of chunk-level cumsums. Not a 1e-5 gradient reference.)
+  # transformers' torch KDA (float32): the recurrent one under autograd, the chunked one
+  # forward only. (Autograd through transformers' chunked form is itself ~2e-5 off the
+  # gradient: it exponentiates differences of chunk-level cumsums.)
   recurrent, chunked = transformers_kda()
   hf = lambda q, k, v, g, b, s0: recurrent(q, k, v, g, b, s0, True,
                                            use_qk_l2norm_in_kernel=False)
   o_r, s_r, grads_r = torch_value_and_grads(hf, inputs, cot, with_state=init)
-  assert_close(o, o_r, what="o vs transformers recurrent")
-  assert_close(s, s_r, what="state vs transformers recurrent")
-  assert_grads_close(grads, grads_r, what="vs transformers recurrent autograd")
+  assert_close(o_r, o_n, what="transformers recurrent o vs float64 naive")
+  assert_close(s_r, s_n, what="transformers recurrent state vs float64 naive")
+  assert_grads_close(grads_r, grads_n, what="transformers autograd vs float64 naive")
   q, k, v, g, beta, s0 = to_torch(*inputs)
   o_c, s_c = chunked(q, k, v, g, beta, initial_state=s0 if init else None,
                      output_final_state=True, use_qk_l2norm_in_kernel=False)
-  assert_close(o, o_c, what="o vs transformers chunk")
-  assert_close(s, s_c, what="state vs transformers chunk")
+  assert_close(o_c, o_n, what="transformers chunk o vs float64 naive")
+  assert_close(s_c, s_n, what="transformers chunk state vs float64 naive")
 
 
 def test_no_state_output():
@@ -191,7 +204,9 @@ def test_packed_segments_equal_separate_runs():
   segment_ids = jnp.asarray(np.stack(ids))
   o, s, grads = jax_value_and_grads(chunked_op, inputs, cot, segment_ids=segment_ids)
 
-  # Each sequence alone through fla's recurrence; the initial state belongs to the first one.
+  # The truth: the recurrence in float64 over the packed rows; each sequence alone through
+  # fla's recurrence (float32) meets it (the initial state belongs to the first one).
+  o_n, s_n, grads_n = truth_value_and_grads(inputs, cot, segment_ids=segment_ids)
   q, k, v, g, beta, s0 = to_torch(*inputs)
   for row, lengths in enumerate(packings):
     r = slice(row, row + 1)
@@ -202,13 +217,12 @@ def test_packed_segments_equal_separate_runs():
                                initial_state=s0[r] if n == 0 else None,
                                output_final_state=True)
       o_parts.append(o_p)
-    assert_close(o[r], torch.cat(o_parts, 1), what=f"row {row} o vs separate fla runs")
-    assert_close(s[r], state, what=f"row {row} final state vs its last sequence")
+    assert_close(torch.cat(o_parts, 1), o_n[r], what=f"row {row} separate fla runs")
+    assert_close(state, s_n[r], what=f"row {row} its last sequence's fla state")
 
-  o_n, s_n, grads_n = jax_value_and_grads(naive_kda, inputs, cot, segment_ids=segment_ids)
-  assert_close(o, o_n, what="o vs naive")
-  assert_close(s, s_n, what="state vs naive")
-  assert_grads_close(grads, grads_n, what="vs naive autodiff")
+  assert_close(o, o_n, what="o vs float64 naive")
+  assert_close(s, s_n, what="state vs float64 naive")
+  assert_grads_close(grads, grads_n, what="vs float64 naive autodiff")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -249,44 +263,53 @@ def test_prepared_inputs(gate):
   opts = dict(gate=gate, lower_bound=-5.0, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm=True,
               use_beta_sigmoid=True)
 
-  # The preparation itself vs a numpy transcription.
+  # The preparation itself vs a numpy transcription in float64: a few elementwise roundings
+  # (exp, sigmoid, rsqrt), so 1e-6 of each tensor's scale (the softplus gate reaches ~30).
   prepared = ops.prepare_inputs(q, k, g_raw, beta_raw, A_log=A_log, dt_bias=dt_bias, gate=gate,
                                 lower_bound=-5.0, use_qk_l2norm=True, use_beta_sigmoid=True)
   expected = numpy_prepare(q, k, g_raw, beta_raw, A_log, dt_bias, gate, -5.0)
-  # float32 rounding relative to each tensor's magnitude (the softplus gate reaches ~30).
   for name, a, e in zip(("q", "k", "g", "beta"), prepared, expected):
-    assert_close(a, e, atol=1e-6 * max(1.0, float(np.max(np.abs(e)))), what=name)
+    assert_close(a, e, atol=1e-6, what=name)
 
-  # The op with raw inputs vs the torch references on torch-prepared inputs: transformers'
-  # chunked KDA normalises q/k in-kernel (use_qk_l2norm_in_kernel=True).
+  # The op with raw inputs vs the truth: the naive backend in float64 on the same raw values.
   def loss(q, k, v, g_raw, beta_raw, A_log, dt_bias, backend):
     o, _ = kda(q, k, v, g_raw, beta_raw, backend=backend, **{**opts, "A_log": A_log,
                                                             "dt_bias": dt_bias})
     return jnp.sum(o * wo), o
 
   argnums = (0, 1, 2, 3, 4, 5, 6)
-  (_, o), grads = jax.value_and_grad(loss, argnums, has_aux=True)(
-      q, k, v, g_raw, beta_raw, A_log, dt_bias, "chunked")
-  (_, o_n), grads_n = jax.value_and_grad(loss, argnums, has_aux=True)(
-      q, k, v, g_raw, beta_raw, A_log, dt_bias, "naive")
-  assert_close(o, o_n, what="o chunked vs naive")
+  raw = (q, k, v, g_raw, beta_raw, A_log, dt_bias)
+  (_, o), grads = jax.value_and_grad(loss, argnums, has_aux=True)(*raw, "chunked")
+  (_, o_n), grads_n = numerics.float64_truth(
+      lambda *a: jax.value_and_grad(loss, argnums, has_aux=True)(*a, "naive"), *raw)
+  assert_close(o, o_n, what="o chunked vs float64 naive")
+  # dA_log and d dt_bias sum per-token terms over (B, T, K) and (B, T): dA_log's term is
+  # dL/dA_log's share of each token, dx (x + dt_bias) for the lower-bound gate and
+  # dx softplus(x + dt_bias) / sigmoid(x + dt_bias) for the softplus gate (dx = dL/dg_raw).
+  dx, y = grads_n[3], np.asarray(g_raw, np.float64) + np.asarray(dt_bias, np.float64)
+  alog_terms = dx * (y if gate == "lower_bound" else np.logaddexp(0, y) * (1 + np.exp(-y)))
+  tols = [None] * 5 + [numerics.sum_tolerance(alog_terms, (0, 1, 3)),
+                       numerics.sum_tolerance(dx, (0, 1))]
 
   # transformers' recurrent KDA normalises q/k itself (use_qk_l2norm_in_kernel=True); the gate
-  # and beta sigmoid are written out in torch. (Its chunked form: forward only, see the grid.)
-  t = to_torch(q, k, v, g_raw, beta_raw, A_log, dt_bias, grad=True)
+  # and beta sigmoid are written out in torch (float32). It must meet the truth too.
+  t = to_torch(*raw, grad=True)
   recurrent, chunked = transformers_kda()
   g_t, beta_t = torch_gate(t[3], t[5], t[6], gate, -5.0), torch.sigmoid(t[4])
   o_t, _ = recurrent(t[0], t[1], t[2], g_t, beta_t, None, False, use_qk_l2norm_in_kernel=True)
   (o_t * to_torch(wo)[0]).sum().backward()
-  assert_close(o, o_t.detach(), what="o vs transformers recurrent (l2norm in kernel)")
+  assert_close(o_t.detach(), o_n, what="transformers recurrent o (l2norm in kernel)")
   names = ("dq", "dk", "dv", "dg_raw", "dbeta_raw", "dA_log", "ddt_bias")
-  for name, a, a_n, x in zip(names, grads, grads_n, t):
-    assert_close(a, x.grad, what=f"{name} vs torch autograd")
-    assert_close(a, a_n, what=f"{name} chunked vs naive")
+  for name, a, a_n, x, tol in zip(names, grads, grads_n, t, tols):
+    for who, grad in (("chunked", a), ("torch autograd", x.grad)):
+      if tol is None:
+        assert_close(grad, a_n, what=f"{name} {who} vs float64 naive")
+      else:
+        numerics.assert_close(f"{name} {who} vs float64 naive", grad, a_n, tol)
   with torch.no_grad():
     o_c, _ = chunked(t[0], t[1], t[2], g_t, beta_t, initial_state=None,
                      output_final_state=False, use_qk_l2norm_in_kernel=True)
-  assert_close(o, o_c, what="o vs transformers chunk (l2norm in kernel)")
+  assert_close(o_c, o_n, what="transformers chunk o (l2norm in kernel)")
 
 
 def test_gate_argument_errors():
@@ -330,25 +353,19 @@ def test_float64(x64):
 
 def test_bfloat16_inputs():
   """bf16 q, k, v (g, beta float32, as the model passes them) compute in float32: the result
-  equals the float32 computation on the same bf16 values up to the final bf16 rounding of o
-  and of dq, dk, dv (one bf16 ulp, 2^-7 relative). o's cotangent is bf16 too (it is o's dtype),
-  so the float32 run gets the same rounded cotangent."""
+  equals the float64 truth on the same bf16 values up to float32 error and the final bf16
+  rounding of o and of dq, dk, dv (half a bf16 ulp). o's cotangent is bf16 too (it is o's
+  dtype), so the truth gets the same rounded cotangent."""
   (q, k, v, g, beta, s0), (wo, ws) = make_inputs(1, 130, 3, seed=6)
   q, k, v, wo = (x.astype(jnp.bfloat16) for x in (q, k, v, wo))
-  o, s, grads = jax_value_and_grads(chunked_op, (q, k, v, g, beta, s0), (wo, ws),
-                                    state_grad=False)
+  inputs, cot = (q, k, v, g, beta, s0), (wo, ws)
+  o, s, grads = jax_value_and_grads(chunked_op, inputs, cot, state_grad=False)
   assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
   assert [d.dtype for d in grads[:5]] == [jnp.bfloat16] * 3 + [jnp.float32] * 2
-  f32 = lambda *xs: tuple(x.astype(jnp.float32) for x in xs)
-  o32, s32, grads32 = jax_value_and_grads(chunked_op, f32(q, k, v) + (g, beta, s0), f32(wo, ws),
-                                          state_grad=False)
-  within_bf16_ulp = lambda a, e: np.all(np.abs(np.asarray(a, np.float64) - np.asarray(e)) <=
-                                        2.0**-7 * np.abs(np.asarray(e, np.float64)) + ATOL)
-  assert within_bf16_ulp(o, o32)
-  for d, d32 in zip(grads[:3], grads32[:3]):
-    assert within_bf16_ulp(d, d32)
-  assert_close(s, s32, what="state")
-  assert_grads_close((None,) * 3 + grads[3:], (None,) * 3 + grads32[3:], what="float32 grads")
+  o_n, s_n, grads_n = truth_value_and_grads(inputs, cot, state_grad=False)
+  assert_close(o, o_n, what="o")
+  assert_close(s, s_n, what="state")
+  assert_grads_close(grads, grads_n, what="grads")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -365,10 +382,10 @@ def test_strong_decay_stays_finite_and_exact(decay):
   o, s, grads = jax_value_and_grads(chunked_op, inputs, cot, state_grad=False)
   for x in (o, s) + tuple(grads[:5]):
     assert np.all(np.isfinite(np.asarray(x)))
-  o_n, s_n, grads_n = jax_value_and_grads(naive_kda, inputs, cot, state_grad=False)
-  assert_close(o, o_n, what="o vs naive")
-  assert_close(s, s_n, what="state vs naive")
-  assert_grads_close(grads, grads_n, what="vs naive autodiff")
+  o_n, s_n, grads_n = truth_value_and_grads(inputs, cot, state_grad=False)
+  assert_close(o, o_n, what="o vs float64 naive")
+  assert_close(s, s_n, what="state vs float64 naive")
+  assert_grads_close(grads, grads_n, what="vs float64 naive autodiff")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -384,16 +401,18 @@ def test_reference_chunk_kda():
     args = (q, k, v, g, beta)
     kw = dict(initial_state=s0, output_final_state=True, segment_ids=segment_ids)
     o, s = jax.jit(functools.partial(chunk_kda, **kw))(*args)
-    o_n, s_n = naive_kda(*args, **kw)
+    o_n, s_n = numerics.float64_truth(functools.partial(naive_kda, **kw), *args)
     assert_close(o, o_n, what="o")
     assert_close(s, s_n, what="state")
 
 
 def test_decode_steps_continue_the_sequence():
-  """Prefill with the chunked op, then kda_step token by token == the full sequence."""
+  """Prefill with the chunked op, then kda_step token by token == the full sequence (its
+  float64 truth)."""
   (q, k, v, g, beta, s0), _ = make_inputs(2, 75, 3, seed=9)
-  o_full, s_full = kda(q, k, v, g, beta, initial_state=s0, output_final_state=True,
-                       backend="chunked")
+  o_full, s_full = numerics.float64_truth(
+      lambda *a: naive_kda(*a[:5], initial_state=a[5], output_final_state=True),
+      q, k, v, g, beta, s0)
   o_pre, state = kda(q[:, :67], k[:, :67], v[:, :67], g[:, :67], beta[:, :67],
                      initial_state=s0, output_final_state=True, backend="chunked")
   outs = [o_pre]
