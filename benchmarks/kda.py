@@ -4,8 +4,8 @@
     python benchmarks/kda.py --B 1 --T 4096 --H 8   # a quick point
     python benchmarks/kda.py --quick                # tiny smoke grid (what CPU runs by default)
 
-Backends: "naive" and "chunked" through `pallas_kernels.kda.ops.kda(backend=...)` (when ops.py
-is present), our Pallas kernels (`kda_tpu` on TPU, `kda_gpu` on GPU), and the outside
+Backends: "naive", "chunked" (the plain references) and "xla_cpu" (the fast jnp backend) through
+`pallas_kernels.kda.ops.kda(backend=...)`, our Pallas kernels (`kda_tpu` on TPU, `kda_gpu` on GPU), and the outside
 reference next to them as ratios: on a TPU tokamax's Mosaic KDA
 (`tokamax.ops.kimi_delta_attention(..., implementation="mosaic")`), on a GPU fla's Triton
 `chunk_kda`. Inputs: K=V=128 (by default), q/k/v bf16, g = -5*sigmoid(x) float32, beta float32.
@@ -50,7 +50,8 @@ def parse_args(argv=None):
   p.add_argument("--K", type=int, default=128, help="key and value head dim")
   p.add_argument("--quick", action="store_true", help="tiny grid (default on CPU)")
   p.add_argument("--backends", default="auto",
-                 help="comma list among naive,chunked,pallas,reference (default: all available)")
+                 help="comma list among naive,chunked,xla_cpu,pallas,reference (default: all "
+                 "available)")
   p.add_argument("--modes", default="fwd,fwdbwd")
   p.add_argument("--iters", type=int, default=5)
   p.add_argument("--warmup", type=int, default=2)
@@ -171,6 +172,8 @@ def available_backends(platform, wanted, interpret):
     out["naive"] = ops_backend("naive")
   if wanted in ("auto",) or "chunked" in wanted:
     out["chunked"] = ops_backend("chunked")
+  if wanted in ("auto",) or "xla_cpu" in wanted:
+    out["xla_cpu"] = ops_backend("xla_cpu")
   if wanted in ("auto",) or "pallas" in wanted:
     out[f"pallas_{platform}"] = pallas_backend(platform, interpret)
   if wanted in ("auto",) or "reference" in wanted:
@@ -190,7 +193,7 @@ def main(argv=None):
   Bs, Ts, Hs = a.B or grid["B"], a.T or grid["T"], a.H or grid["H"]
   modes = a.modes.split(",")
   backends = available_backends(platform, a.backends, a.interpret)
-  ref_name = {"tpu": "tokamax_mosaic", "gpu": "fla_chunk_kda"}.get(platform, "chunked")
+  ref_name = {"tpu": "tokamax_mosaic", "gpu": "fla_chunk_kda"}.get(platform, "xla_cpu")
   print(f"platform={platform} devices={jax.devices()} K=V={a.K} bf16 q/k/v; backends="
         f"{list(backends)}; ratios are tokens/s relative to {ref_name}")
   if platform == "cpu" and not a.interpret:

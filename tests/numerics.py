@@ -64,7 +64,7 @@ def tolerance(want, atol=ATOL):
 def tolerance_for(dtype, want, atol=ATOL):
   """`tolerance`, plus one rounding to bf16 for a bf16 result."""
   tol = tolerance(want, atol)
-  if jnp.dtype(dtype) == jnp.bfloat16:
+  if np.dtype(dtype) == jnp.bfloat16:
     tol = tol + BF16_HALF_ULP * np.abs(np.asarray(want, np.float64))
   return tol
 
@@ -86,11 +86,14 @@ def sum_tolerance(terms, axis, atol=ATOL):
   return atol + math.ceil(math.log2(max(n, 2))) * U32 * np.sum(np.abs(terms), axis=axis)
 
 
-def assert_close(name, got, want, tol=None):
-  """|got - want| <= tol elementwise (a scalar or an array broadcasting against want; by default
-  `tolerance(want)`)."""
-  got, want = np.asarray(got).astype(np.float64), np.asarray(want).astype(np.float64)
-  tol = tolerance(want) if tol is None else tol
+def assert_close(name, got, want, tol=None, *, atol=ATOL):
+  """|got - want| <= tol elementwise: `got` a float32 (or bf16) result, `want` its float64
+  truth, `tol` a scalar or an array broadcasting against want, by default
+  `tolerance_for(got's dtype, want, atol)`. The one comparison every test uses."""
+  got = np.asarray(got)
+  if tol is None:
+    tol = tolerance_for(got.dtype, want, atol)
+  got, want = got.astype(np.float64), np.asarray(want).astype(np.float64)
   assert got.shape == want.shape, (name, got.shape, want.shape)
   tol = np.broadcast_to(np.asarray(tol, np.float64), want.shape)
   err = np.abs(got - want)

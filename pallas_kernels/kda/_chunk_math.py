@@ -421,7 +421,7 @@ class Fused(NamedTuple):
   not zero (sigmoid(0) = 1/2), so the kernel masks it.
   """
   l2norm_eps: float | None = None  # q, k := x * rsqrt(sum_k x^2 + eps)
-  beta_sigmoid: bool = False  # beta := sigmoid(beta)
+  use_beta_sigmoid: bool = False  # beta := sigmoid(beta)
   lower_bound: float | None = None  # g := lb * sigmoid(exp(A_log[h]) * (g + dt_bias[h]))
   T: int = 0
   K: int = 0
@@ -432,7 +432,7 @@ class Fused(NamedTuple):
 
   @property
   def active(self) -> bool:
-    return self.l2norm_eps is not None or self.beta_sigmoid or self.gate
+    return self.l2norm_eps is not None or self.use_beta_sigmoid or self.gate
 
 
 def _sigmoid(x):
@@ -448,7 +448,7 @@ def prepare(f: Fused, q, k, g, beta_c, alog_r, dtb_r, t0):
       r = jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + f.l2norm_eps)
       saved[name] = (x * r, r)
     q, k = saved["q"][0], saved["k"][0]
-  if f.beta_sigmoid:
+  if f.use_beta_sigmoid:
     tok = t0 + _iota((C, 1), 0) < f.T
     s = _sigmoid(beta_c)
     saved["beta"] = (tok, s)
@@ -474,7 +474,7 @@ def raw_grads(f: Fused, saved, dq, dk, dg, dbeta_c):
     def back(dy, y, r):
       return r * (dy - y * jnp.sum(dy * y, axis=1, keepdims=True))
     dq, dk = back(dq, *saved["q"]), back(dk, *saved["k"])
-  if f.beta_sigmoid:
+  if f.use_beta_sigmoid:
     tok, s = saved["beta"]
     dbeta_c = jnp.where(tok, dbeta_c * (s * (1.0 - s)), 0.0)
   if f.gate:

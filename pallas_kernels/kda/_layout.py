@@ -26,26 +26,6 @@ def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 
 
-GATES = (None, "lower_bound", "softplus")
-
-
-def check_gate(g, A_log, dt_bias, gate, lower_bound):
-  """The decay gate's arguments (ops.prepare_inputs and the in-kernel gate take the same)."""
-  if gate not in GATES:
-    raise ValueError(f"unknown gate {gate!r}; expected one of {GATES}")
-  if gate is None:
-    return
-  H, K = g.shape[-2:]
-  if A_log is None:
-    raise ValueError(f"gate={gate!r} needs A_log (one value per head)")
-  if A_log.size != H:
-    raise ValueError(f"A_log must hold one value per head ({H}), got shape {A_log.shape}")
-  if dt_bias is not None and dt_bias.size != H * K:
-    raise ValueError(f"dt_bias must have H*K = {H * K} values, got shape {dt_bias.shape}")
-  if gate == "lower_bound" and lower_bound is None:
-    raise ValueError('gate="lower_bound" needs lower_bound (K3 uses -5)')
-
-
 def tree_sum(x, axes):
   """Sum over `axes` as a balanced tree of float32 adds (pairwise summation).
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.kda import _chunk_math as cm
 from pallas_kernels.kda import _layout
-from pallas_kernels.kda import ops
+from pallas_kernels.kda import reference
 
 
 def make_core(fwd_call, bwd_call):
@@ -63,23 +63,23 @@ def make_core(fwd_call, bwd_call):
 
 
 def kda_with(core, feature_size, q, k, v, g, beta, *, scale, initial_state, output_final_state,
-             segment_ids, interpret, in_kernel, A_log=None, dt_bias=None, lower_bound=None,
-             use_qk_l2norm=False, l2norm_eps=1e-6, beta_is_logits=False):
-  """Go to kernel layout, run `core`, come back. The optional raw-input preparation runs
-  in-kernel if `in_kernel`, else here with ops.prepare_inputs (JAX differentiates it)."""
-  gate = None if A_log is None else "lower_bound"
-  if not in_kernel:
-    q, k, g, beta = ops.prepare_inputs(
+             segment_ids, interpret, in_kernel, A_log=None, dt_bias=None, gate=None,
+             lower_bound=None, use_qk_l2norm=False, l2norm_eps=1e-6, use_beta_sigmoid=False):
+  """Go to kernel layout, run `core`, come back. The raw-input options (reference.prepare_inputs)
+  run in-kernel if `in_kernel`, except the softplus gate; else here with prepare_inputs (JAX
+  differentiates it)."""
+  reference.check_gate(g, A_log, dt_bias, gate, lower_bound)
+  if not in_kernel or gate == "softplus":
+    q, k, g, beta = reference.prepare_inputs(
         q, k, g, beta, A_log=A_log, dt_bias=dt_bias, gate=gate, lower_bound=lower_bound,
-        use_qk_l2norm=use_qk_l2norm, l2norm_eps=l2norm_eps, use_beta_sigmoid=beta_is_logits)
-    use_qk_l2norm = beta_is_logits = False
+        use_qk_l2norm=use_qk_l2norm, l2norm_eps=l2norm_eps, use_beta_sigmoid=use_beta_sigmoid)
+    use_qk_l2norm = use_beta_sigmoid = False
     gate = None
-  _layout.check_gate(g, A_log, dt_bias, gate, lower_bound)
   B, T, H, K = q.shape
   V = v.shape[-1]
   scale = float(K**-0.5 if scale is None else scale)
   fused = cm.Fused(l2norm_eps=float(l2norm_eps) if use_qk_l2norm else None,
-                   beta_sigmoid=bool(beta_is_logits),
+                   use_beta_sigmoid=bool(use_beta_sigmoid),
                    lower_bound=None if gate is None else float(lower_bound), T=T, K=K)
   if not fused.active:
     fused = cm.Fused()  # one compilation for every prepared-input shape's T, K

@@ -225,22 +225,23 @@ def kda_gpu(
     interpret=False,
     A_log: jax.Array | None = None,
     dt_bias: jax.Array | None = None,
+    gate: str | None = None,
     lower_bound: float | None = None,
     use_qk_l2norm: bool = False,
     l2norm_eps: float = 1e-6,
-    beta_is_logits: bool = False,
+    use_beta_sigmoid: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
   """KDA on NVIDIA GPUs; same contract and options as `tpu.kda_tpu`. `interpret=True` runs
   the Triton-lowered kernels in Pallas interpret mode (any backend, e.g. CPU).
 
-  The raw-input options are applied in the wrapper (ops.prepare_inputs), not in-kernel: the
-  K-blocked intra_bwd kernel never sees a whole q/k row, which the l2norm's backward needs."""
+  The raw-input options are applied in the wrapper (reference.prepare_inputs), not in-kernel:
+  the K-blocked intra_bwd kernel never sees a whole q/k row, which the l2norm's backward needs."""
   return _wrapper.kda_with(
       _kda_core, _layout.power_of_two, q, k, v, g, beta, scale=scale,
       initial_state=initial_state, output_final_state=output_final_state,
       segment_ids=segment_ids, interpret=interpret, in_kernel=False, A_log=A_log,
-      dt_bias=dt_bias, lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm,
-      l2norm_eps=l2norm_eps, beta_is_logits=beta_is_logits)
+      dt_bias=dt_bias, gate=gate, lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm,
+      l2norm_eps=l2norm_eps, use_beta_sigmoid=use_beta_sigmoid)
 
 
 def _step_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref, *, scale):

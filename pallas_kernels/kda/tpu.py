@@ -206,26 +206,27 @@ def kda_tpu(
     interpret=False,
     A_log: jax.Array | None = None,
     dt_bias: jax.Array | None = None,
+    gate: str | None = None,
     lower_bound: float | None = None,
     use_qk_l2norm: bool = False,
     l2norm_eps: float = 1e-6,
-    beta_is_logits: bool = False,
+    use_beta_sigmoid: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
-  """KDA on TPU (see reference.naive_kda for the contract). Differentiable in q, k, v, g, beta
-  and initial_state (and A_log, dt_bias when given). `interpret=True` runs the kernels in
-  Pallas TPU interpret mode on CPU.
+  """KDA on TPU, with reference.naive_kda's contract and raw-input options. Differentiable in
+  q, k, v, g, beta and initial_state (and A_log, dt_bias with a gate). `interpret=True` runs
+  the kernels in Pallas TPU interpret mode on CPU.
 
-  Optional raw inputs (SPEC §4), prepared in-kernel in float32 as each chunk is loaded (the
-  math of ops.prepare_inputs): with `A_log` [H] (and `dt_bias` [H,K], `lower_bound`) `g` is the
-  raw gate pre-activation; `beta_is_logits` applies the sigmoid; `use_qk_l2norm` normalises q
-  and k with `l2norm_eps`. The backward kernel returns the raw inputs' gradients.
+  The raw-input options (SPEC §4) gate="lower_bound" (K3), use_beta_sigmoid and use_qk_l2norm
+  are prepared in-kernel in float32 as each chunk is loaded (the math of
+  reference.prepare_inputs), and the backward kernel returns the raw inputs' gradients;
+  gate="softplus" (Kimi-Linear) is prepared before the kernels, in jnp.
   """
   return _wrapper.kda_with(
       _kda_core, _layout.lane_multiple, q, k, v, g, beta, scale=scale,
       initial_state=initial_state, output_final_state=output_final_state,
       segment_ids=segment_ids, interpret=interpret, in_kernel=True, A_log=A_log,
-      dt_bias=dt_bias, lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm,
-      l2norm_eps=l2norm_eps, beta_is_logits=beta_is_logits)
+      dt_bias=dt_bias, gate=gate, lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm,
+      l2norm_eps=l2norm_eps, use_beta_sigmoid=use_beta_sigmoid)
 
 
 def _step_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref, *, scale):

@@ -1,14 +1,15 @@
-"""Shared cases for the KDA kernel tests: inputs, the float64 truth, and the checks.
+"""KDA test helpers, shared by every KDA test (references, xla_cpu, Pallas kernels): inputs,
+the float64 truth, and the checks.
 
-Every kernel runs in float32 (or on bf16 q, k, v) and is compared with `reference.naive_kda`
+Every backend runs in float32 (or on bf16 q, k, v) and is compared with `reference.naive_kda`
 (the token-by-token recurrence) run in float64 on the very same input values (tests/numerics.py):
 outputs, final state, and gradients of a random linear functional of both with respect to q,
 k, v, g, beta and the initial state.
 
-Tolerances (derived in tests/numerics.py): SPEC §8's 1e-5 absolute for every float32 result;
-bf16 results (o, dq, dk, dv of bf16 inputs) add one rounding to bf16, 2^-8 of the value; the
-gate's parameter gradients (dA_log, d dt_bias), sums over batch, time (and features) of
-per-token terms, get `sum_tolerance` of those terms.
+Tolerances (derived in tests/numerics.py): SPEC §8's 1e-5 of each tensor's scale for every
+float32 result; bf16 results (o, dq, dk, dv of bf16 inputs) add one rounding to bf16, 2^-8 of
+the value; the gate's parameter gradients (dA_log, d dt_bias), sums over batch, time (and
+features) of per-token terms, get `sum_tolerance` of those terms.
 """
 
 from __future__ import annotations
@@ -19,22 +20,31 @@ import numpy as np
 
 from pallas_kernels.kda.reference import naive_kda
 from tests import numerics
+from tests.numerics import assert_close
 
 
-def make_inputs(B, T, H, K, V, *, seed=0, gate="mild", dtype=jnp.float32):
+# Log decays g of the inputs, from the gate pre-activation x ~ N(0, 1):
+DECAYS = {
+    "k3": lambda x: -5.0 * jax.nn.sigmoid(2.0 * x),  # K3's lower-bound gate: channels near -5
+    "mild": lambda x: -0.1 * jax.nn.sigmoid(x),      # long memory: the state matters across chunks
+    "strong": lambda x: -5.0 + 0.01 * x,             # every token ~e^-5: e^-320 per chunk
+    "extreme": lambda x: -30.0 + x,                  # beyond what xla_cpu factors (it clamps)
+}
+
+
+def make_inputs(B, T, H, K, V, *, seed=0, decay="k3", dtype=jnp.float32):
+  """(q, k, v, g, beta, h0): l2-normed q, k (as in the model), g from DECAYS[decay], beta in
+  (0, 1), an initial state. q, k, v in `dtype`; g, beta and h0 float32, or float64 with it."""
   ks = jax.random.split(jax.random.key(seed), 8)
-  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # l2-normed q, k as in K3
+  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
   q = unit(jax.random.normal(ks[0], (B, T, H, K)))
   k = unit(jax.random.normal(ks[1], (B, T, H, K)))
   v = jax.random.normal(ks[2], (B, T, H, V))
-  x = jax.random.normal(ks[3], (B, T, H, K))
-  # "strong": the K3 gate with lower bound -5 (a chunk's decay reaches e^-160 and beyond);
-  # "mild": slow decay so the state and the initial state matter across many chunks.
-  g = -5.0 * jax.nn.sigmoid(x) if gate == "strong" else -0.1 * jax.nn.sigmoid(x)
+  g = DECAYS[decay](jax.random.normal(ks[3], (B, T, H, K)))
   beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H)))
   h0 = 0.5 * jax.random.normal(ks[5], (B, H, K, V))
-  q, k, v = (a.astype(dtype) for a in (q, k, v))
-  return q, k, v, g, beta, h0
+  wide = jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
+  return (*(a.astype(dtype) for a in (q, k, v)), *(a.astype(wide) for a in (g, beta, h0)))
 
 
 def two_segments(B, T):
@@ -44,11 +54,14 @@ def two_segments(B, T):
   return jnp.asarray(ids[:B])
 
 
-def cotangents(o_shape, state_shape, o_dtype, seed=1):
-  """Weights (wo, wh) of the linear functional sum(o wo) + sum(ht wh). wo is rounded to o's
-  dtype, as the kernel's backward receives it (do = the cotangent of o, in o's dtype)."""
-  wo = jax.random.normal(jax.random.key(seed), o_shape).astype(o_dtype).astype(jnp.float32)
-  return wo, jax.random.normal(jax.random.key(seed + 1), state_shape)
+def cotangents(args, seed=1):
+  """Weights (wo, wh) of the linear functional sum(o wo) + sum(ht wh) for inputs `args` (v is
+  args[2], the initial state args[-1]). wo is rounded to o's dtype (v's), as the kernel's
+  backward receives it (do = the cotangent of o, in o's dtype)."""
+  v, h0 = args[2], args[-1]
+  wo = jax.random.normal(jax.random.key(seed), v.shape).astype(v.dtype)
+  return wo.astype(jnp.result_type(jnp.float32, h0.dtype)), jax.random.normal(
+      jax.random.key(seed + 1), h0.shape, h0.dtype)
 
 
 def run_with_grads(fn, args, segment_ids, cot, argnums=(0, 1, 2, 3, 4, 5), **kw):
@@ -71,16 +84,11 @@ def truth_with_grads(fn, args, segment_ids, cot, argnums=(0, 1, 2, 3, 4, 5), **k
       lambda a, c: run_with_grads(fn, a, segment_ids, c, argnums, **kw), args, cot)
 
 
-def assert_close(name, got, want):
-  """SPEC §8 for `got`'s dtype against the float64 truth `want`."""
-  numerics.assert_close(name, got, want, numerics.tolerance_for(got.dtype, want))
-
-
-def check_against_naive(kernel, B, T, H, K, V, *, gate="mild", dtype=jnp.float32, segments=True,
-                        seed=0):
-  args = make_inputs(B, T, H, K, V, gate=gate, dtype=dtype, seed=seed)
+def check_against_naive(kernel, B, T, H, K, V, *, decay="mild", dtype=jnp.float32,
+                        segments=True, seed=0):
+  args = make_inputs(B, T, H, K, V, decay=decay, dtype=dtype, seed=seed)
   seg = two_segments(B, T) if segments else None
-  cot = cotangents((B, T, H, V), (B, H, K, V), dtype)
+  cot = cotangents(args)
   o, ht, grads = run_with_grads(kernel, args, seg, cot)
   o_ref, ht_ref, grads_ref = truth_with_grads(naive_kda, args, seg, cot)
   assert o.dtype == args[2].dtype and ht.dtype == jnp.float32
@@ -97,7 +105,7 @@ def check_against_naive(kernel, B, T, H, K, V, *, gate="mild", dtype=jnp.float32
 
 def check_decode_steps(step_fn, *, steps=5, B=2, H=3, K=32, V=64, dtype=jnp.float32):
   """`steps` fused decode steps from a random state == naive_kda over those tokens."""
-  q, k, v, g, beta, h0 = make_inputs(B, steps, H, K, V, gate="strong", dtype=dtype, seed=13)
+  q, k, v, g, beta, h0 = make_inputs(B, steps, H, K, V, decay="k3", dtype=dtype, seed=13)
   o_ref, ht_ref = numerics.float64_truth(
       lambda *a: naive_kda(*a[:5], initial_state=a[5], output_final_state=True),
       q, k, v, g, beta, h0)
@@ -112,6 +120,8 @@ def check_decode_steps(step_fn, *, steps=5, B=2, H=3, K=32, V=64, dtype=jnp.floa
 # --- raw inputs (SPEC §4): K3's gate, beta logits and q/k l2norm prepared inside the kernel ---
 
 LOWER_BOUND = -5.0
+RAW_OPTIONS = dict(gate="lower_bound", lower_bound=LOWER_BOUND, use_qk_l2norm=True,
+                   use_beta_sigmoid=True)  # K3's
 RAW_NAMES = ("dq", "dk", "dv", "dg_raw", "dbeta_logits", "dA_log", "ddt_bias", "dh0")
 
 
@@ -131,46 +141,29 @@ def make_raw_inputs(B, T, H, K, V, *, seed=0, dtype=jnp.float32):
   return q, k, v, x, logits, A_log, dt_bias, h0
 
 
-def naive_on_prepared(q, k, v, x, logits, *, A_log, dt_bias, lower_bound, l2norm_eps,
-                      **kw):
-  """The reference for the fused kernels: ops.prepare_inputs, then naive_kda."""
-  from pallas_kernels.kda import ops
-  q, k, g, beta = ops.prepare_inputs(q, k, x, logits, A_log=A_log, dt_bias=dt_bias,
-                                     gate="lower_bound", lower_bound=lower_bound,
-                                     use_qk_l2norm=True, l2norm_eps=l2norm_eps,
-                                     use_beta_sigmoid=True)
-  return naive_kda(q, k, v, g, beta, **kw)
-
-
 def via_op(backend):
-  """The public op with K3's options, in check_fused_against_naive's kernel signature."""
+  """The public op with `backend`, in the kernels' signature."""
   from pallas_kernels.kda import kda
-
-  def fn(q, k, v, x, logits, *, lower_bound, **kw):
-    return kda(q, k, v, x, logits, gate="lower_bound", lower_bound=lower_bound,
-               use_qk_l2norm=True, use_beta_sigmoid=True, backend=backend,
-               interpret=backend.startswith("pallas"), **kw)
-  return fn
+  return lambda *a, **kw: kda(*a, backend=backend, interpret=backend.startswith("pallas"), **kw)
 
 
 def check_fused_against_naive(kernel, B, T, H, K, V, *, l2norm_eps=1e-6, dtype=jnp.float32,
-                              seed=0, reference=naive_on_prepared):
-  """kernel(q, k, v, x, logits, A_log=, dt_bias=, lower_bound=, l2norm_eps=, initial_state=,
-  output_final_state=, segment_ids=) on raw inputs vs `reference` (naive_kda on
-  ops.prepare_inputs' output) in float64: outputs, final state, and the gradients w.r.t. every
-  raw input and parameter.
+                              seed=0, reference=naive_kda):
+  """kernel(q, k, v, x, logits, A_log=, dt_bias=, l2norm_eps=, **RAW_OPTIONS, initial_state=,
+  output_final_state=, segment_ids=) on raw inputs vs `reference` with the same options in
+  float64: outputs, final state, and the gradients w.r.t. every raw input and parameter.
 
   dA_log [H] and d dt_bias [H, K] are sums over batch, time (and K for A_log) of the per-token
   terms dL/dx (x + dt_bias) and dL/dx: `sum_tolerance` of the truth's terms.
   """
   args = make_raw_inputs(B, T, H, K, V, seed=seed, dtype=dtype)
   seg = two_segments(B, T)
-  cot = cotangents((B, T, H, V), (B, H, K, V), dtype, seed=seed + 1)
-  opts = dict(lower_bound=LOWER_BOUND, l2norm_eps=l2norm_eps)
+  cot = cotangents(args, seed=seed + 1)
 
   def raw(fn):  # the initial state last, the parameters as keywords, as run_with_grads wants
     return lambda q, k, v, x, logits, A_log, dt_bias, **kw: fn(
-        q, k, v, x, logits, A_log=A_log, dt_bias=dt_bias, **opts, **kw)
+        q, k, v, x, logits, A_log=A_log, dt_bias=dt_bias, l2norm_eps=l2norm_eps,
+        **RAW_OPTIONS, **kw)
 
   o, ht, grads = run_with_grads(raw(kernel), args, seg, cot, argnums=tuple(range(8)))
   o_ref, ht_ref, grads_ref = truth_with_grads(raw(reference), args, seg, cot,
@@ -185,7 +178,7 @@ def check_fused_against_naive(kernel, B, T, H, K, V, *, l2norm_eps=1e-6, dtype=j
   for n, a, b, x in zip(RAW_NAMES, grads, grads_ref, args):
     assert a.dtype == x.dtype, (n, a.dtype, x.dtype)
     if n in sums:
-      numerics.assert_close(n, a, b, sums[n])
+      assert_close(n, a, b, sums[n])
     else:
       assert_close(n, a, b)
     assert np.abs(b).max() > 1e-3, n

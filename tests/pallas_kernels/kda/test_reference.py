@@ -1,4 +1,4 @@
-"""KDA references and the public op's jnp backends (SPEC §2.4, §8).
+"""KDA's plain references (reference.py) and the fast jnp backend "xla_cpu" (SPEC §2.4, §8).
 
 The truth is the token-by-token recurrence (`naive_kda`) run in float64 on the very inputs the
 float32 op gets, differentiated by JAX autodiff. Independent implementations meet the same
@@ -10,7 +10,7 @@ gradients within `sum_tolerance`; float64 implementations agree to 1e-12 (output
 (gradients) of the scale (float64 rounding, u = 2^-53, is ~1e-14 here). No two float32 results
 are compared with each other.
 
-Compile time dominates on a CPU, so the grid reuses shapes: the chunked op compiles once per
+Compile time dominates on a CPU, so the grid reuses shapes: the xla_cpu op compiles once per
 (chunk count, heads, dtype, packed or not), and T = 1, 63, 64 share one chunk count.
 """
 
@@ -28,6 +28,8 @@ import torch
 
 from pallas_kernels.kda import chunk_kda, kda, kda_step, naive_kda, ops, reference
 from tests import numerics
+from tests.numerics import assert_close
+from tests.pallas_kernels.kda import kda_cases
 
 K, V = 16, 24  # K != V catches transposed state layouts
 torch.set_num_threads(1)  # two xdist workers share two cores with XLA's own threads
@@ -38,25 +40,10 @@ torch.set_num_threads(1)  # two xdist workers share two cores with XLA's own thr
 # ----------------------------------------------------------------------------------------------
 
 
-def make_inputs(B, T, H, *, seed=0, decay="k3", dtype=jnp.float32):
-  """l2-normed q, k (as in the model); g from the K3 gate; a random linear functional (wo, ws)
-  of the outputs and final state to differentiate."""
-  ks = jax.random.split(jax.random.key(seed), 8)
-  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
-  q = unit(jax.random.normal(ks[0], (B, T, H, K)))
-  k = unit(jax.random.normal(ks[1], (B, T, H, K)))
-  v = jax.random.normal(ks[2], (B, T, H, V))
-  x = jax.random.normal(ks[3], (B, T, H, K))
-  g = {"k3": -5.0 * jax.nn.sigmoid(2.0 * x),     # lower-bound gate: some channels near -5
-       "mild": -0.05 * jax.nn.sigmoid(x),         # long memory: the state matters across chunks
-       "strong": -5.0 + 0.01 * x,                 # every token decays ~e^-5: e^-320 per chunk
-       "extreme": -30.0 + x}[decay]               # beyond what a chunk can factor (clamped)
-  beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H)))
-  s0 = 0.5 * jax.random.normal(ks[5], (B, H, K, V))
-  wo = jax.random.normal(ks[6], (B, T, H, V))
-  ws = jax.random.normal(ks[7], (B, H, K, V))
-  cast = lambda a: a.astype(dtype)
-  return tuple(map(cast, (q, k, v, g, beta, s0))), (cast(wo), cast(ws))
+def inputs_and_cotangents(B, T, H, **kw):
+  """kda_cases.make_inputs at this file's K, V, and the functional's weights for them."""
+  args = kda_cases.make_inputs(B, T, H, K, V, **kw)
+  return args, kda_cases.cotangents(args)
 
 
 def jax_value_and_grads(fn, inputs, cotangents, segment_ids=None, with_state=True,
@@ -80,7 +67,7 @@ def jax_value_and_grads(fn, inputs, cotangents, segment_ids=None, with_state=Tru
   return o, s, tuple(grads) + (None,) * (6 - len(grads))
 
 
-chunked_op = functools.partial(kda, backend="chunked")
+xla_cpu_op = functools.partial(kda, backend="xla_cpu")
 
 
 @functools.lru_cache(maxsize=None)
@@ -119,23 +106,16 @@ def torch_value_and_grads(fn, inputs, cotangents, with_state=True):
   return o.detach(), s.detach(), grads
 
 
-def assert_close(actual, expected, atol=numerics.ATOL, what=""):
-  """`actual` (float32, or bf16 rounded once more) within `numerics.tolerance_for` of its dtype
-  of the truth `expected`."""
-  actual, expected = np.asarray(actual), np.asarray(expected, np.float64)
-  numerics.assert_close(what, actual, expected,
-                        numerics.tolerance_for(actual.dtype, expected, atol))
-
-
-def assert_grads_close(actual, expected, atol=numerics.ATOL, what=""):
+def assert_grads_close(what, actual, expected, atol=numerics.ATOL):
+  """numerics.assert_close on each of (dq, dk, dv, dg, dbeta, ds0) present in both."""
   names = ("dq", "dk", "dv", "dg", "dbeta", "ds0")
   for name, a, e in zip(names, actual, expected):
     if a is not None and e is not None:
-      assert_close(a, e, atol, f"{what} {name}")
+      assert_close(f"{what} {name}", a, e, atol=atol)
 
 
 # ----------------------------------------------------------------------------------------------
-# the grid: chunked op vs naive recurrence vs fla vs transformers (outputs, state, gradients)
+# the grid: xla_cpu op vs naive recurrence vs fla vs transformers (outputs, state, gradients)
 # ----------------------------------------------------------------------------------------------
 
 # H = 3 with and without an initial state; H = 1 (batch 2) where T = 1, 63, 64 share a chunk
@@ -147,24 +127,24 @@ GRID += [(T, 1, False) for T in (1, 63, 64)] + [(1000, 3, True), (1000, 1, False
 
 
 @pytest.mark.parametrize("T,H,init", GRID)
-def test_chunked_matches_references(T, H, init):
-  inputs, cot = make_inputs(1 if H == 3 else 2, T, H, seed=T + H)
+def test_xla_cpu_matches_references(T, H, init):
+  inputs, cot = inputs_and_cotangents(1 if H == 3 else 2, T, H, seed=T + H)
   opts = dict(with_state=init, state_grad=T == 1000)
-  o, s, grads = jax_value_and_grads(chunked_op, inputs, cot, **opts)
+  o, s, grads = jax_value_and_grads(xla_cpu_op, inputs, cot, **opts)
 
   # The truth: the token-by-token recurrence in float64, differentiated by JAX autodiff.
   o_n, s_n, grads_n = truth_value_and_grads(inputs, cot, **opts)
-  assert_close(o, o_n, what="o vs float64 naive")
-  assert_close(s, s_n, what="state vs float64 naive")
-  assert_grads_close(grads, grads_n, what="vs float64 naive autodiff")
+  assert_close("o vs float64 naive", o, o_n)
+  assert_close("state vs float64 naive", s, s_n)
+  assert_grads_close("vs float64 naive autodiff", grads, grads_n)
 
   # fla's recurrence under torch autograd (float32): the same function as the truth.
   fla = lambda q, k, v, g, b, s0: fla_naive()(q, k, v, g, b, initial_state=s0,
                                               output_final_state=True)
   o_f, s_f, grads_f = torch_value_and_grads(fla, inputs, cot, with_state=init)
-  assert_close(o_f, o_n, what="fla o vs float64 naive")
-  assert_close(s_f, s_n, what="fla state vs float64 naive")
-  assert_grads_close(grads_f, grads_n, what="fla autograd vs float64 naive")
+  assert_close("fla o vs float64 naive", o_f, o_n)
+  assert_close("fla state vs float64 naive", s_f, s_n)
+  assert_grads_close("fla autograd vs float64 naive", grads_f, grads_n)
 
   # transformers' torch KDA (float32): the recurrent one under autograd, the chunked one
   # forward only. (Autograd through transformers' chunked form is itself ~2e-5 off the
@@ -173,19 +153,19 @@ def test_chunked_matches_references(T, H, init):
   hf = lambda q, k, v, g, b, s0: recurrent(q, k, v, g, b, s0, True,
                                            use_qk_l2norm_in_kernel=False)
   o_r, s_r, grads_r = torch_value_and_grads(hf, inputs, cot, with_state=init)
-  assert_close(o_r, o_n, what="transformers recurrent o vs float64 naive")
-  assert_close(s_r, s_n, what="transformers recurrent state vs float64 naive")
-  assert_grads_close(grads_r, grads_n, what="transformers autograd vs float64 naive")
+  assert_close("transformers recurrent o vs float64 naive", o_r, o_n)
+  assert_close("transformers recurrent state vs float64 naive", s_r, s_n)
+  assert_grads_close("transformers autograd vs float64 naive", grads_r, grads_n)
   q, k, v, g, beta, s0 = to_torch(*inputs)
   o_c, s_c = chunked(q, k, v, g, beta, initial_state=s0 if init else None,
                      output_final_state=True, use_qk_l2norm_in_kernel=False)
-  assert_close(o_c, o_n, what="transformers chunk o vs float64 naive")
-  assert_close(s_c, s_n, what="transformers chunk state vs float64 naive")
+  assert_close("transformers chunk o vs float64 naive", o_c, o_n)
+  assert_close("transformers chunk state vs float64 naive", s_c, s_n)
 
 
 def test_no_state_output():
-  (q, k, v, g, beta, _), _ = make_inputs(2, 70, 3)
-  o, s = kda(q, k, v, g, beta, backend="chunked")
+  (q, k, v, g, beta, _), _ = inputs_and_cotangents(2, 70, 3)
+  o, s = kda(q, k, v, g, beta, backend="xla_cpu")
   assert s is None and o.shape == v.shape and o.dtype == v.dtype
 
 
@@ -199,10 +179,10 @@ def test_packed_segments_equal_separate_runs():
   exactly on a chunk edge): each row equals its sequences run one by one."""
   packings = ((40, 64, 26), (5, 59, 66))
   T, H = 130, 3
-  inputs, cot = make_inputs(2, T, H, seed=11, decay="mild")
+  inputs, cot = inputs_and_cotangents(2, T, H, seed=11, decay="mild")
   ids = [np.repeat(np.arange(len(p)) + 7, p) for p in packings]  # only changes of id count
   segment_ids = jnp.asarray(np.stack(ids))
-  o, s, grads = jax_value_and_grads(chunked_op, inputs, cot, segment_ids=segment_ids)
+  o, s, grads = jax_value_and_grads(xla_cpu_op, inputs, cot, segment_ids=segment_ids)
 
   # The truth: the recurrence in float64 over the packed rows; each sequence alone through
   # fla's recurrence (float32) meets it (the initial state belongs to the first one).
@@ -217,12 +197,12 @@ def test_packed_segments_equal_separate_runs():
                                initial_state=s0[r] if n == 0 else None,
                                output_final_state=True)
       o_parts.append(o_p)
-    assert_close(torch.cat(o_parts, 1), o_n[r], what=f"row {row} separate fla runs")
-    assert_close(state, s_n[r], what=f"row {row} its last sequence's fla state")
+    assert_close(f"row {row} separate fla runs", torch.cat(o_parts, 1), o_n[r])
+    assert_close(f"row {row} its last sequence's fla state", state, s_n[r])
 
-  assert_close(o, o_n, what="o vs float64 naive")
-  assert_close(s, s_n, what="state vs float64 naive")
-  assert_grads_close(grads, grads_n, what="vs float64 naive autodiff")
+  assert_close("o vs float64 naive", o, o_n)
+  assert_close("state vs float64 naive", s, s_n)
+  assert_grads_close("vs float64 naive autodiff", grads, grads_n)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -251,7 +231,7 @@ def torch_gate(g, A_log, dt_bias, gate, lower_bound):
 
 @pytest.mark.parametrize("gate", ["lower_bound", "softplus"])
 def test_prepared_inputs(gate):
-  B, T, H = 1, 130, 3  # the grid's shape: the chunked core's compilation is shared
+  B, T, H = 1, 130, 3  # the grid's shape: the xla_cpu core's compilation is shared
   ks = jax.random.split(jax.random.key(3), 8)
   q, k = (3.0 * jax.random.normal(ks[i], (B, T, H, K)) for i in (0, 1))  # raw, not unit
   v = jax.random.normal(ks[2], (B, T, H, V))
@@ -265,11 +245,12 @@ def test_prepared_inputs(gate):
 
   # The preparation itself vs a numpy transcription in float64: a few elementwise roundings
   # (exp, sigmoid, rsqrt), so 1e-6 of each tensor's scale (the softplus gate reaches ~30).
-  prepared = ops.prepare_inputs(q, k, g_raw, beta_raw, A_log=A_log, dt_bias=dt_bias, gate=gate,
-                                lower_bound=-5.0, use_qk_l2norm=True, use_beta_sigmoid=True)
+  prepared = reference.prepare_inputs(q, k, g_raw, beta_raw, A_log=A_log, dt_bias=dt_bias,
+                                      gate=gate, lower_bound=-5.0, use_qk_l2norm=True,
+                                      use_beta_sigmoid=True)
   expected = numpy_prepare(q, k, g_raw, beta_raw, A_log, dt_bias, gate, -5.0)
   for name, a, e in zip(("q", "k", "g", "beta"), prepared, expected):
-    assert_close(a, e, atol=1e-6, what=name)
+    assert_close(name, a, e, atol=1e-6)
 
   # The op with raw inputs vs the truth: the naive backend in float64 on the same raw values.
   def loss(q, k, v, g_raw, beta_raw, A_log, dt_bias, backend):
@@ -279,10 +260,10 @@ def test_prepared_inputs(gate):
 
   argnums = (0, 1, 2, 3, 4, 5, 6)
   raw = (q, k, v, g_raw, beta_raw, A_log, dt_bias)
-  (_, o), grads = jax.value_and_grad(loss, argnums, has_aux=True)(*raw, "chunked")
+  (_, o), grads = jax.value_and_grad(loss, argnums, has_aux=True)(*raw, "xla_cpu")
   (_, o_n), grads_n = numerics.float64_truth(
       lambda *a: jax.value_and_grad(loss, argnums, has_aux=True)(*a, "naive"), *raw)
-  assert_close(o, o_n, what="o chunked vs float64 naive")
+  assert_close("o xla_cpu vs float64 naive", o, o_n)
   # dA_log and d dt_bias sum per-token terms over (B, T, K) and (B, T): dA_log's term is
   # dL/dA_log's share of each token, dx (x + dt_bias) for the lower-bound gate and
   # dx softplus(x + dt_bias) / sigmoid(x + dt_bias) for the softplus gate (dx = dL/dg_raw).
@@ -298,22 +279,22 @@ def test_prepared_inputs(gate):
   g_t, beta_t = torch_gate(t[3], t[5], t[6], gate, -5.0), torch.sigmoid(t[4])
   o_t, _ = recurrent(t[0], t[1], t[2], g_t, beta_t, None, False, use_qk_l2norm_in_kernel=True)
   (o_t * to_torch(wo)[0]).sum().backward()
-  assert_close(o_t.detach(), o_n, what="transformers recurrent o (l2norm in kernel)")
+  assert_close("transformers recurrent o (l2norm in kernel)", o_t.detach(), o_n)
   names = ("dq", "dk", "dv", "dg_raw", "dbeta_raw", "dA_log", "ddt_bias")
   for name, a, a_n, x, tol in zip(names, grads, grads_n, t, tols):
-    for who, grad in (("chunked", a), ("torch autograd", x.grad)):
+    for who, grad in (("xla_cpu", a), ("torch autograd", x.grad)):
       if tol is None:
-        assert_close(grad, a_n, what=f"{name} {who} vs float64 naive")
+        assert_close(f"{name} {who} vs float64 naive", grad, a_n)
       else:
-        numerics.assert_close(f"{name} {who} vs float64 naive", grad, a_n, tol)
+        assert_close(f"{name} {who} vs float64 naive", grad, a_n, tol)
   with torch.no_grad():
     o_c, _ = chunked(t[0], t[1], t[2], g_t, beta_t, initial_state=None,
                      output_final_state=False, use_qk_l2norm_in_kernel=True)
-  assert_close(o_c, o_n, what="transformers chunk o (l2norm in kernel)")
+  assert_close("transformers chunk o (l2norm in kernel)", o_c, o_n)
 
 
 def test_gate_argument_errors():
-  (q, k, v, g, beta, _), _ = make_inputs(1, 8, 2)
+  (q, k, v, g, beta, _), _ = inputs_and_cotangents(1, 8, 2)
   with pytest.raises(ValueError, match="A_log"):
     kda(q, k, v, g, beta, gate="softplus")
   with pytest.raises(ValueError, match="lower_bound"):
@@ -340,15 +321,15 @@ def numpy_recurrence(q, k, v, g, beta, s0, scale):
 
 
 def test_float64(x64):
-  inputs, cot = make_inputs(1, 130, 2, seed=5, dtype=jnp.float64)
-  o, s, grads = jax_value_and_grads(chunked_op, inputs, cot)
+  inputs, cot = inputs_and_cotangents(1, 130, 2, seed=5, dtype=jnp.float64)
+  o, s, grads = jax_value_and_grads(xla_cpu_op, inputs, cot)
   assert o.dtype == s.dtype == jnp.float64
   o_np, s_np = numpy_recurrence(*inputs, scale=K**-0.5)
-  assert_close(o, o_np, atol=1e-12, what="o vs numpy float64")
-  assert_close(s, s_np, atol=1e-12, what="state vs numpy float64")
+  assert_close("o vs numpy float64", o, o_np, atol=1e-12)
+  assert_close("state vs numpy float64", s, s_np, atol=1e-12)
   o_n, s_n, grads_n = jax_value_and_grads(naive_kda, inputs, cot)
-  assert_close(o, o_n, atol=1e-12, what="o vs naive float64")
-  assert_grads_close(grads, grads_n, atol=1e-10, what="float64 vs naive autodiff")
+  assert_close("o vs naive float64", o, o_n, atol=1e-12)
+  assert_grads_close("float64 vs naive autodiff", grads, grads_n, atol=1e-10)
 
 
 def test_bfloat16_inputs():
@@ -356,16 +337,14 @@ def test_bfloat16_inputs():
   equals the float64 truth on the same bf16 values up to float32 error and the final bf16
   rounding of o and of dq, dk, dv (half a bf16 ulp). o's cotangent is bf16 too (it is o's
   dtype), so the truth gets the same rounded cotangent."""
-  (q, k, v, g, beta, s0), (wo, ws) = make_inputs(1, 130, 3, seed=6)
-  q, k, v, wo = (x.astype(jnp.bfloat16) for x in (q, k, v, wo))
-  inputs, cot = (q, k, v, g, beta, s0), (wo, ws)
-  o, s, grads = jax_value_and_grads(chunked_op, inputs, cot, state_grad=False)
+  inputs, cot = inputs_and_cotangents(1, 130, 3, seed=6, dtype=jnp.bfloat16)
+  o, s, grads = jax_value_and_grads(xla_cpu_op, inputs, cot, state_grad=False)
   assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
   assert [d.dtype for d in grads[:5]] == [jnp.bfloat16] * 3 + [jnp.float32] * 2
   o_n, s_n, grads_n = truth_value_and_grads(inputs, cot, state_grad=False)
-  assert_close(o, o_n, what="o")
-  assert_close(s, s_n, what="state")
-  assert_grads_close(grads, grads_n, what="grads")
+  assert_close("o", o, o_n)
+  assert_close("state", s, s_n)
+  assert_grads_close("grads", grads, grads_n)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -376,66 +355,75 @@ def test_bfloat16_inputs():
 @pytest.mark.parametrize("decay", ["strong", "extreme"])
 def test_strong_decay_stays_finite_and_exact(decay):
   """g ~ -5 on every token and channel (130 tokens, two full chunks): the chunk cumsum reaches
-  -320, so any e^{G_i} / e^{G_j} would overflow. 'extreme' (g ~ -30) exceeds max_step_decay
-  and is clamped, which must stay invisible at float32 precision."""
-  inputs, cot = make_inputs(1, 130, 3, seed=7, decay=decay)
-  o, s, grads = jax_value_and_grads(chunked_op, inputs, cot, state_grad=False)
+  -320, so any e^{G_i} / e^{G_j} would overflow. 'extreme' (g ~ -30) exceeds xla_cpu's
+  max_step_decay and is clamped, which must stay invisible at float32 precision."""
+  inputs, cot = inputs_and_cotangents(1, 130, 3, seed=7, decay=decay)
+  o, s, grads = jax_value_and_grads(xla_cpu_op, inputs, cot, state_grad=False)
   for x in (o, s) + tuple(grads[:5]):
     assert np.all(np.isfinite(np.asarray(x)))
   o_n, s_n, grads_n = truth_value_and_grads(inputs, cot, state_grad=False)
-  assert_close(o, o_n, what="o vs float64 naive")
-  assert_close(s, s_n, what="state vs float64 naive")
-  assert_grads_close(grads, grads_n, what="vs float64 naive autodiff")
+  assert_close("o vs float64 naive", o, o_n)
+  assert_close("state vs float64 naive", s, s_n)
+  assert_grads_close("vs float64 naive autodiff", grads, grads_n)
 
 
 # ----------------------------------------------------------------------------------------------
-# the reference chunk_kda itself, decoding, dispatch, structure of the backward
+# the plain chunked reference, decoding, dispatch, structure of the backward
 # ----------------------------------------------------------------------------------------------
 
 
-def test_reference_chunk_kda():
-  """reference.chunk_kda itself (the op wraps the same pieces in its custom VJP)."""
-  (q, k, v, g, beta, s0), _ = make_inputs(2, 100, 3, seed=8)
-  ids = jnp.asarray(np.repeat([[0, 1]], [30, 70], axis=1).repeat(2, 0))
-  for segment_ids in (None, ids):
-    args = (q, k, v, g, beta)
-    kw = dict(initial_state=s0, output_final_state=True, segment_ids=segment_ids)
-    o, s = jax.jit(functools.partial(chunk_kda, **kw))(*args)
-    o_n, s_n = numerics.float64_truth(functools.partial(naive_kda, **kw), *args)
-    assert_close(o, o_n, what="o")
-    assert_close(s, s_n, what="state")
+@pytest.mark.parametrize("raw", [False, True])
+def test_reference_chunk_kda(raw):
+  """reference.chunk_kda (the chunked form written plainly) against the recurrence in float64,
+  packed, with an initial state, differentiated by autodiff; with K3's raw inputs too."""
+  B, T, H = 2, 100, 3
+  if raw:
+    args = kda_cases.make_raw_inputs(B, T, H, K, V, seed=8)
+    opts = kda_cases.RAW_OPTIONS
+  else:
+    args, opts = kda_cases.make_inputs(B, T, H, K, V, seed=8), {}
+  argnums = (0, 1, 2, 3, 4, len(args) - 1)  # q, k, v, g (or x), beta (or logits), h0
+  seg = jnp.asarray(np.repeat([[0, 1]], [30, 70], axis=1).repeat(2, 0))
+  cot = kda_cases.cotangents(args)
+  fn = lambda ref: (lambda *a, **kw: ref(*a[:5], **dict(zip(("A_log", "dt_bias"), a[5:])),
+                                          **opts, **kw))
+  o, s, grads = kda_cases.run_with_grads(fn(chunk_kda), args, seg, cot, argnums)
+  o_n, s_n, grads_n = kda_cases.truth_with_grads(fn(naive_kda), args, seg, cot, argnums)
+  assert_close("o", o, o_n)
+  assert_close("state", s, s_n)
+  assert_grads_close("chunk_kda autodiff vs float64 naive", grads, grads_n)
 
 
 def test_decode_steps_continue_the_sequence():
-  """Prefill with the chunked op, then kda_step token by token == the full sequence (its
+  """Prefill with the xla_cpu op, then kda_step token by token == the full sequence (its
   float64 truth)."""
-  (q, k, v, g, beta, s0), _ = make_inputs(2, 75, 3, seed=9)
+  (q, k, v, g, beta, s0), _ = inputs_and_cotangents(2, 75, 3, seed=9)
   o_full, s_full = numerics.float64_truth(
       lambda *a: naive_kda(*a[:5], initial_state=a[5], output_final_state=True),
       q, k, v, g, beta, s0)
   o_pre, state = kda(q[:, :67], k[:, :67], v[:, :67], g[:, :67], beta[:, :67],
-                     initial_state=s0, output_final_state=True, backend="chunked")
+                     initial_state=s0, output_final_state=True, backend="xla_cpu")
   outs = [o_pre]
   for t in range(67, 75):
     o_t, state = kda_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
     outs.append(o_t[:, None])
-  assert_close(jnp.concatenate(outs, 1), o_full, what="decode outputs")
-  assert_close(state, s_full, what="decode state")
+  assert_close("decode outputs", jnp.concatenate(outs, 1), o_full)
+  assert_close("decode state", state, s_full)
 
 
 def test_dispatch(monkeypatch):
-  (q, k, v, g, beta, _), _ = make_inputs(2, 70, 3)
-  assert jax.default_backend() == "cpu" and ops.default_backend() == "chunked"
+  (q, k, v, g, beta, _), _ = inputs_and_cotangents(2, 70, 3)
+  assert jax.default_backend() == "cpu" and ops.default_backend() == "xla_cpu"
   o_default, _ = kda(q, k, v, g, beta)
-  o_chunked, _ = kda(q, k, v, g, beta, backend="chunked")
-  np.testing.assert_array_equal(o_default, o_chunked)
+  o_fast, _ = kda(q, k, v, g, beta, backend="xla_cpu")
+  np.testing.assert_array_equal(o_default, o_fast)  # the same program: bit-identical
   with pytest.raises(ValueError, match="'cuda_magic'"):
     kda(q, k, v, g, beta, backend="cuda_magic")
-  # On a TPU host whose Pallas module cannot be imported, the default falls back to chunked.
+  # On a TPU host whose Pallas module cannot be imported, the default falls back to xla_cpu.
   monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
   monkeypatch.setitem(__import__("sys").modules, "pallas_kernels.kda.tpu", None)
   assert ops.default_backend() == "pallas_tpu"
-  np.testing.assert_array_equal(kda(q, k, v, g, beta)[0], o_chunked)
+  np.testing.assert_array_equal(kda(q, k, v, g, beta)[0], o_fast)
   with pytest.raises(ImportError, match="pallas_tpu"):
     kda(q, k, v, g, beta, backend="pallas_tpu")
 
@@ -461,8 +449,8 @@ def _scan_lengths(jaxpr):
 
 
 def test_backward_scans_chunks_not_tokens():
-  """The chunked op's gradient walks chunks (T / 64 steps), never tokens."""
-  (q, k, v, g, beta, s0), _ = make_inputs(1, 640, 1)
-  grad = jax.grad(lambda *a: jnp.sum(kda(*a, backend="chunked")[0]), argnums=(0, 1, 2, 3, 4))
+  """The xla_cpu op's gradient walks chunks (T / 64 steps), never tokens."""
+  (q, k, v, g, beta, s0), _ = inputs_and_cotangents(1, 640, 1)
+  grad = jax.grad(lambda *a: jnp.sum(kda(*a, backend="xla_cpu")[0]), argnums=(0, 1, 2, 3, 4))
   lengths = _scan_lengths(jax.make_jaxpr(grad)(q, k, v, g, beta).jaxpr)
   assert lengths and set(lengths) == {10}, lengths

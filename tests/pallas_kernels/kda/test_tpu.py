@@ -23,12 +23,12 @@ def kernel(*args, **kw):
 
 @pytest.mark.parametrize("T", [1, 63, 64, 130])
 def test_fp32_matches_naive(T):
-  kda_cases.check_against_naive(kernel, B=2, T=T, H=2, K=32, V=64, gate="mild")
+  kda_cases.check_against_naive(kernel, B=2, T=T, H=2, K=32, V=64, decay="mild")
 
 
 def test_fp32_strong_gate_matches_naive():
   """lb=-5 gate: 64-token cumulative decays far below e^-88 must not overflow or NaN."""
-  kda_cases.check_against_naive(kernel, B=2, T=130, H=2, K=32, V=64, gate="strong", seed=3)
+  kda_cases.check_against_naive(kernel, B=2, T=130, H=2, K=32, V=64, decay="k3", seed=3)
 
 
 def test_bf16_matches_naive_on_same_inputs():
@@ -37,15 +37,11 @@ def test_bf16_matches_naive_on_same_inputs():
 
 
 def test_no_state_no_segments_and_custom_scale():
-  q, k, v, g, beta, _ = kda_cases.make_inputs(1, 70, 2, 32, 64, seed=7)
+  q, k, v, g, beta, _ = kda_cases.make_inputs(1, 70, 2, 32, 64, seed=7, decay="mild")
   o, ht = kernel(q, k, v, g, beta, scale=0.3)
   o_ref, _ = numerics.float64_truth(lambda *a: naive_kda(*a, scale=0.3), q, k, v, g, beta)
   assert ht is None
-  kda_cases.assert_close("o", o, o_ref)
-
-
-def fused(*args, **kw):
-  return kernel(*args, **kw, use_qk_l2norm=True, beta_is_logits=True)
+  numerics.assert_close("o", o, o_ref)
 
 
 @pytest.mark.parametrize("T, l2norm_eps", [(63, 1e-6), (130, 1e-6), (63, 0.1)])
@@ -54,11 +50,11 @@ def test_fused_raw_inputs_match_naive_on_prepared(T, l2norm_eps):
   rule in the backward kernel: outputs, state and gradients w.r.t. raw q, k, v, gate
   pre-activation, beta logits, A_log, dt_bias and h0. eps=0.1 checks that eps reaches the
   kernel (at 1e-6 it would move o by ~1e-3)."""
-  kda_cases.check_fused_against_naive(fused, B=2, T=T, H=2, K=32, V=64, l2norm_eps=l2norm_eps)
+  kda_cases.check_fused_against_naive(kernel, B=2, T=T, H=2, K=32, V=64, l2norm_eps=l2norm_eps)
 
 
 def test_fused_bf16_raw_inputs():
-  kda_cases.check_fused_against_naive(fused, B=2, T=70, H=2, K=32, V=64, dtype=jnp.bfloat16,
+  kda_cases.check_fused_against_naive(kernel, B=2, T=70, H=2, K=32, V=64, dtype=jnp.bfloat16,
                                       seed=9)
 
 
@@ -82,7 +78,7 @@ def test_inside_shard_map_over_batch():
   must agree, and the result equals the unsharded reference."""
   from jax.sharding import PartitionSpec as P
   mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-  q, k, v, g, beta, _ = kda_cases.make_inputs(2, 64, 2, 32, 64, seed=17)
+  q, k, v, g, beta, _ = kda_cases.make_inputs(2, 64, 2, 32, 64, seed=17, decay="mild")
   spec = P("data")
   run = jax.shard_map(lambda *a: kernel(*a, output_final_state=True), mesh=mesh,
                       in_specs=(spec,) * 5, out_specs=(spec, spec))
@@ -90,8 +86,8 @@ def test_inside_shard_map_over_batch():
   o, ht = jax.jit(run)(*map(put, (q, k, v, g, beta)))
   o_ref, ht_ref = numerics.float64_truth(
       lambda *a: naive_kda(*a, output_final_state=True), q, k, v, g, beta)
-  kda_cases.assert_close("o", o, o_ref)
-  kda_cases.assert_close("final_state", ht, ht_ref)
+  numerics.assert_close("o", o, o_ref)
+  numerics.assert_close("final_state", ht, ht_ref)
 
 
 def test_fused_inside_shard_map_over_batch():
@@ -102,11 +98,11 @@ def test_fused_inside_shard_map_over_batch():
   raw = kda_cases.make_raw_inputs(2, 64, 2, 32, 64, seed=19)[:7]
   put = lambda a, spec: jax.device_put(a, jax.sharding.NamedSharding(mesh, spec))
   sharded = [put(a, P("data")) for a in raw[:5]] + [put(a, P()) for a in raw[5:]]
-  opts = dict(lower_bound=kda_cases.LOWER_BOUND, l2norm_eps=1e-6, output_final_state=True)
+  opts = dict(kda_cases.RAW_OPTIONS, l2norm_eps=1e-6, output_final_state=True)
   d = P("data")
-  run = jax.shard_map(lambda *a: fused(*a[:5], A_log=a[5], dt_bias=a[6], **opts), mesh=mesh,
+  run = jax.shard_map(lambda *a: kernel(*a[:5], A_log=a[5], dt_bias=a[6], **opts), mesh=mesh,
                       in_specs=(d,) * 5 + (P(), P()), out_specs=(d, d))
-  ref = lambda *a: kda_cases.naive_on_prepared(*a[:5], A_log=a[5], dt_bias=a[6], **opts)
+  ref = lambda *a: naive_kda(*a[:5], A_log=a[5], dt_bias=a[6], **opts)
   wo = jax.random.normal(jax.random.key(3), raw[2].shape)
 
   def loss(fn, *a):
@@ -116,8 +112,8 @@ def test_fused_inside_shard_map_over_batch():
   grad = lambda fn, argnums: jax.grad(functools.partial(loss, fn), argnums, has_aux=True)
   (dA, ddt), (o, ht) = jax.jit(grad(run, (5, 6)))(*sharded)
   (dx_ref, dA_ref, ddt_ref), (o_ref, ht_ref) = numerics.float64_truth(grad(ref, (3, 5, 6)), *raw)
-  kda_cases.assert_close("o", o, o_ref)
-  kda_cases.assert_close("final_state", ht, ht_ref)
+  numerics.assert_close("o", o, o_ref)
+  numerics.assert_close("final_state", ht, ht_ref)
   x_dt = np.asarray(raw[3], np.float64) + np.asarray(raw[6], np.float64)
   numerics.assert_close("dA_log", dA, dA_ref, numerics.sum_tolerance(dx_ref * x_dt, (0, 1, 3)))
   numerics.assert_close("ddt_bias", ddt, ddt_ref, numerics.sum_tolerance(dx_ref, (0, 1)))

@@ -47,8 +47,8 @@ def _sharded_kda(mesh, fused=False):
   def run(q, k, v, g, beta, h0, *gate):
     opts = {}
     if fused:
-      opts = dict(A_log=gate[0], dt_bias=gate[1], lower_bound=-5.0, use_qk_l2norm=True,
-                  beta_is_logits=True)
+      opts = dict(A_log=gate[0], dt_bias=gate[1], gate="lower_bound", lower_bound=-5.0,
+                  use_qk_l2norm=True, use_beta_sigmoid=True)
     return kda_tpu(q, k, v, g, beta, initial_state=h0, output_final_state=True, **opts)
 
   return run, specs
