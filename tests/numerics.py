@@ -18,11 +18,12 @@ unit roundoff):
   * `sum_tolerance`: a parameter gradient reduced over N per-token terms t (A_log's over
     batch, time and features). Summing N terms in float32 pairwise passes every term through
     ceil(log2 N) roundings of at most u times a partial sum <= sum|t|: error <= ceil(log2 N) u
-    sum|t| (Higham, Accuracy and Stability of Numerical Algorithms, §4.2). An order XLA picks
-    (a running sum per vector lane) has the same expected error, since roundings are zero-mean
-    and independent. The terms' own float32 errors (the per-token gradients, checked with
-    `tolerance`) are zero-mean and add in quadrature: measured <= 1 u sum|t| for the tests'
-    sizes. ATOL is added for sums of few terms.
+    sum|t| (Higham, Accuracy and Stability of Numerical Algorithms, §4.2); the Pallas
+    wrappers sum so. An order XLA picks (a running sum per vector lane) has a looser worst case
+    but zero-mean, independent roundings: measured <= 0.9 u sum|t| at these sizes. The terms'
+    own float32 errors (the per-token gradients, checked with `tolerance`) are zero-mean and
+    add in quadrature: with the reduction, measured <= 1.1 u sum|t|. ATOL is added for sums of
+    few terms.
 """
 
 from __future__ import annotations
