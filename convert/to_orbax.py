@@ -36,7 +36,7 @@ CONFIG = "k3jax_config.json"
 HF_DIR = "hf"
 # Small files a model folder carries besides the weights (tokenizer, generation defaults).
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer*", "*.tiktoken",
-              "special_tokens_map.json", "chat_template*")
+              "tiktoken.model", "tokenization*.py", "special_tokens_map.json", "chat_template*")
 SIDE_FILE_LIMIT = 64 << 20
 
 
