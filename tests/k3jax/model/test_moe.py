@@ -15,8 +15,9 @@ def np_silu(a):
   return a / (1 + np.exp(-a))
 
 
-def np_moe(moe: MoE, cfg, x):
-  """Per-token, per-expert transcription of SPEC §2.6."""
+def np_moe(moe: MoE, cfg, x, keep=None):
+  """Per-token, per-expert transcription of SPEC §2.6. keep [N, k] (bool, slot order of the
+  top-k): pairs to compute; the others are dropped (capacity factor), weights unchanged."""
   x = np64(x).reshape(-1, cfg.hidden_size)
   w_r, bias = np64(moe.gate.kernel[...]), np64(moe.gate.bias[...])
   s = 1 / (1 + np.exp(-(x @ w_r)))
@@ -31,8 +32,10 @@ def np_moe(moe: MoE, cfg, x):
     if cfg.moe_renormalize:
       p = p / (p.sum() + 1e-20)
     p = p * cfg.routed_scaling_factor
-    u = 0
-    for e, pe in zip(chosen, p):
+    u = np.zeros(z.shape[1])
+    for j, (e, pe) in enumerate(zip(chosen, p)):
+      if keep is not None and not keep[n, j]:
+        continue
       a, b = z[n] @ w1[e], z[n] @ w3[e]
       act = (4 * np.tanh(a / 4) / (1 + np.exp(-a)) * 25 * np.tanh(b / 25)
              if cfg.hidden_act == "situ" else np_silu(a) * b)
