@@ -30,15 +30,16 @@ The other axes of the expert weights [E, h, F] follow the one rules table:
   moe_mlp (F) -> tensor: tensor-parallel experts. Tokens are replicated over `tensor`, each
     tensor rank computes its F slice of every local expert (the gated activation is
     elementwise in F) and its partial down-projection; one psum of u [n, h] (fp32) over
-    `tensor` after the return trip, the cheapest place: n rows, not n*k.
+    `tensor` after the return trip, the cheapest place: n rows, not n*k (the backward's psum
+    is of dz [n, h] likewise). Every tensor rank sends the same rows over the expert axes.
   latent (h) -> fsdp: FSDP inside the shard_map: each layer all-gathers its E/EP local experts
     over fsdp before use and its backward reduce-scatters their gradient (the transpose of
-    all_gather). It moves E/EP * 3hF weights per layer against tensor parallelism's n*h
-    activations: at K3 (h = 3584, F = 3072) with EP = 128 (7 local experts) that is 462 MB
-    (bf16) per layer against 29 MB for n = 4096 tokens, so a K3 mesh should shard its experts
-    over expert x tensor and keep fsdp for the rest of the model, or give the experts the fsdp
-    axis as more expert parallelism (rules: experts -> (expert, fsdp); this code takes any axes
-    the table gives, see `layout`).
+    all_gather). It moves E/EP * 3hF weights per layer where tensor parallelism moves n*h
+    activations: at K3 (h = 3584, F = 3072) with EP = 128 (7 local experts), 462 MB (bf16)
+    per layer against 59 MB (fp32 u) for n = 4096 tokens. At that scale the experts should
+    take the fsdp axis as more expert parallelism instead (one rules-table change: experts ->
+    (expert, fsdp); latent then stays whole and no weight moves at all). This code follows
+    whatever axes the table gives (see `layout`).
 
 Buffers are static. Dropless, a device may receive every pair of its group that can reach it:
 EP * n * min(k, E/EP) rows (K3, EP = 128, n = 4096: 3.7M rows of 3584, 26 GB bf16; the mean is
