@@ -196,10 +196,11 @@ def main() -> None:
     for experts in ("bf16", "mxfp4"):
       out = os.path.join(root, f"out_{experts}")
       wall, rss = run_convert(src, out, experts)
-      size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out) for f in fs)
+      files = [os.path.join(d, f) for d, _, fs in os.walk(out) for f in fs]
+      size = sum(map(os.path.getsize, files))
       print(f"convert --experts {experts:5s}: {wall:6.1f}s  {total / wall / GiB:6.2f} GiB/s "
             f"({100 * raw / wall:5.1f}% of raw read, {100 * copy / wall:5.1f}% of raw copy), "
-            f"wrote {size / GiB:.2f} GiB, peak RSS "
+            f"wrote {size / GiB:.2f} GiB in {len(files)} files, peak RSS "
             f"{rss / GiB:.2f} GiB (bound 2 x largest + 1 GiB = {bound / GiB:.2f} GiB: "
             f"{'ok' if rss <= bound else 'EXCEEDED'})")
       shutil.rmtree(out)
