@@ -14,9 +14,12 @@ GB in a temporary folder beside --workdir, then in one run:
 
 Before each timed read the files are dropped from the page cache (posix_fadvise DONTNEED), so
 both read the disk. Throughput is source bytes / wall time. Peak RSS is the converter
-process's VmHWM, set against the bound 2 x largest tensor + 1 GiB. Cleans up after itself.
+process's VmHWM, set against the bound 2 x largest tensor + 1 GiB; "files" counts every file
+of the checkpoint (the OCDBT data files are about one per committed write batch). Cleans up
+after itself.
 
     python benchmarks/convert.py [--experts 32] [--vocab 32768] [--workdir /tmp]
+                                 [--chunk-mib 4] [--no-raw]
 """
 
 from __future__ import annotations

@@ -112,8 +112,8 @@ def load_checkpoint(directory: str, *, allow_partial: bool = False, shardings=No
   if layers is not None:
     return _load_prefix(directory, cfg, layers[1] + 1, target, codes)
   if codes and shardings:  # the experts straight into their shardings, block by block
-    arrays = orbax_io.restore(directory, target, skip=frozenset(
-        p for p in target if p[-1].endswith(("_packed", "_scale"))))
+    arrays = orbax_io.restore(directory, {p: t for p, t in target.items()
+                                          if not p[-1].endswith(("_packed", "_scale"))})
     arrays.update(_dequantized_sharded(directory, variables, shardings))
     return build_model(cfg, arrays), cfg
   arrays = orbax_io.restore(directory, target)

@@ -18,13 +18,19 @@ all, and then fills them from one stream of (array, stack index, tensor) slices 
 order. Nothing bigger than one tensor plus the writes in flight is ever held.
 
 - Transactions: slices are staged in a TensorStore transaction that commits every
-  `TXN_BYTES`; one commit is one OCDBT data file, so a 1.5 TB conversion writes a few
-  thousand files, not one per expert matrix. The next batch is read while the last one
-  commits, so at most two batches are in memory.
+  `TXN_BYTES`; a commit writes about one OCDBT data file, so a 1.5 TB conversion writes a
+  few thousand files, not one per expert matrix. The next batch is read while the last one
+  commits, within two batches in memory (`Stream`).
 - Chunks: each array's write shape is one stack entry (one layer, or one layer's expert);
   Orbax's `chunk_byte_size` splits it into chunks of <= `CHUNK_BYTES` (largest dimensions
-  first). Every write covers whole chunks (nothing is read back), and a restore onto a mesh
-  reads the chunks its shards touch: experts are never split across chunks with another.
+  first: a K3 expert matrix [3584, 3072] bf16 in 8 chunks [896, 1536]). Every write covers
+  whole chunks (nothing is read back), no chunk mixes two layers or two experts, and a
+  restore onto a mesh reads only the chunks its shards touch, so the smaller the chunks the
+  less a process reads beyond its shards; conversion speed did not change between 2 and
+  16 MiB (benchmarks/convert.py --chunk-mib).
+- B-tree nodes of <= `NODE_BYTES`: Orbax's 100 MB nodes are rewritten whole by every
+  commit, which at 600k chunks costs 0.5 s per commit (3.7x the time of 1 MB nodes in a
+  TensorStore-only test of 100 commits); K3 makes ~10^6 chunks and ~2*10^4 commits.
 - Resume: `on_commit(keys)` is called with the stream keys of every batch once its commit
   (and TensorStore's fsync) has finished; `convert` journals them and skips them on
   `--resume`. A batch interrupted mid-commit leaves an orphaned data file at most; the
@@ -57,8 +63,9 @@ from etils import epath
 from convert.errors import CheckpointError
 
 Path = tuple[str, ...]
-CHUNK_BYTES = 16 << 20
+CHUNK_BYTES = 4 << 20
 TXN_BYTES = 256 << 20
+NODE_BYTES = 1 << 20  # OCDBT B-tree node size while converting (the merged tree keeps Orbax's)
 METADATA = "_METADATA"
 STEP_METADATA = "_CHECKPOINT_METADATA"  # Orbax's per-checkpoint metadata file (Checkpointer)
 # A stream item: (journal key, bytes as stored, () -> [(array path, stack index, tensor)]).
@@ -185,6 +192,10 @@ def _handler_class():
               info, use_ocdbt=info.is_ocdbt_checkpoint, global_shape=value.shape,
               local_shape=value.write_shape, dtype=value.dtype,
               process_index=jax.process_index(), arg=arg)
+          if "config" in spec["kvstore"]:
+            # Orbax's 100 MB nodes suit its one commit per save; here every batch commits and
+            # rewrites the nodes it touches, so small ones keep a commit's cost flat
+            spec["kvstore"]["config"]["max_decoded_node_bytes"] = NODE_BYTES
           # open=True too: on --resume the arrays exist with the committed batches in them
           opens.append(ts.open(ts.Spec(spec), create=True, open=True, context=info.ts_context))
         stores = dict(zip((v.path for v in values), await asyncio.gather(*opens)))
@@ -320,16 +331,13 @@ def open_array(directory: str, path: Path) -> ts.TensorStore:
     raise CheckpointError(f"{directory}: cannot open array {info.name} ({e})") from None
 
 
-def restore(directory: str, target: dict[Path, Any], skip: frozenset[Path] = frozenset()
-            ) -> dict[Path, Any]:
-  """Restore `target` (k3jax path -> jax.ShapeDtypeStruct, with a sharding if wanted) through
-  Orbax's PyTree restore, all but the arrays in `skip`; returns path -> array (a jax.Array
-  where a sharding was given)."""
+def restore(directory: str, target: dict[Path, Any]) -> dict[Path, Any]:
+  """Restore the arrays of `target` (k3jax path -> jax.ShapeDtypeStruct, with a sharding if
+  wanted), and only those, through Orbax's PyTree restore; returns path -> array (numpy, or a
+  jax.Array where a sharding was given: each process reads the chunks of its shards)."""
   import orbax.checkpoint as ocp  # noqa: PLC0415  (slow import, only needed here)
   tree: dict[str, Any] = {}
   for path, leaf in target.items():
-    if path in skip:
-      continue
     node = tree
     for k in path:
       node = node.setdefault(k, {})
@@ -337,11 +345,9 @@ def restore(directory: str, target: dict[Path, Any], skip: frozenset[Path] = fro
   restored = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).restore(
       directory, args=ocp.args.PyTreeRestore(
           tree, restore_args=ocp.checkpoint_utils.construct_restore_args(tree),
-          partial_restore=bool(skip)))
+          partial_restore=True))
   out = {}
   for path in target:
-    if path in skip:
-      continue
     node = restored
     for k in path:
       node = node[k]

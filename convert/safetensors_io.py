@@ -108,7 +108,8 @@ def read_header(path: str) -> Header:
   end = 0
   for t in sorted(tensors.values(), key=lambda t: (t.begin, t.end)):
     if t.begin != end:
-      what = "overlaps the one before it" if t.begin < end else f"leaves bytes {end}-{t.begin} unused"
+      what = ("overlaps the one before it" if t.begin < end
+              else f"leaves bytes {end}-{t.begin} unused")
       raise CheckpointError(f"{name}: tensor {t.name} at data offset {t.begin} {what}: the "
                             "tensors must fill the data section back to back")
     end = t.end

@@ -108,12 +108,12 @@ def convert(hf_dir: str, out_dir: str, *, layers: str | None = None, experts: st
       orbax_io.write_checkpoint(tmp, arrays, stream, every_array_written=selected is None)
     bar.close()
     source.reader.close()
-    os.remove(journal)
     with open(os.path.join(tmp, MANIFEST), "w") as f:
       json.dump(manifest, f)
     with open(os.path.join(tmp, CONFIG), "w") as f:
       json.dump({"format": "k3jax", "config": cfg.to_dict()}, f, indent=2)
     _copy_side_files(source.folder, os.path.join(tmp, HF_DIR))
+    os.remove(journal)  # last: a resume from before this line has nothing left to convert
     orbax_io.sync_tree(tmp)
   return {**manifest, "resumed": len(items) - len(todo)}
 
@@ -172,10 +172,13 @@ def _journalled(path: str) -> set[str]:
 
 def _resume_key(manifest: dict, config_raw: bytes) -> dict:
   """What a resumed conversion must match: the manifest (layers, expert storage, every source
-  shard's name and header, so the same tensors at the same offsets) and config.json."""
+  shard's name and header, so the same tensors at the same offsets), config.json, and the
+  writer's chunk and node sizes."""
   digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode())
   return {"manifest_sha256": digest.hexdigest(),
-          "config_sha256": hashlib.sha256(config_raw).hexdigest()}
+          "config_sha256": hashlib.sha256(config_raw).hexdigest(),
+          # the arrays on disk must be reopened exactly as they were created
+          "chunk_bytes": orbax_io.CHUNK_BYTES, "node_bytes": orbax_io.NODE_BYTES}
 
 
 def _manifest(source, items, selected, with_embed, with_head, experts) -> dict:
