@@ -10,6 +10,16 @@ The "rope" dims are never rotated (NoPE). The checkpoint's kv_b_proj is held as 
 projections, k_b and v_b, so Per-Head Muon sees K and V as separate blocks without slicing.
 Masks: causal, and tokens attend only within their own segment (packing and padding both
 travel as segment ids).
+
+Decoding (SPEC §7) caches per token only the normalised latent c and k_rot (`latent`), and
+`attend_latent` attends over that cache. With k_b / v_b absorbed (the standard MLA inference
+form), per head:
+    scores = q_nope k_b(c)^T + q_rot k_rot^T = (q_nope k_b^T) c^T + q_rot k_rot^T
+    o      = probs v_b(c)                    = (probs c) v_b
+the same numbers without expanding the cache to per-head keys and values. Which order is
+cheaper depends on how many new tokens T meet how many cached S: absorbed costs
+~T*S*(2*kv_lora + rope) per head, expanded ~S*kv_lora*(nope + v) + T*S*(nope + rope + v); a
+decode step (T = 1) always absorbs, a long prefill chunk at K3 widths expands.
 """
 
 from __future__ import annotations
@@ -72,6 +82,49 @@ class MLA(nnx.Module):
     c, k_rot = jnp.split(ckv, [self.cfg.kv_lora_rank], axis=-1)
     return self.kv_a_norm(c), k_rot
 
+  def output(self, x: jax.Array, o: jax.Array) -> jax.Array:
+    """o_proj(o * sigmoid(g_proj(x))); the sigmoid in fp32 with one rounding, as torch's."""
+    if self.cfg.mla_output_gate:
+      gate = self.g_proj(x)
+      o = o * jax.nn.sigmoid(gate.astype(wide_dtype(gate.dtype))).astype(o.dtype)
+    return self.o_proj(o)
+
+  def attend_latent(self, x: jax.Array, c_bsc: jax.Array, rot_bsr: jax.Array,
+                    q_pos_t: jax.Array, start_b: jax.Array, *, absorb: bool | None = None
+                    ) -> jax.Array:
+    """x [B, T, d] at absolute positions q_pos_t [T] against a latent cache c [B, S, kv_lora],
+    k_rot [B, S, rope] that already holds these tokens at their positions. Row b's real tokens
+    start at start_b[b] (left padding): keys before it are masked, except that a pad query sees
+    itself (so no softmax row is empty). `absorb` None picks the cheaper order."""
+    cfg = self.cfg
+    b, t, _ = x.shape
+    s = c_bsc.shape[1]
+    if absorb is None:
+      absorb = absorbed_is_cheaper(cfg, t, s)
+    q_nope, q_rot = jnp.split(self.query(x), [cfg.qk_nope_head_dim], axis=-1)
+    dt, prec = q_nope.dtype, cfg.precision
+    c_bsc, rot_bsr = c_bsc.astype(dt), rot_bsr.astype(dt)
+    if absorb:
+      q_lat = jnp.einsum("bthk,chk->bthc", q_nope, self.k_b_proj.kernel[...].astype(dt),
+                         precision=prec)
+      scores = jnp.einsum("bthc,bsc->bhts", q_lat, c_bsc, precision=prec)
+    else:
+      scores = jnp.einsum("bthk,bshk->bhts", q_nope, self.k_b_proj(c_bsc), precision=prec)
+    scores = scores + jnp.einsum("bthr,bsr->bhts", q_rot, rot_bsr, precision=prec)
+    scores = scores.astype(wide_dtype(scores.dtype)) * cfg.qk_head_dim**-0.5
+    key_s = jnp.arange(s)
+    q_pos = q_pos_t[None, :, None]
+    visible = (key_s <= q_pos) & ((key_s >= start_b[:, None, None]) | (key_s == q_pos))
+    scores = jnp.where(visible[:, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    if absorb:
+      o_lat = jnp.einsum("bhts,bsc->bthc", probs, c_bsc, precision=prec)
+      o = jnp.einsum("bthc,chv->bthv", o_lat, self.v_b_proj.kernel[...].astype(dt),
+                     precision=prec)
+    else:
+      o = jnp.einsum("bhts,bshv->bthv", probs, self.v_b_proj(c_bsc), precision=prec)
+    return self.output(x, o)
+
   def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None
                ) -> tuple[jax.Array, jax.Array]:
     """(output [B,T,d], per-head max pre-softmax logit [H]); the latter feeds QK-clip."""
@@ -88,6 +141,13 @@ class MLA(nnx.Module):
     max_logits_h = jax.lax.stop_gradient(jnp.max(scores, axis=(0, 2, 3)))
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     o = jnp.einsum("bhqs,bshv->bqhv", probs, v, precision=cfg.precision)
-    if cfg.mla_output_gate:
-      o = o * jax.nn.sigmoid(self.g_proj(x))
-    return self.o_proj(o), max_logits_h
+    return self.output(x, o), max_logits_h
+
+
+def absorbed_is_cheaper(cfg: ModelConfig, t: int, s: int) -> bool:
+  """Multiply-adds per head of T queries against S cached tokens: absorbed vs expanded."""
+  kv, rope = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+  nope, dv = cfg.qk_nope_head_dim, cfg.v_head_dim
+  absorbed = t * s * (2 * kv + rope) + t * kv * (nope + dv)
+  expanded = s * kv * (nope + dv) + t * s * (nope + rope + dv)
+  return absorbed <= expanded
