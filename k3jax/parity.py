@@ -99,13 +99,14 @@ def decode_logits(model, ids, prefill: int) -> np.ndarray:
   """Logits of every position through the cache: `prefill` tokens at once, then one by one."""
   import jax.numpy as jnp  # noqa: PLC0415
 
-  from k3jax.generate.engine import Generator, cache_len  # noqa: PLC0415
+  from k3jax.generate.engine import Generator  # noqa: PLC0415
   b, t = ids.shape
   if not 0 < prefill <= t:
     raise UserError(f"decode_prefill_len {prefill} outside [1, {t}]")
-  gen = Generator(model, prefill_chunk=prefill)
-  logits, cache = gen.prefill(np.asarray(ids[:, :prefill]), np.zeros(b, np.int32), cache_len(t))
-  outs = [np.asarray(logits, np.float64)]
+  gen = Generator(model)
+  logits, cache, extra = gen.prefill(np.asarray(ids[:, :prefill]), np.zeros(b, np.int32),
+                                     gen.max_len(prefill, t - prefill))
+  outs = [np.asarray(logits[:, extra:], np.float64)]
   for i in range(prefill, t):
     step, cache = gen.extend(jnp.asarray(ids[:, i:i + 1]), cache)
     outs.append(np.asarray(step, np.float64))

@@ -96,7 +96,8 @@ def parse_mesh(spec: str):
     sizes[free[0]] = n // rest if n % rest == 0 else 0
   if int(np.prod(list(sizes.values()))) != n:
     raise UserError(f"--mesh {spec!r}: {sizes} does not use the {n} devices here")
-  return jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES)
+  return jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES,
+                       axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 
 def place(model, mesh) -> None:
@@ -203,6 +204,15 @@ class _Printer:
     sys.stdout.write(piece + ("\n" if final else ""))
     sys.stdout.flush()
 
+  def close(self) -> None:
+    """Rows that ended exactly at a block boundary without a visible end (max_new 0)."""
+    for b in range(len(self.rows)):
+      if not self.done[b]:
+        self.done[b] = True
+        if self.stream:
+          self._stream(final=True)
+        self._finish(b)
+
   def _finish(self, b) -> None:
     row = self.rows[b]
     reason = "stop" if row and row[-1] in self.stops else "length"
@@ -222,8 +232,7 @@ def run(args: argparse.Namespace) -> int:
 
   from convert.errors import CheckpointError  # noqa: PLC0415
   from convert.load import load_any  # noqa: PLC0415
-  from k3jax.generate.engine import Generator  # noqa: PLC0415
-  from k3jax.generate.sampling import Sampling  # noqa: PLC0415
+  from k3jax.generate.chat import find_tokenizer_config  # noqa: PLC0415
   from k3jax.parity import NUMERICS  # noqa: PLC0415
 
   if not 0 < args.top_p <= 1:
@@ -235,16 +244,13 @@ def run(args: argparse.Namespace) -> int:
     dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
   weights, source = resolve_model(args.model)
   mesh = parse_mesh(args.mesh) if args.mesh else None
-  with jax.enable_x64(dtype == "float64"), (jax.set_mesh(mesh) if mesh else _nothing()):
+  with jax.enable_x64(dtype == "float64"):
     t0 = time.perf_counter()
-    try:
+    try:  # outside the mesh: the variables' logical names are not mesh axes
       model, cfg = load_any(weights, **NUMERICS[dtype])
     except CheckpointError as e:
       raise UserError(str(e)) from None
-    if mesh is not None:
-      place(model, mesh)
     tokenizer = load_text_tokenizer(source, cfg.vocab_size)
-    from k3jax.generate.chat import find_tokenizer_config  # noqa: PLC0415
     prompts = _prompts(args, tokenizer, find_tokenizer_config([source["folder"], weights]))
     bad = [t for p in prompts for t in p if not 0 <= t < cfg.vocab_size]
     if bad:
@@ -253,31 +259,29 @@ def run(args: argparse.Namespace) -> int:
     print(f"{args.model}: {cfg.num_layers} layers, {dtype}, loaded in "
           f"{time.perf_counter() - t0:.1f}s; {len(prompts)} prompt(s) of "
           f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens", file=sys.stderr)
-    gen = Generator(model, prefill_chunk=args.prefill_chunk, block=args.block)
-    printer = _Printer(args, prompts, tokenizer, stops)
-    sampling = Sampling.make(args.temperature, args.top_k, args.top_p)
-    t0, n_new = time.perf_counter(), 0
-    for block in gen.stream(prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                            seed=args.seed, stop_ids=stops, pad_id=cfg.pad_token_id or 0):
-      printer.add(block)
-      n_new += int((block >= 0).sum())
-    for b in range(len(prompts)):  # rows that ended exactly at a block boundary
-      if not printer.done[b]:
-        printer.done[b] = True
-        if printer.stream:
-          printer._stream(final=True)
-        printer._finish(b)
-    dt = time.perf_counter() - t0
-    print(f"{n_new} new tokens in {dt:.2f}s (compilation included)", file=sys.stderr)
+    if mesh is None:
+      _generate(args, model, cfg, prompts, tokenizer, stops)
+    else:
+      place(model, mesh)
+      with jax.set_mesh(mesh):
+        _generate(args, model, cfg, prompts, tokenizer, stops)
   return 0
 
 
-class _nothing:
-  def __enter__(self):
-    return None
-
-  def __exit__(self, *exc):
-    return False
+def _generate(args, model, cfg, prompts, tokenizer, stops) -> None:
+  from k3jax.generate.engine import Generator  # noqa: PLC0415
+  from k3jax.generate.sampling import Sampling  # noqa: PLC0415
+  gen = Generator(model, prefill_chunk=args.prefill_chunk, block=args.block)
+  printer = _Printer(args, prompts, tokenizer, stops)
+  sampling = Sampling.make(args.temperature, args.top_k, args.top_p)
+  t0, n_new = time.perf_counter(), 0
+  for block in gen.stream(prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                          seed=args.seed, stop_ids=stops, pad_id=cfg.pad_token_id or 0):
+    printer.add(block)
+    n_new += int((block >= 0).sum())
+  printer.close()
+  print(f"{n_new} new tokens in {time.perf_counter() - t0:.2f}s (compilation included)",
+        file=sys.stderr)
 
 
 def register(sub) -> None:

@@ -33,6 +33,7 @@ from k3jax.model.cache import Cache, init_cache
 from k3jax.model.decode import extend
 
 LEN_BUCKET = 256
+MIN_CHUNK = 64
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -101,21 +102,37 @@ class Generator:
   def extend(self, ids: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
     return extend_jit(self.graphdef, self.state, ids, cache)
 
-  def prefill(self, ids: np.ndarray, start: np.ndarray, max_len: int) -> tuple[jax.Array, Cache]:
-    """Run left-padded prompts ids [B, P] through an empty cache of `max_len` positions;
-    returns (logits [B, P, V], cache)."""
-    cache = init_cache(self.cfg, ids.shape[0], max_len, start)
+  def chunk_for(self, length: int) -> int:
+    """Prefill chunk for prompts of `length` tokens: the power of two that holds them, at least
+    64 (the KDA op's own chunk: a shorter call costs the same) and at most `prefill_chunk`."""
+    return min(self.prefill_chunk, max(MIN_CHUNK, 1 << max(0, length - 1).bit_length()))
+
+  def max_len(self, prompt_len: int, new_tokens: int) -> int:
+    """Cache length for prompts of `prompt_len` (padded to whole chunks) + `new_tokens`."""
+    return cache_len(prompt_len + -prompt_len % self.chunk_for(prompt_len) + new_tokens)
+
+  def prefill(self, ids: np.ndarray, start: np.ndarray, max_len: int
+              ) -> tuple[jax.Array, Cache, int]:
+    """Run left-padded prompts ids [B, P] (start [B] pads per row) through an empty cache of
+    `max_len` positions, in chunks of `chunk_for(P)`. The prompts are left-padded further to a
+    whole number of chunks, so prefill compiles for one chunk shape whatever the lengths (the
+    pads are masked; they change no number). Returns (logits [B, P', V], cache, P' - P): the
+    logits of every position including the extra pads in front."""
+    chunk = self.chunk_for(ids.shape[1])
+    extra = -ids.shape[1] % chunk
+    ids = np.pad(ids, ((0, 0), (extra, 0)))
+    cache = init_cache(self.cfg, ids.shape[0], max_len, np.asarray(start) + extra)
     outs = []
-    for s in range(0, ids.shape[1], self.prefill_chunk):
-      logits, cache = self.extend(jnp.asarray(ids[:, s:s + self.prefill_chunk]), cache)
+    for s in range(0, ids.shape[1], chunk):
+      logits, cache = self.extend(jnp.asarray(ids[:, s:s + chunk]), cache)
       outs.append(logits)
-    return jnp.concatenate(outs, axis=1), cache
+    return jnp.concatenate(outs, axis=1), cache, extra
 
   def stream(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
              sampling: Sampling, seed: int = 0, stop_ids: Sequence[int] = (),
              pad_id: int = 0) -> Iterator[np.ndarray]:
     ids, start = pad_prompts(prompts, pad_id)
-    logits, cache = self.prefill(ids, start, cache_len(ids.shape[1] + max_new_tokens))
+    logits, cache, _ = self.prefill(ids, start, self.max_len(ids.shape[1], max_new_tokens))
     b = ids.shape[0]
     logits, key = logits[:, -1], jax.random.key(seed)
     done = jnp.zeros((b,), bool) if max_new_tokens > 0 else jnp.ones((b,), bool)

@@ -102,13 +102,17 @@ def constrain(cache: Cache) -> Cache:
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return cache
+  explicit = all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
 
   def place(x, names):
     spec = []
     for size, axes in zip(x.shape, logical_to_spec(names, mesh=mesh)):
       group = (axes,) if isinstance(axes, str) else (axes or ())
       spec.append(axes if size % int(np.prod([mesh.shape[a] for a in group])) == 0 else None)
-    return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(*spec))
+    spec = jax.sharding.PartitionSpec(*spec)
+    if explicit:  # sharding is part of the type there: move, do not assert
+      return jax.sharding.reshard(x, spec)
+    return jax.lax.with_sharding_constraint(x, spec)
 
   kda = mla = None
   if cache.kda is not None:
