@@ -58,11 +58,10 @@ def run_dir(tmp_path_factory):
 
 
 def test_text_streamed_equals_json(run_dir, capsys):
-  rc, streamed, err = generate(capsys, run_dir, "--prompt", "def f(x):", "--max-new-tokens",
-                               "10", "--block", "3")
+  args = [run_dir, "--prompt", "def f(x):", "--max-new-tokens", "10", "--dtype", "float64"]
+  rc, streamed, err = generate(capsys, *args, "--block", "3")
   assert rc == 0 and "new tokens" in err
-  rc, out, _ = generate(capsys, run_dir, "--prompt", "def f(x):", "--max-new-tokens", "10",
-                        "--json")
+  rc, out, _ = generate(capsys, *args, "--json")
   row = json.loads(out)
   assert len(row["tokens"]) == 10 and row["prompt_tokens"] == len("def f(x):")
   assert row["text"] == bytes(row["tokens"]).decode("utf-8", errors="replace")
