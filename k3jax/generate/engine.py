@@ -29,8 +29,9 @@ import numpy as np
 from flax import nnx
 
 from k3jax.generate.sampling import Sampling, sample
+from k3jax.model import cache as cache_lib
 from k3jax.model.cache import Cache, init_cache
-from k3jax.model.decode import extend
+from k3jax.model.decode import extend, extend_unstacked, unstack_model
 
 LEN_BUCKET = 256
 MIN_CHUNK = 64
@@ -53,18 +54,25 @@ def cache_len(needed: int) -> int:
   return -(-needed // LEN_BUCKET) * LEN_BUCKET
 
 
-@partial(jax.jit, static_argnums=0)
-def extend_jit(graphdef, state, ids, cache):
-  """`decode.extend` on a split model: (logits [B, T, V], cache)."""
-  return extend(nnx.merge(graphdef, state), ids, cache)
+def _extend(static, params, ids, cache):
+  """`decode.extend` (static = ("stacked", graphdef)) or `decode.extend_unstacked` (static =
+  ("unstacked", defs)) on the model's arrays `params`."""
+  layout, defs = static
+  if layout == "stacked":
+    return extend(nnx.merge(defs, params), ids, cache)
+  return extend_unstacked(defs, params, ids, cache)
+
+
+extend_jit = jax.jit(_extend, static_argnums=0, donate_argnums=3)
+extend_jit.__doc__ = """(logits [B, T, V], cache) of `_extend`, jitted. The cache passed in is
+donated (updated in place): use the one returned."""
 
 
 @partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
-def decode_block(graphdef, block: int, state, cache: Cache, logits_bv, key, done_b, count_b,
+def decode_block(static, block: int, params, cache: Cache, logits_bv, key, done_b, count_b,
                  max_new, stop_ids, sampling: Sampling):
   """Up to `block` decode steps. A row is done after a stop token or `max_new` tokens; done
   rows record -1. Returns (tokens [B, block], steps run, cache, logits, key, done, count)."""
-  model = nnx.merge(graphdef, state)
   b = logits_bv.shape[0]
 
   def cond(c):
@@ -78,7 +86,7 @@ def decode_block(graphdef, block: int, state, cache: Cache, logits_bv, key, done
     out = out.at[:, i].set(jnp.where(done, -1, tok))
     count = count + (~done).astype(jnp.int32)
     done = done | jnp.isin(tok, stop_ids) | (count >= max_new)
-    new_logits, cache = extend(model, tok[:, None], cache)
+    new_logits, cache = _extend(static, params, tok[:, None], cache)
     return i + 1, out, cache, new_logits[:, -1].astype(logits.dtype), key, done, count
 
   init = (jnp.int32(0), jnp.full((b, block), -1, jnp.int32), cache, logits_bv, key, done_b,
@@ -90,17 +98,35 @@ def decode_block(graphdef, block: int, state, cache: Cache, logits_bv, key, done
 @dataclasses.dataclass
 class Generator:
   """Generation with one model. `stream(prompts, ...)` yields [B, n] token blocks (-1 where a
-  row has finished); `generate` collects them."""
+  row has finished); `generate` collects them.
+
+  layout: "unstacked" (per-layer weights and cache, layers unrolled: XLA:CPU, where slicing a
+  stacked weight copies it) or "stacked" (the model's stacks, layers scanned as in training:
+  TPU/GPU, and K3 depth); None picks by platform. Both compute the same numbers.
+  """
   model: nnx.Module
   prefill_chunk: int = 512
   block: int = 8
+  layout: str | None = None
 
   def __post_init__(self):
-    self.graphdef, self.state = nnx.split(self.model)
     self.cfg = self.model.cfg
+    self.layout = self.layout or ("unstacked" if jax.default_backend() == "cpu" else "stacked")
+    if self.layout == "stacked":
+      graphdef, self.params = nnx.split(self.model)
+      self.static = ("stacked", graphdef)
+    elif self.layout == "unstacked":
+      defs, self.params = unstack_model(self.model)
+      self.static = ("unstacked", defs)
+    else:
+      raise ValueError(f"unknown layout {self.layout!r}")
+
+  def new_cache(self, batch: int, max_len: int, start=None) -> Cache:
+    cache = init_cache(self.cfg, batch, max_len, start)
+    return cache if self.layout == "stacked" else cache_lib.unstack(cache)
 
   def extend(self, ids: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
-    return extend_jit(self.graphdef, self.state, ids, cache)
+    return extend_jit(self.static, self.params, ids, cache)
 
   def chunk_for(self, length: int) -> int:
     """Prefill chunk for prompts of `length` tokens: the power of two that holds them, at least
@@ -121,7 +147,7 @@ class Generator:
     chunk = self.chunk_for(ids.shape[1])
     extra = -ids.shape[1] % chunk
     ids = np.pad(ids, ((0, 0), (extra, 0)))
-    cache = init_cache(self.cfg, ids.shape[0], max_len, np.asarray(start) + extra)
+    cache = self.new_cache(ids.shape[0], max_len, np.asarray(start) + extra)
     outs = []
     for s in range(0, ids.shape[1], chunk):
       logits, cache = self.extend(jnp.asarray(ids[:, s:s + chunk]), cache)
@@ -140,7 +166,7 @@ class Generator:
     stops = jnp.asarray(list(stop_ids) or [-2], jnp.int32)  # -2: never sampled
     while not bool(jnp.all(done)):
       out, n, cache, logits, key, done, count = decode_block(
-          self.graphdef, self.block, self.state, cache, logits, key, done, count,
+          self.static, self.block, self.params, cache, logits, key, done, count,
           jnp.int32(max_new_tokens), stops, sampling)
       yield np.asarray(out)[:, :int(n)]
 

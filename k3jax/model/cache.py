@@ -9,6 +9,9 @@
     start  [B] int32  the first real position of each row (prompts are left-padded)
     length []  int32  positions written so far (the same for every row)
 
+The same cache can be held per layer (`unstack`: kda a tuple of KDAState [B, ...], mla a tuple
+of MLACache [B, S, ...]) for the unrolled decode of k3jax/model/decode.py; `stack` undoes it.
+
 Nothing of AttnRes is cached: it mixes over depth per token, so a new token needs only its own
 block sums. Bytes per request: the KDA part is fixed (K3: 69 x 96 x 128 x 128 x 4 = 414 MiB),
 the MLA part grows by n_mla x (kv_lora + rope) x itemsize per token (K3 bf16: 27,648 B), the
@@ -79,12 +82,32 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int,
   return Cache(kda, mla, start, jnp.zeros((), jnp.int32))
 
 
-def max_len(cache: Cache) -> int | None:
-  return None if cache.mla is None else cache.mla.c.shape[2]
+def is_stacked(cache: Cache) -> bool:
+  return isinstance(cache.kda, KDAState) or isinstance(cache.mla, MLACache)
+
+
+def unstack(cache: Cache) -> Cache:
+  """Per-layer layout: a tuple of one KDAState / MLACache per layer."""
+  kda = mla = None
+  if cache.kda is not None:
+    kda = tuple(KDAState(*(a[i] for a in cache.kda)) for i in range(cache.kda.recurrent.shape[0]))
+  if cache.mla is not None:
+    mla = tuple(MLACache(*(a[i] for a in cache.mla)) for i in range(cache.mla.c.shape[0]))
+  return cache._replace(kda=kda, mla=mla)
+
+
+def stack(cache: Cache) -> Cache:
+  """Stacked layout (the inverse of `unstack`)."""
+  if is_stacked(cache):
+    return cache
+  kda = None if cache.kda is None else KDAState(*(jnp.stack(f) for f in zip(*cache.kda)))
+  mla = None if cache.mla is None else MLACache(*(jnp.stack(f) for f in zip(*cache.mla)))
+  return cache._replace(kda=kda, mla=mla)
 
 
 def bytes_per_request(cache: Cache) -> dict[str, int]:
   """Per row: the KDA recurrent state, the KDA conv tails, and the MLA cache per position."""
+  cache = stack(cache)
   batch = cache.start.shape[0]
   out = {"kda_state": 0, "kda_conv": 0, "mla_per_token": 0}
   if cache.kda is not None:
@@ -114,9 +137,16 @@ def constrain(cache: Cache) -> Cache:
       return jax.sharding.reshard(x, spec)
     return jax.lax.with_sharding_constraint(x, spec)
 
-  kda = mla = None
-  if cache.kda is not None:
-    kda = KDAState(*(place(a, n) for a, n in zip(cache.kda, LOGICAL_AXES.kda)))
-  if cache.mla is not None:
-    mla = MLACache(*(place(a, n) for a, n in zip(cache.mla, LOGICAL_AXES.mla)))
+  stacked = is_stacked(cache)
+
+  def layer(entry, names):  # one layer's entry lacks the leading "layers" axis
+    return type(entry)(*(place(a, n if stacked else n[1:]) for a, n in zip(entry, names)))
+
+  kda, mla = cache.kda, cache.mla
+  if kda is not None:
+    kda = layer(kda, LOGICAL_AXES.kda) if stacked else tuple(
+        layer(e, LOGICAL_AXES.kda) for e in kda)
+  if mla is not None:
+    mla = layer(mla, LOGICAL_AXES.mla) if stacked else tuple(
+        layer(e, LOGICAL_AXES.mla) for e in mla)
   return Cache(kda, mla, place(cache.start, LOGICAL_AXES.start), cache.length)

@@ -3,26 +3,36 @@ their logits and the cache after them. Prefill is `extend` on the prompt in chun
 (chunked KDA op); decoding is `extend` on one token per row (the fused `kda_step`, MLA with
 k_b / v_b absorbed). Both equal the full-sequence forward at every position.
 
-The layer loop is the training forward's: the same `schedule.plan` (the longest run of
-identical units under one `lax.scan`, the rest unrolled) and the same `layer_step` (AttnRes
-blocks, norms, MLPs), with a mixer adapter that reads and writes the layer's cache entry. The
-per-kind cache stacks travel in the scan carry and each layer updates its own entry in place
-(`dynamic_update_slice` at its stack index): a decode step writes the new token's latents and
-the KDA states, never a copy of the whole MLA cache.
+Two forms of one computation (same `layer_step`: AttnRes blocks, norms, MLPs; a mixer adapter
+reads and writes the layer's cache entry):
+
+  extend            the model's stacked parameters and a stacked cache, layers planned as the
+                    training forward plans them (`schedule.plan`: the longest run of identical
+                    units under one `lax.scan`). The cache stacks travel in the scan carry and
+                    each layer updates its own entry in place. For TPU/GPU, where XLA fuses a
+                    slice of a stacked weight into the matmul that reads it, and at K3 depth,
+                    where compile time must not grow with layers.
+  extend_unstacked  per-layer parameters (`unstack_model`, split once) and a per-layer cache
+                    (cache.unstack), every layer unrolled. XLA:CPU copies every slice of a
+                    stacked array before a matmul reads it, so the stacked form reads each
+                    weight (and each MLA cache) twice per token; here a decode step reads them
+                    once, as a weight-bound step must.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.model import schedule
+from k3jax.config import ModelConfig
 from k3jax.model.cache import Cache, MLACache, constrain
 from k3jax.model.kda import KDA, KDAState
-from k3jax.model.transformer import K3Model, _take, _take_strided, _valid, initial_carry, layer_step
+from k3jax.model.transformer import K3Model, _take, _valid, initial_carry, layer_step
 
 
 class _Context(NamedTuple):
@@ -110,16 +120,119 @@ def _run(cfg, run: schedule.Run, stacks, carry, layers: _Layers, ctx: _Context):
                    for kinds, idx in zip(run.unit, run.indices[0])]
     return unit_fn(carry, layers, unit_states, run.start, [idx[1] for idx in run.indices[0]])
 
-  xs = [tuple(_take_strided(stacks[k][1], i, stride, run.count)
-              for k, i, stride in zip(kinds, idx, strides))
-        for kinds, idx, strides in zip(run.unit, run.indices[0], run.strides)]
+  # Every unit position's stack entries per repeat, [count, P, 3]. The body indexes the whole
+  # stacks with them instead of scanning over strided slices: a strided slice of the weights
+  # is a copy of them on every call, which a decode step (weight-bound) cannot afford.
+  entries = jnp.asarray(run.indices, jnp.int32)
   layer_ids = run.start + len(run.unit) * jnp.arange(run.count, dtype=jnp.int32)
-  mixer_ids = jnp.asarray([[idx[1] for idx in unit] for unit in run.indices], jnp.int32)
 
   def body(state, x):
     carry, layers = state
-    unit_states, first_layer, mixer_index = x
-    return unit_fn(carry, layers, unit_states, first_layer, mixer_index), None
+    first_layer, entry = x
+    unit_states = [tuple(_index(stacks[k][1], entry[q, j]) for j, k in enumerate(kinds))
+                   for q, kinds in enumerate(run.unit)]
+    return unit_fn(carry, layers, unit_states, first_layer, entry[:, 1]), None
 
-  (carry, layers), _ = jax.lax.scan(body, (carry, layers), (xs, layer_ids, mixer_ids))
+  (carry, layers), _ = jax.lax.scan(body, (carry, layers), (layer_ids, entries))
   return carry, layers
+
+
+def _index(state, i):
+  return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), state)
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-layer form: weights split once, every layer unrolled, one cache entry per layer.
+# ----------------------------------------------------------------------------------------------
+
+STACKS = ("kda", "mla", "dense_mlp", "moe", "layers")
+
+
+class Unstacked(NamedTuple):
+  """The model's arrays with every layer stack split into one state per layer (a pytree)."""
+  embed: jax.Array
+  lm_head: jax.Array | None
+  final_norm: Any                  # nnx.State
+  output_res: Any                  # nnx.State or None
+  layers: dict[str, tuple[Any, ...]]
+
+
+@dataclasses.dataclass(frozen=True)
+class UnstackedDefs:
+  """The static half: config and the graph definitions to merge the states with."""
+  cfg: ModelConfig
+  final_norm: Any
+  output_res: Any
+  kinds: tuple[tuple[str, Any], ...]
+
+
+def unstack_model(model: K3Model) -> tuple[UnstackedDefs, Unstacked]:
+  """Split the model once into per-layer states (new arrays: drop the model to free its
+  stacks)."""
+  kinds, layers = [], {}
+  for name in STACKS:
+    module = getattr(model, name)
+    if module is None:
+      continue
+    graphdef, state = nnx.split(module)
+    n = jax.tree.leaves(state)[0].shape[0]
+    kinds.append((name, graphdef))
+    layers[name] = tuple(_take(state, i) for i in range(n))
+  norm_def, norm = nnx.split(model.final_norm)
+  res_def, res = (nnx.split(model.output_res) if model.cfg.attn_res_block_size is not None
+                  else (None, None))
+  head = None if model.cfg.tie_word_embeddings else model.lm_head[...]
+  return (UnstackedDefs(model.cfg, norm_def, res_def, tuple(kinds)),
+          Unstacked(model.embed[...], head, norm, res, layers))
+
+
+class _LayerMixer:
+  """A mixer for `layer_step` continuing one layer's own cache entry (per-layer form)."""
+
+  def __init__(self, module, entry, ctx: _Context):
+    self.module, self.entry, self.ctx = module, entry, ctx
+
+  def __call__(self, x: jax.Array, *, segment_ids=None) -> tuple[jax.Array, None]:
+    del segment_ids
+    ctx = self.ctx
+    if isinstance(self.module, KDA):
+      y, self.entry = self.module(x, state=self.entry, token_mask=ctx.mask)
+      return y, None
+    c_new, rot_new = self.module.latent(x)
+    zero = jnp.zeros((), jnp.int32)
+    c, rot = (jax.lax.dynamic_update_slice(a, n.astype(a.dtype), (zero, ctx.length, zero))
+              for a, n in zip(self.entry, (c_new, rot_new)))
+    # One materialisation of the updated cache, in place in the donated buffer: without the
+    # barrier XLA fuses the update into each of its two readers (the attention and the
+    # returned cache), which copies the whole cache for one of them on every token.
+    c, rot = jax.lax.optimization_barrier((c, rot))
+    self.entry = MLACache(c, rot)
+    return self.module.attend_latent(x, c, rot, ctx.q_pos, ctx.start), None
+
+
+def extend_unstacked(defs: UnstackedDefs, params: Unstacked, input_ids: jax.Array,
+                     cache: Cache) -> tuple[jax.Array, Cache]:
+  """`extend` on per-layer weights and a per-layer cache (cache.unstack); same numbers."""
+  cfg = defs.cfg
+  t = input_ids.shape[1]
+  cache = constrain(cache)
+  q_pos = cache.length + jnp.arange(t, dtype=jnp.int32)
+  ctx = _Context(cache.length, q_pos, cache.start, q_pos[None, :] >= cache.start[:, None])
+  graphdefs = dict(defs.kinds)
+  entries = {"kda": list(cache.kda or ()), "mla": list(cache.mla or ())}
+  carry = initial_carry(cfg, params.embed[input_ids].astype(cfg.jnp_dtype))
+  for l in range(cfg.num_layers):
+    kinds, idx = schedule.layer_kinds(cfg, l), schedule.layer_indices(cfg, l)
+    norms, mixer, mlp = (nnx.merge(graphdefs[k], params.layers[k][i]) for k, i in zip(kinds, idx))
+    cached = _LayerMixer(mixer, entries[kinds[1]][idx[1]], ctx)
+    carry, _, _ = layer_step(cfg, l, norms, cached, mlp, carry, None)
+    entries[kinds[1]][idx[1]] = cached.entry
+  h = carry.partial
+  if cfg.attn_res_block_size is not None:
+    h = nnx.merge(defs.output_res, params.output_res)(carry.blocks, carry.partial, _valid(carry))
+  head = params.embed.T if cfg.tie_word_embeddings else params.lm_head
+  logits = jnp.einsum("btd,dv->btv", nnx.merge(defs.final_norm, params.final_norm)(h),
+                      head.astype(cfg.jnp_dtype), precision=cfg.precision)
+  new = Cache(tuple(entries["kda"]) or None, tuple(entries["mla"]) or None, cache.start,
+              cache.length + t)
+  return logits, constrain(new)

@@ -104,25 +104,28 @@ class MLA(nnx.Module):
     q_nope, q_rot = jnp.split(self.query(x), [cfg.qk_nope_head_dim], axis=-1)
     dt, prec = q_nope.dtype, cfg.precision
     c_bsc, rot_bsr = c_bsc.astype(dt), rot_bsr.astype(dt)
+    # Scores are laid out key-major [B, S, T, H]: the cache is then the row-major left operand
+    # of both products, read as stored (a [B, H, T, S] layout makes XLA transpose the whole
+    # cache every step: ~3x slower on XLA:CPU at S = 32K).
     if absorb:
       q_lat = jnp.einsum("bthk,chk->bthc", q_nope, self.k_b_proj.kernel[...].astype(dt),
                          precision=prec)
-      scores = jnp.einsum("bthc,bsc->bhts", q_lat, c_bsc, precision=prec)
+      scores = jnp.einsum("bsc,bthc->bsth", c_bsc, q_lat, precision=prec)
     else:
-      scores = jnp.einsum("bthk,bshk->bhts", q_nope, self.k_b_proj(c_bsc), precision=prec)
-    scores = scores + jnp.einsum("bthr,bsr->bhts", q_rot, rot_bsr, precision=prec)
+      scores = jnp.einsum("bshk,bthk->bsth", self.k_b_proj(c_bsc), q_nope, precision=prec)
+    scores = scores + jnp.einsum("bsr,bthr->bsth", rot_bsr, q_rot, precision=prec)
     scores = scores.astype(wide_dtype(scores.dtype)) * cfg.qk_head_dim**-0.5
-    key_s = jnp.arange(s)
-    q_pos = q_pos_t[None, :, None]
+    key_s = jnp.arange(s)[None, :, None]
+    q_pos = q_pos_t[None, None, :]
     visible = (key_s <= q_pos) & ((key_s >= start_b[:, None, None]) | (key_s == q_pos))
-    scores = jnp.where(visible[:, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    scores = jnp.where(visible[..., None], scores, -jnp.inf)   # [B, S, T, H]
+    probs = jax.nn.softmax(scores, axis=1).astype(dt)
     if absorb:
-      o_lat = jnp.einsum("bhts,bsc->bthc", probs, c_bsc, precision=prec)
+      o_lat = jnp.einsum("bsth,bsc->bthc", probs, c_bsc, precision=prec)
       o = jnp.einsum("bthc,chv->bthv", o_lat, self.v_b_proj.kernel[...].astype(dt),
                      precision=prec)
     else:
-      o = jnp.einsum("bhts,bshv->bthv", probs, self.v_b_proj(c_bsc), precision=prec)
+      o = jnp.einsum("bsth,bshv->bthv", probs, self.v_b_proj(c_bsc), precision=prec)
     return self.output(x, o)
 
   def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None

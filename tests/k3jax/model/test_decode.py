@@ -24,7 +24,7 @@ from flax import nnx
 from convert.hf_load import load_model
 from k3jax.generate.engine import Generator, cache_len
 from k3jax.info import summary
-from k3jax.model.cache import bytes_per_request, init_cache
+from k3jax.model.cache import bytes_per_request, init_cache, stack, unstack
 from k3jax.model.transformer import K3Model
 from k3jax.parity import NUMERICS
 from tests.k3jax.model.helpers import kimi_linear_cfg, randomize, tiny_cfg
@@ -104,6 +104,7 @@ def test_chunked_prefill_same_caches_and_logits(tiny64, ref, chunk, x64):
   got, c_got, _ = decode(tiny64, ids, 70, chunk=7) if chunk == 7 else decode(tiny64, ids, 1, 1)
   assert pads == 58
   np.testing.assert_allclose(got, want, atol=1e-10, rtol=0)
+  c_got, c_want = stack(c_got), stack(c_want)
   for a, b in zip(c_got.kda, c_want.kda):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-10, rtol=0)
   for a, b in zip(c_got.mla, c_want.mla):
@@ -168,7 +169,9 @@ def test_cache_bytes_equal_info(dtype):
   """Per request: the KDA state (fp32) and conv tails, and the MLA cache per position, are
   exactly `k3jax info`'s figures."""
   cfg = tiny_cfg(dtype=dtype)
-  got = bytes_per_request(init_cache(cfg, batch=3, max_len=16))
+  cache = init_cache(cfg, batch=3, max_len=16)
+  got = bytes_per_request(cache)
+  assert bytes_per_request(unstack(cache)) == got   # the per-layer layout holds the same
   want = summary(cfg)
   assert got["kda_state"] == want["kda_state_bytes_per_request"]
   assert got["kda_conv"] == want["kda_conv_state_bytes_per_request"]
@@ -177,3 +180,25 @@ def test_cache_bytes_equal_info(dtype):
 
 def test_cache_len_buckets():
   assert cache_len(1) == cache_len(256) == 256 and cache_len(257) == 512
+
+
+def test_stacked_scanned_layout(x64):
+  """The stacked form (the model's stacks, layers scanned as in training; TPU/GPU) equals the
+  forward (float64), on a model whose layers 1-2 run under a scan. (The per-layer form, which
+  every other test here runs on the CPU, is checked against the same truths.)"""
+  from k3jax.model import schedule
+  cfg = tiny_cfg(num_layers=4, mla_layers=(3,), dtype="float64", param_dtype="float64",
+                 matmul_precision="highest")
+  assert any(r.scanned and r.count >= 2 for r in schedule.plan(cfg, scan=True))
+  model = random_model(cfg, 5)
+  ids = np.random.default_rng(6).integers(0, cfg.vocab_size, (2, 9)).astype(np.int32)
+  truth = np.asarray(nnx.jit(lambda m, x: m(x).logits)(model, jnp.asarray(ids)))
+  for layout in ("stacked",):
+    gen = Generator(model, prefill_chunk=64, layout=layout)
+    prompt = np.pad(ids[:, :5], ((0, 0), (59, 0)))
+    logits, cache, _ = gen.prefill(prompt, np.full(2, 59, np.int32), MAX_LEN)
+    outs = [np.asarray(logits[:, 59:])]
+    for i in range(5, 9):
+      step, cache = gen.extend(jnp.asarray(ids[:, i:i + 1]), cache)
+      outs.append(np.asarray(step))
+    np.testing.assert_allclose(np.concatenate(outs, 1), truth, atol=1e-10, rtol=0)
