@@ -160,7 +160,8 @@ def main(argv=None) -> int:
   pre = {name: prefill_tokens_per_s(gens[name], cfgs[name], args.batch, args.prefill)
          for name in cfgs}
   print(f"prefill of {args.prefill} tokens (chunks of 512): hybrid {pre['hybrid']:.0f} tok/s, "
-        f"all-MLA {pre['all-MLA']:.0f} tok/s, hybrid / all-MLA {pre['hybrid'] / pre['all-MLA']:.2f}x")
+        f"all-MLA {pre['all-MLA']:.0f} tok/s, hybrid / all-MLA "
+        f"{pre['hybrid'] / pre['all-MLA']:.2f}x")
   shortest, longest = min(results), max(results)
   ratio = results[longest]["all-MLA"] / results[longest]["hybrid"]
   weight_ratio = results[shortest]["hybrid"] / bound

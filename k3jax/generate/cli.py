@@ -116,7 +116,8 @@ def place(model, mesh) -> None:
         group = (axes,) if isinstance(axes, str) else (axes or ())
         if value.shape[d] % int(np.prod([mesh.shape[a] for a in group])) == 0:
           spec[d] = axes
-    var.set_value(jax.device_put(value, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+    var.set_value(jax.device_put(value, sharding))
 
 
 def _prompts(args, tokenizer, chat_config) -> list[list[int]]:
@@ -310,7 +311,8 @@ def register(sub) -> None:
                  help="auto: float32 on CPU, bfloat16 on TPU/GPU")
   p.add_argument("--mesh", metavar="SPEC", help="device mesh, e.g. data=2,tensor=4")
   p.add_argument("--json", action="store_true", help="one JSON object per prompt")
-  p.add_argument("--prefill-chunk", type=_positive, default=512, help="prompt tokens per prefill call")
+  p.add_argument("--prefill-chunk", type=_positive, default=512,
+                 help="prompt tokens per prefill call")
   p.add_argument("--block", type=_positive, default=8,
                  help="decode steps per jitted call (the streaming granularity)")
   p.add_argument("--compile-cache", default=default_compile_cache(),

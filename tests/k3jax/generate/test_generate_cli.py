@@ -33,7 +33,8 @@ def test_greedy_reproduces_the_official_continuation(reference_dir, capsys, fnam
   hf = os.path.join(reference_dir, "k3_tiny_a")
   ref = np.load(os.path.join(hf, fname))
   p, want = int(ref["decode_prefill_len"]), ref["greedy_tokens"]
-  prompts = [a for row in ref["input_ids"][:, :p] for a in ("--prompt-ids", ",".join(map(str, row)))]
+  prompts = [a for row in ref["input_ids"][:, :p]
+             for a in ("--prompt-ids", ",".join(map(str, row)))]
   rc, out, _ = generate(capsys, hf, *prompts, "--dtype", "float64", "--temperature", "0",
                         "--max-new-tokens", str(want.shape[1]), "--ignore-eos", "--json",
                         "--block", "12")
@@ -59,7 +60,7 @@ def run_dir(tmp_path_factory):
 
 def test_text_streamed_equals_json(run_dir, capsys):
   args = [run_dir, "--prompt", "def f(x):", "--max-new-tokens", "10", "--dtype", "float64"]
-  rc, streamed, err = generate(capsys, *args, "--block", "3")
+  rc, streamed, err = generate(capsys, *args)   # blocks of 8: streamed in two pieces
   assert rc == 0 and "new tokens" in err
   rc, out, _ = generate(capsys, *args, "--json")
   row = json.loads(out)
