@@ -18,7 +18,9 @@ with context, MLA's cache does), and the hybrid's decode step at the shortest co
 within 2x of the matmul-bound time of reading the active weights once (the weights a decode
 step needs: every matrix except the embedding table, of which one row is read, and only the k
 selected routed experts; measured as one [batch, n] @ [n, m] matmul of that many fp32 weights).
-Medians of --reps steps after warm-up; the machine may be shared, so compare the ratios.
+The machine may be shared: the two models' steps are timed alternately (each sees the same
+load), and each number is the fastest of --reps (the least disturbed run); medians are printed
+beside them.
 """
 
 from __future__ import annotations
@@ -69,13 +71,19 @@ def active_weight_params(cfg) -> int:
   return summary(cfg)["active_params"] - cfg.vocab_size * cfg.hidden_size
 
 
-def median_time(fn, reps: int) -> float:
-  times = []
+def timed(fn) -> float:
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn())
+  return time.perf_counter() - t0
+
+
+def interleaved(fns: dict, reps: int) -> dict[str, tuple[float, float]]:
+  """name -> (fastest, median) seconds of fns[name](), the functions run in turn."""
+  times = {name: [] for name in fns}
   for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+    for name, fn in fns.items():
+      times[name].append(timed(fn))
+  return {name: (min(t), statistics.median(t)) for name, t in times.items()}
 
 
 def matmul_bound(n_params: int, batch: int, reps: int) -> float:
@@ -85,7 +93,7 @@ def matmul_bound(n_params: int, batch: int, reps: int) -> float:
   x = jnp.ones((batch, 1024), jnp.float32)
   f = jax.jit(lambda x, w: x @ w)
   jax.block_until_ready(f(x, w))
-  return median_time(lambda: f(x, w), reps)
+  return interleaved({"matmul": lambda: f(x, w)}, reps)["matmul"][0]
 
 
 def filled_cache(gen, batch: int, context: int, seed: int = 0):
@@ -100,24 +108,25 @@ def filled_cache(gen, batch: int, context: int, seed: int = 0):
   return cache._replace(kda=kda, mla=mla, length=jnp.int32(context))
 
 
-def decode_step_time(gen, batch: int, context: int, reps: int) -> float:
+def decode_step(gen, batch: int, context: int):
+  """A compiled decode step at `context` (every call does the same work)."""
   box = {"cache": filled_cache(gen, batch, context)}
   tok = jnp.zeros((batch, 1), jnp.int32)
 
-  def step():  # every timed step at `context`: the same work each time
+  def step():
     logits, box["cache"] = gen.extend(tok, box["cache"]._replace(length=jnp.int32(context)))
     return logits
 
   jax.block_until_ready(step())  # compile
-  return median_time(step, reps)
+  return step
 
 
-def prefill_tokens_per_s(gen, cfg, batch: int, tokens: int) -> float:
+def prefill_run(gen, cfg, batch: int, tokens: int):
   ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (batch, tokens)).astype(np.int32)
   start = np.zeros(batch, np.int32)
   run = lambda: gen.prefill(ids, start, gen.max_len(tokens, 1))[0]  # noqa: E731
   jax.block_until_ready(run())  # compile
-  return batch * tokens / median_time(run, 2)
+  return run
 
 
 def main(argv=None) -> int:
@@ -149,16 +158,20 @@ def main(argv=None) -> int:
   bound = matmul_bound(active_weight_params(cfgs["hybrid"]), args.batch, args.reps)
   print(f"matmul-bound time of the hybrid's active weights: {1e3 * bound:.2f} ms "
         f"({4 * active_weight_params(cfgs['hybrid']) / bound / 1e9:.1f} GB/s)")
-  print(f"{'context':>8} {'hybrid ms':>10} {'all-MLA ms':>11} {'all-MLA / hybrid':>17}")
+  print(f"{'context':>8} {'hybrid ms':>10} {'all-MLA ms':>11} {'all-MLA / hybrid':>17}"
+        f"   (medians: hybrid, all-MLA)")
   results = {}
   for ctx in args.contexts:
-    t = {name: decode_step_time(gens[name], args.batch, ctx, args.reps)
-         for name in cfgs}
-    results[ctx] = t
-    print(f"{ctx:>8} {1e3 * t['hybrid']:>10.2f} {1e3 * t['all-MLA']:>11.2f} "
-          f"{t['all-MLA'] / t['hybrid']:>16.2f}x", flush=True)
-  pre = {name: prefill_tokens_per_s(gens[name], cfgs[name], args.batch, args.prefill)
-         for name in cfgs}
+    steps = {name: decode_step(gens[name], args.batch, ctx) for name in cfgs}
+    t = interleaved(steps, args.reps)
+    del steps
+    results[ctx] = {name: v[0] for name, v in t.items()}
+    print(f"{ctx:>8} {1e3 * t['hybrid'][0]:>10.2f} {1e3 * t['all-MLA'][0]:>11.2f} "
+          f"{t['all-MLA'][0] / t['hybrid'][0]:>16.2f}x   ({1e3 * t['hybrid'][1]:.2f}, "
+          f"{1e3 * t['all-MLA'][1]:.2f})", flush=True)
+  runs = {name: prefill_run(gens[name], cfgs[name], args.batch, args.prefill) for name in cfgs}
+  pre = {name: args.batch * args.prefill / v[0]
+         for name, v in interleaved(runs, max(2, args.reps // 3)).items()}
   print(f"prefill of {args.prefill} tokens (chunks of 512): hybrid {pre['hybrid']:.0f} tok/s, "
         f"all-MLA {pre['all-MLA']:.0f} tok/s, hybrid / all-MLA "
         f"{pre['hybrid'] / pre['all-MLA']:.2f}x")

@@ -32,6 +32,7 @@ from k3jax.model import schedule
 from k3jax.config import ModelConfig
 from k3jax.model.cache import Cache, MLACache, constrain
 from k3jax.model.kda import KDA, KDAState
+from k3jax.model.mla import heads_major_kv_b
 from k3jax.model.transformer import K3Model, _take, _valid, initial_carry, layer_step
 
 
@@ -155,6 +156,7 @@ class Unstacked(NamedTuple):
   final_norm: Any                  # nnx.State
   output_res: Any                  # nnx.State or None
   layers: dict[str, tuple[Any, ...]]
+  mla_heads_major: tuple[tuple[jax.Array, jax.Array], ...]  # per MLA layer (mla.heads_major_kv_b)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,15 +184,17 @@ def unstack_model(model: K3Model) -> tuple[UnstackedDefs, Unstacked]:
   res_def, res = (nnx.split(model.output_res) if model.cfg.attn_res_block_size is not None
                   else (None, None))
   head = None if model.cfg.tie_word_embeddings else model.lm_head[...]
+  graphdefs = dict(kinds)
+  heads = tuple(heads_major_kv_b(nnx.merge(graphdefs["mla"], s)) for s in layers.get("mla", ()))
   return (UnstackedDefs(model.cfg, norm_def, res_def, tuple(kinds)),
-          Unstacked(model.embed[...], head, norm, res, layers))
+          Unstacked(model.embed[...], head, norm, res, layers, heads))
 
 
 class _LayerMixer:
   """A mixer for `layer_step` continuing one layer's own cache entry (per-layer form)."""
 
-  def __init__(self, module, entry, ctx: _Context):
-    self.module, self.entry, self.ctx = module, entry, ctx
+  def __init__(self, module, entry, ctx: _Context, heads_major=None):
+    self.module, self.entry, self.ctx, self.heads_major = module, entry, ctx, heads_major
 
   def __call__(self, x: jax.Array, *, segment_ids=None) -> tuple[jax.Array, None]:
     del segment_ids
@@ -207,7 +211,8 @@ class _LayerMixer:
     # returned cache), which copies the whole cache for one of them on every token.
     c, rot = jax.lax.optimization_barrier((c, rot))
     self.entry = MLACache(c, rot)
-    return self.module.attend_latent(x, c, rot, ctx.q_pos, ctx.start), None
+    return self.module.attend_latent(x, c, rot, ctx.q_pos, ctx.start,
+                                     heads_major=self.heads_major), None
 
 
 def extend_unstacked(defs: UnstackedDefs, params: Unstacked, input_ids: jax.Array,
@@ -224,7 +229,8 @@ def extend_unstacked(defs: UnstackedDefs, params: Unstacked, input_ids: jax.Arra
   for l in range(cfg.num_layers):
     kinds, idx = schedule.layer_kinds(cfg, l), schedule.layer_indices(cfg, l)
     norms, mixer, mlp = (nnx.merge(graphdefs[k], params.layers[k][i]) for k, i in zip(kinds, idx))
-    cached = _LayerMixer(mixer, entries[kinds[1]][idx[1]], ctx)
+    heads = params.mla_heads_major[idx[1]] if kinds[1] == "mla" else None
+    cached = _LayerMixer(mixer, entries[kinds[1]][idx[1]], ctx, heads)
     carry, _, _ = layer_step(cfg, l, norms, cached, mlp, carry, None)
     entries[kinds[1]][idx[1]] = cached.entry
   h = carry.partial

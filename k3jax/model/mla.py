@@ -90,12 +90,14 @@ class MLA(nnx.Module):
     return self.o_proj(o)
 
   def attend_latent(self, x: jax.Array, c_bsc: jax.Array, rot_bsr: jax.Array,
-                    q_pos_t: jax.Array, start_b: jax.Array, *, absorb: bool | None = None
-                    ) -> jax.Array:
+                    q_pos_t: jax.Array, start_b: jax.Array, *, absorb: bool | None = None,
+                    heads_major: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """x [B, T, d] at absolute positions q_pos_t [T] against a latent cache c [B, S, kv_lora],
     k_rot [B, S, rope] that already holds these tokens at their positions. Row b's real tokens
     start at start_b[b] (left padding): keys before it are masked, except that a pad query sees
-    itself (so no softmax row is empty). `absorb` None picks the cheaper order."""
+    itself (so no softmax row is empty). `absorb` None picks the cheaper order.
+    `heads_major`: k_b as [H, nope, kv_lora] and v_b as [H, kv_lora, v] (`heads_major_kv_b`),
+    the layout a per-head matmul reads without transposing the weights every step."""
     cfg = self.cfg
     b, t, _ = x.shape
     s = c_bsc.shape[1]
@@ -107,9 +109,9 @@ class MLA(nnx.Module):
     # Scores are laid out key-major [B, S, T, H]: the cache is then the row-major left operand
     # of both products, read as stored (a [B, H, T, S] layout makes XLA transpose the whole
     # cache every step: ~3x slower on XLA:CPU at S = 32K).
+    k_b_hkc, v_b_hcv = heads_major or heads_major_kv_b(self)
     if absorb:
-      q_lat = jnp.einsum("bthk,chk->bthc", q_nope, self.k_b_proj.kernel[...].astype(dt),
-                         precision=prec)
+      q_lat = jnp.einsum("bthk,hkc->bthc", q_nope, k_b_hkc.astype(dt), precision=prec)
       scores = jnp.einsum("bsc,bthc->bsth", c_bsc, q_lat, precision=prec)
     else:
       scores = jnp.einsum("bshk,bthk->bsth", self.k_b_proj(c_bsc), q_nope, precision=prec)
@@ -122,8 +124,7 @@ class MLA(nnx.Module):
     probs = jax.nn.softmax(scores, axis=1).astype(dt)
     if absorb:
       o_lat = jnp.einsum("bsth,bsc->bthc", probs, c_bsc, precision=prec)
-      o = jnp.einsum("bthc,chv->bthv", o_lat, self.v_b_proj.kernel[...].astype(dt),
-                     precision=prec)
+      o = jnp.einsum("bthc,hcv->bthv", o_lat, v_b_hcv.astype(dt), precision=prec)
     else:
       o = jnp.einsum("bsth,bshv->bthv", probs, self.v_b_proj(c_bsc), precision=prec)
     return self.output(x, o)
@@ -154,3 +155,10 @@ def absorbed_is_cheaper(cfg: ModelConfig, t: int, s: int) -> bool:
   absorbed = t * s * (2 * kv + rope) + t * kv * (nope + dv)
   expanded = s * kv * (nope + dv) + t * s * (nope + rope + dv)
   return absorbed <= expanded
+
+
+def heads_major_kv_b(mla: MLA) -> tuple[jax.Array, jax.Array]:
+  """(k_b [H, nope, kv_lora], v_b [H, kv_lora, v]): the absorbed products' weights with the
+  head axis first, as a batched matmul over heads reads them."""
+  return (jnp.transpose(mla.k_b_proj.kernel[...], (1, 2, 0)),
+          jnp.transpose(mla.v_b_proj.kernel[...], (1, 0, 2)))
