@@ -70,7 +70,6 @@ def run_model(model_dir: str, ids: np.ndarray, dtype: str, layers: bool = False,
   with `decode_prefill` P the decode logits (prefill P tokens, then one token per step)."""
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
-  from flax import nnx  # noqa: PLC0415
 
   from convert.load import load_any, read_manifest  # noqa: PLC0415
 
@@ -81,7 +80,7 @@ def run_model(model_dir: str, ids: np.ndarray, dtype: str, layers: bool = False,
     if int(ids.max()) >= cfg.vocab_size or int(ids.min()) < 0:
       raise UserError(f"input_ids outside the vocabulary [0, {cfg.vocab_size})")
     want_layers = layers or partial is not None
-    out = nnx.jit(lambda m, x: m(x, return_layer_out=want_layers))(model, ids)
+    out = _forward(model, ids, want_layers)
     result = {"model": model_dir, "dtype": dtype, "num_layers": cfg.num_layers,
               "partial_layers": partial,
               "logits": np.asarray(out.logits, np.float64),
@@ -93,6 +92,18 @@ def run_model(model_dir: str, ids: np.ndarray, dtype: str, layers: bool = False,
                         "needs the whole model")
       result["decode_logits"] = decode_logits(model, ids, decode_prefill)
     return result
+
+
+def _forward(model, ids, layers: bool):
+  """The jitted forward, compiled once per model structure and shapes (module-level cache)."""
+  global _FORWARD
+  if _FORWARD is None:
+    from flax import nnx  # noqa: PLC0415
+    _FORWARD = nnx.jit(lambda m, x, layers: m(x, return_layer_out=layers), static_argnums=2)
+  return _FORWARD(model, ids, layers)
+
+
+_FORWARD = None
 
 
 def decode_logits(model, ids, prefill: int) -> np.ndarray:

@@ -123,22 +123,27 @@ def test_bf16_verdict_against_the_official_run():
     assert r["passed"] == want == ok, (noise, r["mean_kl"], kl_off, r["argmax_agreement"])
 
 
-def test_bf16_decode_and_saved_logits(hf_dir, tmp_path, capsys):
-  """bf16 passes the official-run rule on the forward and on the cache path (--decode, judged
-  against decode_logits_fp64); --save-logits writes what was computed. (float64 decode: see
-  tests/k3jax/model/test_decode.py, the same code path.)"""
+def test_decode_and_saved_logits(hf_dir, tmp_path, capsys):
+  """--decode runs the cache path and judges it against decode_logits_fp64 (float64: 1e-5 per
+  SPEC §8, measured ~1e-12); --save-logits writes what was computed."""
   ref = os.path.join(hf_dir, "reference.npz")
   out = str(tmp_path / "logits.npz")
-  rc, r = parity(capsys, hf_dir, ref, "bfloat16", "--decode", "--save-logits", out)
+  rc, r = parity(capsys, hf_dir, ref, "float64", "--decode", "--save-logits", out)
   assert rc == 0 and r["passed"] and r["decode"]["compared_to"] == "decode_logits_fp64"
-  for part in (r, r["decode"]):
-    assert part["mean_kl"] <= 2 * part["official_mean_kl"]
-    assert part["argmax_agreement"] >= part["official_argmax_agreement"] - 0.10
-  saved = np.load(out)
-  want = np.load(ref)
+  assert r["max_abs_decode_diff"] <= 1e-9 and r["decode"]["argmax_agreement"] == 1.0
+  saved, want = np.load(out), np.load(ref)
   assert saved["decode_logits"].shape == saved["logits"].shape == want["logits"].shape
   assert np.abs(saved["decode_logits"] - want["decode_logits_fp64"]).max() == pytest.approx(
       r["max_abs_decode_diff"])
+
+
+def test_bf16_passes_by_the_official_bf16_run(hf_dir, capsys):
+  """k3jax in bf16 is at least as close to the float64 truth as the official code in bf16
+  (SPEC §8's bf16 row; the numbers are reported in the closing note of the inference issue)."""
+  rc, r = parity(capsys, hf_dir, os.path.join(hf_dir, "reference.npz"), "bfloat16")
+  assert r["mean_kl"] <= 2 * r["official_mean_kl"]
+  assert r["argmax_agreement"] >= r["official_argmax_agreement"] - 0.10
+  assert rc == 0 and r["passed"]
 
 
 def test_outside_tolerance_exits_1(ckpt, hf_dir, capsys, monkeypatch):

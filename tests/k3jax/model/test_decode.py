@@ -140,9 +140,9 @@ def random_model(cfg, seed):
 @pytest.fixture(scope="module")
 def kimi_linear():
   """A Kimi-Linear-shaped model (softplus gate, low-rank KDA gate, plain q_proj, no AttnRes,
-  SwiGLU, MoE on the full width), 3 layers [KDA + dense, KDA, MLA], random weights, float64
+  SwiGLU, MoE on the full width), 2 layers [KDA + dense, MLA + MoE], random weights, float64
   and float32 copies of the same numbers."""
-  cfg = kimi_linear_cfg(num_layers=3, mla_layers=(2,), dtype="float64", param_dtype="float64",
+  cfg = kimi_linear_cfg(num_layers=2, mla_layers=(1,), dtype="float64", param_dtype="float64",
                         matmul_precision="highest")
   with jax.enable_x64(True):
     m64 = random_model(cfg, 3)
@@ -187,10 +187,10 @@ def test_cache_len_buckets():
 
 def test_stacked_scanned_layout(x64):
   """The stacked form (the model's stacks, layers scanned as in training; TPU/GPU) equals the
-  forward (float64), on a model whose layers 1-2 run under a scan. (The per-layer form, which
-  every other test here runs on the CPU, is checked against the same truths.)"""
+  forward (float64), on [MLA + dense, KDA, KDA] with the two KDA layers under a scan. (The
+  per-layer form, which every other test here runs on the CPU, meets the same truths.)"""
   from k3jax.model import schedule
-  cfg = tiny_cfg(num_layers=4, mla_layers=(3,), dtype="float64", param_dtype="float64",
+  cfg = tiny_cfg(num_layers=3, mla_layers=(0,), dtype="float64", param_dtype="float64",
                  matmul_precision="highest")
   assert any(r.scanned and r.count >= 2 for r in schedule.plan(cfg, scan=True))
   model = random_model(cfg, 5)
