@@ -1,7 +1,7 @@
 """Batched generation: left-padded prompts, chunked prefill, a jitted decode loop in blocks.
 
-    prompts --left-pad--> ids [B, P], start [B]
-    prefill:  extend(ids[:, chunk]) for chunks of `prefill_chunk`     -> logits of position P-1
+    prompts --left-pad--> ids [B, P], start [B]      (further left-padded to whole chunks)
+    prefill:  extend(ids[:, chunk]) chunk by chunk                   -> logits of position P-1
     decode:   decode_block (one jit: lax.while_loop of up to `block` steps of
               sample -> record -> extend(token)), stopping early once every row is done
 
@@ -11,10 +11,10 @@ few tokens), decides nothing the device needs, and calls again with the carried 
 callback (`io_callback`) would sync the host on every token and, under a mesh, fire once per
 process/shard; the block loop is the same program on one device or many.
 
-Compiled shapes are bounded: the cache length is rounded up to a multiple of `LEN_BUCKET`, so
-prompts of different lengths share the decode-loop compilation, and the jitted functions are
-module-level (keyed on the model's graph definition), so a second model of the same config
-reuses them.
+Compiled shapes are bounded: prefill runs one chunk shape (a power of two from 64 up to
+`prefill_chunk`), the cache length is rounded up to a multiple of `LEN_BUCKET`, so prompts of
+different lengths share the compilations, and the jitted functions are module-level (keyed on
+the model's graph definition), so a second model of the same config reuses them.
 """
 
 from __future__ import annotations
