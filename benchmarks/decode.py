@@ -1,6 +1,6 @@
 """Decode speed: per-token latency against context length, hybrid (KDA 3:1 MLA) vs all-MLA.
 
-    python benchmarks/decode.py                         # contexts 1K..32K, batch 1
+    python benchmarks/decode.py                         # contexts 1K..32K, batch 1 (~6 min)
     python benchmarks/decode.py --batch 4 --contexts 32768
     python benchmarks/decode.py --quick                 # contexts 1K and 4K, a smoke run
 
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
                                                               32768])
   p.add_argument("--batch", type=int, default=1)
   p.add_argument("--prefill", type=int, default=2048, help="prompt tokens for prefill tokens/s")
-  p.add_argument("--reps", type=int, default=7)
+  p.add_argument("--reps", type=int, default=15)
   p.add_argument("--quick", action="store_true", help="contexts 1K and 4K, 3 reps")
   args = p.parse_args(argv)
   if args.quick:
