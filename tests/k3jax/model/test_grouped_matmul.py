@@ -10,6 +10,7 @@ import pytest
 from k3jax.model.grouped_matmul import grouped_matmul
 
 GROUPS = [0, 5, 1, 0, 13, 4, 0, 2]  # E = 8, m = 25; tile 4: groups of 0, 1, 2, 4 rows and 13
+DECODE = [0, 2, 1, 0, 0, 3, 0, 1]   # m = 7 <= E: "tiled" gathers each row's expert
 
 
 def numpy_grouped(x, w, sizes):
@@ -20,8 +21,10 @@ def numpy_grouped(x, w, sizes):
   return np.concatenate(out)
 
 
-@pytest.mark.parametrize("impl,tile", [("tiled", 4), ("tiled", 128), ("ragged_dot", None)])
-def test_matches_a_loop_over_groups(x64, impl, tile):
+@pytest.mark.parametrize("impl,tile,GROUPS", [("tiled", 4, GROUPS), ("tiled", 128, GROUPS),
+                                              ("ragged_dot", None, GROUPS),
+                                              ("tiled", 128, DECODE)])
+def test_matches_a_loop_over_groups(x64, impl, tile, GROUPS):  # noqa: N803
   rng = np.random.default_rng(0)
   m, h, f = sum(GROUPS), 6, 3
   x, w = rng.normal(size=(m, h)), rng.normal(size=(len(GROUPS), h, f))
