@@ -36,7 +36,8 @@ from k3jax.train.tokenizer import load_tokenizer
 
 RUN_FILE = "run.json"
 # options that fix what a checkpoint and its data position mean: a resume must not change them
-_RESUME_KEYS = ("data", "tokenizer", "seq_len", "batch_size", "seed", "init_from")
+_RESUME_KEYS = ("data", "data_format", "tokenizer", "seq_len", "batch_size", "seed",
+                "init_from")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +47,9 @@ class RunOptions:
   init_from: str | None = None       # converted Orbax checkpoint or official-layout HF folder
   steps: int = 300
   data: str | None = None            # text file / folder; None: the stdlib sources
-  tokenizer: str = "auto"            # auto | byte | tiktoken
+  data_format: str = "text"          # text | chat (JSONL conversations, assistant tokens only)
+  skip_bad_rows: bool = False        # chat: train on the good rows (else bad rows refuse the run)
+  tokenizer: str = "auto"            # auto | byte | tiktoken | a folder holding tiktoken.model
   batch_size: int = 4                # rows per optimizer step
   grad_accum: int = 1                # micro-batches per step (batch_size % grad_accum == 0)
   seq_len: int = 128
@@ -138,9 +141,10 @@ def _check_resume(out: str, opts: RunOptions, cfg: ModelConfig) -> None:
   if saved.get("model") != cfg.to_dict():
     raise UserError(f"{out} holds a run of another model config; use a new --out")
   for key in _RESUME_KEYS:
-    if saved["options"].get(key) != getattr(opts, key):
+    was = saved["options"].get(key, getattr(RunOptions, key, None))  # runs before the option
+    if was != getattr(opts, key):
       raise UserError(f"{out} holds a run with --{key.replace('_', '-')} "
-                      f"{saved['options'].get(key)!r} (now {getattr(opts, key)!r}); "
+                      f"{was!r} (now {getattr(opts, key)!r}); "
                       "resuming must keep it, or use a new --out")
 
 
@@ -175,14 +179,14 @@ def run(opts: RunOptions, *, on_step=None) -> dict[str, Any]:
   ckpt = Checkpointer(os.path.join(out, "checkpoints"), keep=opts.keep)
   resume_step = ckpt.latest_step()
   tokenizer = load_tokenizer(opts.tokenizer, opts.init_from)
-
-  docs = (data_lib.stdlib_documents() if opts.data is None
-          else data_lib.folder_documents(opts.data))
-  train_docs, eval_docs = data_lib.split_documents(docs)
-  train_tokens = data_lib.tokenize(train_docs, tokenizer)
-  eval_tokens = data_lib.tokenize(eval_docs, tokenizer)
+  if tokenizer.vocab_size > cfg.vocab_size:
+    raise UserError(f"the {tokenizer.name} tokenizer has {tokenizer.vocab_size} ids but the "
+                    f"model only {cfg.vocab_size} embeddings")
   pipe = data_lib.PipelineConfig(opts.seq_len, opts.batch_size, opts.grad_accum, opts.seed)
-  eval_batches = data_lib.eval_batches(eval_tokens, pipe, opts.eval_batches)
+  data = data_lib.load_training_data(opts.data, opts.data_format, tokenizer, pipe,
+                                     opts.eval_batches, skip_bad_rows=opts.skip_bad_rows,
+                                     out=out)
+  eval_batches = data.eval_batches
 
   if resume_step is not None:
     params, bias = jax.eval_shape(lambda: step_lib.init_params(cfg, opts.seed))
@@ -207,15 +211,15 @@ def run(opts: RunOptions, *, on_step=None) -> dict[str, Any]:
           else flops_lib.measure_matmul_peak(cfg.jnp_dtype))
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
   print(f"k3jax train: {n_params / 1e6:.2f}M params ({flop_count.active_matmul_params / 1e6:.2f}M"
-        f" active matmul), {cfg.dtype} compute / fp32 master; {len(train_docs)} train + "
-        f"{len(eval_docs)} eval documents, {sum(map(len, train_tokens)):,} train tokens "
+        f" active matmul), {cfg.dtype} compute / fp32 master; {data.description} "
         f"({tokenizer.name}); batch {opts.batch_size} x {opts.seq_len}"
         f"{f' ({opts.grad_accum} micro-batches)' if opts.grad_accum > 1 else ''}; "
         + (f"resuming from step {start}" if resume_step is not None else "from scratch"
            if not opts.init_from else f"from {opts.init_from}"), flush=True)
 
   writer = MetricsWriter(out, resume_step=resume_step, tensorboard=opts.tensorboard)
-  iterator = data_lib.iterate(data_lib.train_dataset(train_tokens, pipe), data_state)
+  iterator = data_lib.iterate(
+      data_lib.train_dataset(data.train_tokens, pipe, data.train_weights), data_state)
   bar = tqdm(total=opts.steps, initial=start, disable=not opts.progress, unit="step",
              dynamic_ncols=True)
   qk_threshold = step_lib.NO_QK_CLIP if opts.qk_clip is None else np.float32(opts.qk_clip)
@@ -278,6 +282,6 @@ def run(opts: RunOptions, *, on_step=None) -> dict[str, Any]:
       "median_step_s": median,
       "tokens_per_s": tokens_per_step / median if median else None,
       "mfu": (flop_count.train_per_token * tokens_per_step / median / peak) if median else None,
-      "peak_flops": peak, "plots": plots, "checkpoints": saved_steps,
+      "peak_flops": peak, "plots": plots, "checkpoints": saved_steps, "data": data.summary,
   }
   return summary

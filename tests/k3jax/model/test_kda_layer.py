@@ -8,7 +8,6 @@ import pytest
 from flax import nnx
 
 from k3jax.model.kda import KDA
-from tests import numerics
 from tests.k3jax.model.helpers import kimi_linear_cfg, np64, randomize, tiny_cfg
 
 
@@ -16,7 +15,7 @@ def np_sigmoid(a):
   return 1 / (1 + np.exp(-a))
 
 
-def np_kda_layer(m: KDA, cfg, x, seg=None, with_state=False):
+def np_kda_layer(m: KDA, cfg, x, seg=None):
   p = lambda w: np64(w[...])  # noqa: E731
   B, T, _ = x.shape
   H, K = cfg.kda_num_heads, cfg.kda_head_dim
@@ -46,7 +45,6 @@ def np_kda_layer(m: KDA, cfg, x, seg=None, with_state=False):
     g = -a * np.log1p(np.exp(f))
   beta = np_sigmoid(np.einsum("btd,dh->bth", x, p(m.b_proj.kernel)))
   o = np.zeros_like(v)
-  states = np.zeros((B, H, K, K))
   for b in range(B):
     S = np.zeros((H, K, K))
     for t in range(T):
@@ -56,15 +54,13 @@ def np_kda_layer(m: KDA, cfg, x, seg=None, with_state=False):
         S[h] = S[h] * np.exp(g[b, t, h])[:, None]
         S[h] = S[h] + beta[b, t, h] * np.outer(k[b, t, h], v[b, t, h] - k[b, t, h] @ S[h])
         o[b, t, h] = S[h].T @ q[b, t, h] / np.sqrt(K)
-    states[b] = S
   if cfg.kda_full_rank_output_gate:
     gate = np.einsum("btd,dhv->bthv", x, p(m.g_proj.kernel))
   else:
     gate = np.einsum("btr,rhv->bthv", x @ p(m.g_a_proj.kernel), p(m.g_b_proj.kernel))
   o = o / np.sqrt(np.mean(o * o, -1, keepdims=True) + cfg.rms_norm_eps) * p(m.o_norm)
   o = o * np_sigmoid(gate)
-  out = np.einsum("bthv,hvd->btd", o, p(m.o_proj.kernel))
-  return (out, states) if with_state else out
+  return np.einsum("bthv,hvd->btd", o, p(m.o_proj.kernel))
 
 
 def _layer(cfg, seed=0):
@@ -86,30 +82,38 @@ def test_kda_layer_formula(variant, segments, x64):
   np.testing.assert_allclose(np64(got), np_kda_layer(m, cfg, x, seg), atol=1e-10, rtol=1e-8)
 
 
-def test_decode_state_continues_the_sequence():
-  """Running T tokens, or T1 then T-T1 with the returned conv tails and recurrent state, is the
-  same computation: each run meets the float64 transcription of the whole sequence (SPEC §8,
-  tolerances in tests/numerics.py; two float32 runs are never compared with each other)."""
-  cfg = tiny_cfg()
+@pytest.mark.parametrize("variant", ["k3", "kimi_linear"])
+def test_decode_state_continues_the_sequence(variant, x64):
+  """Running T tokens, or T1 (chunked op) then one token (fused step) then the rest (chunked,
+  with the state), is the same computation: float64, equal to summation order (1e-12). The
+  conv tails are exactly the last taps-1 projected inputs."""
+  cfg = (tiny_cfg if variant == "k3" else kimi_linear_cfg)(dtype="float64", param_dtype="float64")
   m = _layer(cfg)
-  x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 40, 32)), jnp.float32)
-  want, want_state = np_kda_layer(m, cfg, np64(x), with_state=True)
+  x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 40, 32)))
   full, state_full = m(x)
   first, state = m(x[:, :23])
-  second, state2 = m(x[:, 23:], state=state)
-  numerics.assert_close("full", full, want)
-  numerics.assert_close("two parts", jnp.concatenate([first, second], 1), want)
-  numerics.assert_close("full state", state_full.recurrent, want_state)
-  numerics.assert_close("state after two parts", state2.recurrent, want_state)
-  # the conv tails are the projected last inputs: one float32 dot product over the embedding
-  taps = cfg.conv_kernel_size - 1
-  w_k = np64(m.k_proj.kernel[...])
-  tail, tail_abs = (np.einsum("btd,dhk->bthk", f(np64(x[:, -taps:])), f(w_k)) for f in (
-      lambda a: a, np.abs))
-  for got in (state_full.conv_k, state2.conv_k):
-    numerics.assert_close("conv tail", got, tail, numerics.dot_tolerance(tail_abs, w_k.shape[0]))
-  step_out = [m(x[:, t:t + 1], state=s)[0] for t, s in [(23, state)]]
-  numerics.assert_close("decode step", step_out[0], want[:, 23:24])
+  step, state = m(x[:, 23:24], state=state)
+  rest, state = m(x[:, 24:], state=state)
+  np.testing.assert_allclose(np64(jnp.concatenate([first, step, rest], 1)), np64(full),
+                             atol=1e-12, rtol=0)
+  np.testing.assert_allclose(np64(state.recurrent), np64(state_full.recurrent), atol=1e-12)
+  np.testing.assert_array_equal(np64(state.conv_k), np64(m.k_proj(x[:, 24:])[:, -3:]))
+  np.testing.assert_array_equal(np64(state_full.conv_v), np64(m.v_proj(x)[:, -3:]))
+
+
+def test_left_padding_is_not_absorbed(x64):
+  """A row of pads (token_mask False) then a sequence computes what the sequence computes
+  alone, and the state stays exactly zero through the pads."""
+  cfg = tiny_cfg(dtype="float64", param_dtype="float64")
+  m = _layer(cfg)
+  x = jnp.asarray(np.random.default_rng(3).standard_normal((1, 20, 32)))
+  alone, _ = m(x[:, 7:])
+  mask = jnp.arange(20)[None] >= 7
+  junk = jnp.concatenate([x[:, :7] * 100, x[:, 7:]], 1)  # the pads' content must not matter
+  padded, _ = m(junk, token_mask=mask)
+  _, s_pads_only = m(x[:, :7] * 100, token_mask=mask[:, :7])
+  np.testing.assert_allclose(np64(padded[:, 7:]), np64(alone), atol=1e-12, rtol=0)
+  assert not np.any(np64(s_pads_only.recurrent)) and not np.any(np64(s_pads_only.conv_q))
 
 
 def test_kimi_linear_kda_matches_transformers(x64):
