@@ -88,8 +88,10 @@ def plain(tree: Any) -> Any:
 
 
 def token_nll(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
-  """Per-position NLL [..., T] in fp32 (0 where mask is False)."""
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  """Per-position NLL [..., T] in at least fp32 (float64 for a float64 model; 0 where mask is
+  False)."""
+  logp = jax.nn.log_softmax(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)),
+                            axis=-1)
   nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
   return jnp.where(mask, nll, 0.0)
 
@@ -217,7 +219,8 @@ def build(cfg: ModelConfig, sc: StepConfig) -> Steps:
     def one(acc, mb):
       nll_ = nll(params, bias, mb["inputs"], mb["targets"], mb["segment_ids"], mb["loss_mask"])
       return (acc[0] + jnp.sum(nll_), acc[1] + jnp.sum(mb["loss_mask"].astype(jnp.int32))), None
-    (total, tokens), _ = jax.lax.scan(one, (jnp.zeros((), jnp.float32),
+    wide = jnp.promote_types(cfg.jnp_dtype, jnp.float32)  # token_nll's dtype
+    (total, tokens), _ = jax.lax.scan(one, (jnp.zeros((), wide),
                                             jnp.zeros((), jnp.int32)), batch)
     return total, tokens
 

@@ -56,14 +56,19 @@ def test_gated_mla_formula(segments, x64):
   np.testing.assert_allclose(np64(max_logits), want_logits, atol=1e-10, rtol=1e-10)
 
 
-def test_packed_segments_equal_separate_sequences():
-  cfg = tiny_cfg()
+def test_packed_segments_equal_separate_sequences(x64):
+  """Two sequences packed in one row attend as each does alone. float64: the runs differ only
+  in summation order (softmax sums over 12 keys with exact zeros vs 5 or 7), which moves the
+  O(1) outputs by ~1e-15; 1e-12 holds on any machine, and a leak across the boundary moves
+  them by >= 1e-3 (a float32 pair at a fixed 1e-6 would be two rounding noises compared)."""
+  cfg = tiny_cfg(dtype="float64", param_dtype="float64")
   m = randomize(MLA(cfg, rngs=nnx.Rngs(0)))
-  x = jnp.asarray(np.random.default_rng(2).standard_normal((1, 12, 32)), jnp.float32)
+  x = jnp.asarray(np.random.default_rng(2).standard_normal((1, 12, 32)))
   seg = jnp.asarray([[1] * 5 + [2] * 7])
   packed, _ = m(x, segment_ids=seg)
-  np.testing.assert_allclose(np.asarray(packed[:, :5]), np.asarray(m(x[:, :5])[0]), atol=1e-6)
-  np.testing.assert_allclose(np.asarray(packed[:, 5:]), np.asarray(m(x[:, 5:])[0]), atol=1e-6)
+  np.testing.assert_allclose(np64(packed[:, :5]), np64(m(x[:, :5])[0]), atol=1e-12, rtol=0)
+  np.testing.assert_allclose(np64(packed[:, 5:]), np64(m(x[:, 5:])[0]), atol=1e-12, rtol=0)
+  assert np.abs(np64(packed[:, 5:]) - np64(m(x)[0][:, 5:])).max() > 1e-3  # packing matters
 
 
 def test_kimi_linear_mla_matches_transformers(x64):

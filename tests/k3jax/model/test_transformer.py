@@ -1,5 +1,14 @@
 """The whole model on tiny configs: causal (shown with gradients), deterministic, packed
-sequences independent, scanned == unrolled, remat == plain, schedule and stacks correct."""
+sequences independent, scanned == unrolled, remat == plain, schedule and stacks correct.
+
+The equalities (packed == alone, scanned == unrolled, remat == plain) run in float64: the two
+sides are the same math in a different summation order (other sequence lengths, a scan body
+instead of unrolled layers, recomputed activations), which in float64 (u = 2^-53) moves the
+logits (|logits| < 10 here) by ~1e-14 whatever the machine; TOL64 = 1e-10 leaves 10^4 of
+margin, and a real difference (a token leaking across segments, a layer's weights swapped)
+moves them by >= 1e-3. In float32 the same comparisons would set one rounding noise against
+another at a fixed tolerance, and a router near-tie could pick another expert on another CPU.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -14,11 +23,21 @@ from tests.k3jax.model.helpers import kimi_linear_cfg, randomize, tiny_cfg
 
 # 5 layers [KDA+dense, KDA, KDA, MLA, MLA], AttnRes blocks of 3: every part, small compiles
 SMALL = dict(num_layers=5, mla_layers=(3, 4))
+F64 = dict(dtype="float64", param_dtype="float64")
+
+
+TOL64 = 1e-10
 
 
 @pytest.fixture(scope="module")
 def model():
   return randomize(K3Model(tiny_cfg(**SMALL), rngs=nnx.Rngs(0)))
+
+
+@pytest.fixture(scope="module")
+def model64():
+  with jax.enable_x64(True):
+    return randomize(K3Model(tiny_cfg(**SMALL, **F64), rngs=nnx.Rngs(0)))
 
 
 @nnx.jit
@@ -44,9 +63,10 @@ def test_causal_by_gradient(model):
   assert np.all(np.abs(g[:, : t + 1]).sum(-1) > 0)
 
 
-def test_deterministic_and_packed_sequences_do_not_interact(model):
+def test_deterministic_and_packed_sequences_do_not_interact(model64, x64):
   """Same inputs give bit-identical logits; two sequences packed in one row (segment ids 1, 2)
   give the logits each gets alone (alone = followed by a padding segment of id 0)."""
+  model = model64
   cfg = model.cfg
   a, b = _ids(cfg, (1, 7), 2), _ids(cfg, (1, 9), 3)
   packed_ids = jnp.concatenate([a, b], 1)
@@ -56,14 +76,17 @@ def test_deterministic_and_packed_sequences_do_not_interact(model):
   pad = lambda x: jnp.concatenate([x, jnp.zeros((1, 16 - x.shape[1]), x.dtype)], 1)  # noqa
   alone_a = logits_fn(model, pad(a), jnp.asarray([[1] * 7 + [0] * 9]))
   alone_b = logits_fn(model, pad(b), jnp.asarray([[1] * 9 + [0] * 7]))
-  np.testing.assert_allclose(packed[:, :7], np.asarray(alone_a[:, :7]), atol=2e-5)
-  np.testing.assert_allclose(packed[:, 7:], np.asarray(alone_b[:, :9]), atol=2e-5)
+  np.testing.assert_allclose(packed[:, :7], np.asarray(alone_a[:, :7]), atol=TOL64, rtol=0)
+  np.testing.assert_allclose(packed[:, 7:], np.asarray(alone_b[:, :9]), atol=TOL64, rtol=0)
+  # the segment ids matter: b after a in one sequence is another computation
+  one_seq = np.asarray(logits_fn(model, packed_ids, jnp.ones((1, 16), jnp.int32)))
+  assert np.abs(one_seq[:, 7:] - packed[:, 7:]).max() > 1e-3
 
 
-@pytest.mark.parametrize("make", [lambda: tiny_cfg(num_layers=6, mla_layers=(5,)),
+@pytest.mark.parametrize("make", [lambda **kw: tiny_cfg(num_layers=6, mla_layers=(5,), **kw),
                                   kimi_linear_cfg])
-def test_scanned_equals_unrolled(make):
-  cfg = make()
+def test_scanned_equals_unrolled(make, x64):
+  cfg = make(**F64)
   runs = schedule.plan(cfg, scan=True)
   assert any(r.scanned for r in runs)
   m = randomize(K3Model(cfg, rngs=nnx.Rngs(1)))
@@ -72,13 +95,15 @@ def test_scanned_equals_unrolled(make):
   scanned = fwd(m, ids)
   m.cfg = cfg.replace(scan_layers=False)
   unrolled = fwd(m, ids)
-  np.testing.assert_allclose(np.asarray(scanned.logits), np.asarray(unrolled.logits), atol=1e-5)
+  np.testing.assert_allclose(np.asarray(scanned.logits), np.asarray(unrolled.logits),
+                             atol=TOL64, rtol=0)
   assert len(scanned.routing) == len(unrolled.routing) == len(cfg.moe_layers)
   for r1, r2 in zip(scanned.routing, unrolled.routing):
     np.testing.assert_array_equal(np.asarray(r1.experts_nk), np.asarray(r2.experts_nk))
 
 
-def test_remat_same_gradients(model):
+def test_remat_same_gradients(model64, x64):
+  model = model64
   ids = _ids(model.cfg, (1, 8), 5)
 
   def loss(m):
@@ -91,10 +116,12 @@ def test_remat_same_gradients(model):
     g_remat = grad_fn(model)
   finally:
     model.cfg = model.cfg.replace(remat=False)
-  # recomputation may fuse differently: equal to float32 rounding, relative to each gradient
+  # recomputation may fuse differently: float64 summation order, relative to each gradient's
+  # scale (an entry can be a sum of cancelling terms larger than itself)
   for (p, a), (_, b) in zip(nnx.to_flat_state(g_plain), nnx.to_flat_state(g_remat)):
     a, b = np.asarray(a[...]), np.asarray(b[...])
-    np.testing.assert_allclose(a, b, atol=1e-6 * max(1.0, np.abs(a).max()), rtol=1e-5,
+    assert a.dtype == np.float64
+    np.testing.assert_allclose(a, b, atol=TOL64 * max(1.0, np.abs(a).max()), rtol=0,
                                err_msg=str(p))
 
 

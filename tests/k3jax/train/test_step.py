@@ -1,6 +1,14 @@
 """The train step's semantics on the micro model: packing is exact, Quantile Balancing routes
 the next batch with a bias derived from this batch only, gradient accumulation equals one big
-batch."""
+batch, QK-clip rescales exactly the MLA heads.
+
+Every test runs the micro model in float64 (SPEC §8): each compares two computations that are
+the same math in another order (a row packed or alone, two micro-batches or one, the train
+program or the forward one), and in float64 (u = 2^-53) those agree to ~1e-15 of their scale on
+any machine, so TOL64 = 1e-10 of the scale separates summation order from a real difference
+(a token leaking across segments moves an NLL by >= 1e-3). Quantile Balancing itself is fp32 by
+design; its bound is derived in `qb_tolerance`. The float32 train step runs in test_run.py.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -13,26 +21,52 @@ from k3jax.train import data
 from k3jax.train import step as step_lib
 from k3jax.train.loop import step_config
 
-from tests import numerics
-
 from .helpers import MICRO, options
 
 T = 32
 ROWS = 4
 
 
+MICRO64 = MICRO.replace(dtype="float64", param_dtype="float64")
+TOL64 = 1e-10
+U32 = 2.0**-24
+
+
 @pytest.fixture(scope="module")
 def steps():
-  return step_lib.build(MICRO, step_config(options("unused", "unused")))
+  with jax.enable_x64(True):
+    return step_lib.build(MICRO64, step_config(options("unused", "unused")))
 
 
 @pytest.fixture(scope="module")
 def params_bias():
-  params, bias = step_lib.init_params(MICRO, 0)
-  # a non-zero starting bias, so "routed with b_t" and "routed with b_t+1" differ
-  noise = jax.random.normal(jax.random.key(7), bias["moe"]["gate"]["bias"].shape) * 0.05
-  # committed like the train loop's state, so every call here lowers to one program
-  return step_lib.place((params, {"moe": {"gate": {"bias": bias["moe"]["gate"]["bias"] + noise}}}))
+  with jax.enable_x64(True):
+    params, bias = step_lib.init_params(MICRO64, 0)
+    # a non-zero starting bias, so "routed with b_t" and "routed with b_t+1" differ
+    b = bias["moe"]["gate"]["bias"]
+    noise = jax.random.normal(jax.random.key(7), b.shape, b.dtype) * 0.05
+    # committed like the train loop's state, so every call here lowers to one program
+    return step_lib.place((params, {"moe": {"gate": {"bias": b + noise}}}))
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+  with jax.enable_x64(True):
+    yield
+
+
+def qb_tolerance(b_hat, scores):
+  """|difference| allowed between two runs of fp32 Quantile Balancing (b = b_hat - mean(b_hat),
+  quantile_balancing.py) on float64 router scores that agree to ~1e-15. The fp32 casts of the
+  scores then agree but for one ulp where a cast straddles a rounding boundary, and b_hat, an
+  order statistic of r = alpha - s (alpha itself one of s + b), moves by at most twice that:
+  2 u max|s| per side, plus the roundings of s + b and of r, 2 u (max|s| + max|b_hat|); the
+  centring's fp32 mean of E terms, summed in another order, adds (E - 1) u sum|b_hat| / E per
+  side, and the final subtraction u |b|. u = 2^-24; ~1e-6 for this model's O(1) biases."""
+  b_hat, s = np.abs(np.asarray(b_hat, np.float64)), np.max(np.abs(np.asarray(scores)))
+  E = b_hat.shape[-1]
+  per_side = 4 * s + 2 * b_hat.max() + (E - 1) * b_hat.mean(-1, keepdims=True) + b_hat
+  return 2 * U32 * per_side
 
 
 def copy(tree):
@@ -75,13 +109,15 @@ def test_packed_row_equals_the_sequences_alone(steps, params_bias):
                             batch["segment_ids"], batch["loss_mask"])
   nll, mask = np.asarray(nll), batch["loss_mask"]
   assert mask[0].sum() == 10 + 13 and mask[0, 10] == 0  # a's last token does not predict b
-  np.testing.assert_allclose(nll[0, :10], nll[1, :10], atol=1e-5, rtol=0)
-  np.testing.assert_allclose(nll[0, 11:24], nll[2, :13], atol=1e-5, rtol=0)
-  np.testing.assert_allclose(nll[3, :13], nll[2, :13], atol=1e-5, rtol=0)
-  np.testing.assert_allclose(nll[3, 14:24], nll[1, :10], atol=1e-5, rtol=0)
+  assert nll.dtype == np.float64
+  close = lambda a, b: np.testing.assert_allclose(a, b, atol=TOL64, rtol=0)  # noqa: E731
+  close(nll[0, :10], nll[1, :10])
+  close(nll[0, 11:24], nll[2, :13])
+  close(nll[3, :13], nll[2, :13])
+  close(nll[3, 14:24], nll[1, :10])
   packed_loss = nll[0].sum() / mask[0].sum()
   separate_loss = (nll[1].sum() + nll[2].sum()) / (mask[1].sum() + mask[2].sum())
-  np.testing.assert_allclose(packed_loss, separate_loss, atol=1e-5, rtol=0)
+  close(packed_loss, separate_loss)
   assert np.all(nll[~mask] == 0) and np.all(nll[mask] > 0)
 
 
@@ -95,46 +131,47 @@ def expected_bias(steps, params, bias, batch):
   b_t = bias["moe"]["gate"]["bias"]
   want = jax.vmap(lambda s, b: quantile_balancing_bias(
       s, b, MICRO.num_experts_per_token, mask=mask))(scores, b_t)
-  return np.asarray(want), float(np.sum(nll) / flat["loss_mask"].sum())
+  return np.asarray(want), float(np.sum(nll) / flat["loss_mask"].sum()), np.asarray(scores)
 
 
 def test_qb_bias_for_the_next_step_comes_from_this_batch(steps, params_bias):
   params, bias = params_bias
   b0 = np.asarray(bias["moe"]["gate"]["bias"])
   x, y = rows_batch(random_rows(1)), rows_batch(random_rows(2))
-  want_b1, want_loss_x = expected_bias(steps, params, bias, x)
+  want_b1, want_loss_x, scores_x = expected_bias(steps, params, bias, x)
 
   state = step_lib.place(steps.init(copy(params), copy(bias), step_lib.new_rng(0)))
   state, mx = steps.train(state, x, step_lib.NO_QK_CLIP)
   b1 = np.asarray(state["router_bias"]["moe"]["gate"]["bias"])
   # batch x was routed with b_t (its loss is the forward loss under b_t) ...
-  # two float32 forwards in different programs (no float64 train step): 1e-5 of the loss's
-  # scale (tests/numerics.py), ~7 u apart measured
-  np.testing.assert_allclose(float(mx["loss"]), want_loss_x, atol=numerics.tolerance(want_loss_x))
+  np.testing.assert_allclose(float(mx["loss"]), want_loss_x, atol=TOL64 * want_loss_x, rtol=0)
   # ... and b_t+1 is QB of x's own router scores under (theta_t, b_t)
-  np.testing.assert_allclose(b1, want_b1, atol=1e-6, rtol=0)
+  assert np.all(np.abs(b1 - want_b1) <= qb_tolerance(want_b1, scores_x)), np.abs(b1 - want_b1)
   assert np.abs(b1 - b0).max() > 1e-3
-  np.testing.assert_allclose(b1.mean(axis=-1), 0.0, atol=1e-6)  # centred
+  # centred: the fp32 mean's and subtraction's roundings, <= (E + 1) u mean|b| ~ 3e-7 here
+  np.testing.assert_allclose(b1.mean(axis=-1), 0.0, atol=1e-6)
   # QB improves this batch's balance: the choices b_t+1 makes are more even than b_t's
   assert np.all(mx["load_max_mean_after"] <= mx["load_max_mean_before"] + 1e-6)
 
   # step t+1 routes y with b_t+1 and theta_t+1, and derives b_t+2 from y alone
   theta1 = copy(state["params"])
-  want_b2, want_loss_y = expected_bias(steps, theta1, {"moe": {"gate": {"bias": b1}}}, y)
+  want_b2, want_loss_y, scores_y = expected_bias(steps, theta1, {"moe": {"gate": {"bias": b1}}},
+                                                 y)
   state, my = steps.train(state, y, step_lib.NO_QK_CLIP)
-  np.testing.assert_allclose(float(my["loss"]), want_loss_y, atol=numerics.tolerance(want_loss_y))
-  np.testing.assert_allclose(np.asarray(state["router_bias"]["moe"]["gate"]["bias"]), want_b2,
-                             atol=1e-6, rtol=0)
+  np.testing.assert_allclose(float(my["loss"]), want_loss_y, atol=TOL64 * want_loss_y, rtol=0)
+  b2 = np.asarray(state["router_bias"]["moe"]["gate"]["bias"])
+  assert np.all(np.abs(b2 - want_b2) <= qb_tolerance(want_b2, scores_y)), np.abs(b2 - want_b2)
   assert int(state["step"]) == 2
 
 
 def test_accumulation_equals_one_batch(steps, params_bias):
   """A=2 micro-batches of 2 rows against one batch of 4 rows: the same loss, gradient norm,
-  router bias, and gradient. The gradient is read from the optimizer state: after one step
-  every first moment is (1 - b1) * clipped gradient and Adam's second moment its square, so
-  equal moments are equal gradients. (The parameters themselves are not compared at 1e-5:
-  Newton-Schulz amplifies directions of small singular value by up to ~3.4^5, so fp32
-  summation-order noise of 1e-7 in a gradient legitimately shows as ~1e-5 in its Muon update.)"""
+  router bias, gradient and updated parameters. The gradient is read from the optimizer state:
+  after one step every first moment is (1 - b1) * clipped gradient and Adam's second moment its
+  square, so equal moments are equal gradients. The two differ only in summation order
+  (float64: ~1e-15 of each quantity's scale); Newton-Schulz amplifies that noise in the Muon
+  update by at most 4^5 (test_muon.py's NS_SLOPE), still ~1e-12, inside TOL64. (In float32 the
+  same 1e-7 noise legitimately shows as ~1e-5 in an update.)"""
   params, bias = params_bias
   rows = random_rows(3)
   outs = []
@@ -144,20 +181,23 @@ def test_accumulation_equals_one_batch(steps, params_bias):
     outs.append((jax.device_get(state), jax.device_get(metrics)))
   (s1, m1), (s2, m2) = outs
   for key in ("loss", "grad_norm", "loss_tokens"):
-    np.testing.assert_allclose(m1[key], m2[key], rtol=1e-5, atol=0, err_msg=key)
-  np.testing.assert_allclose(s1["router_bias"]["moe"]["gate"]["bias"],
-                             s2["router_bias"]["moe"]["gate"]["bias"], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(m1[key], m2[key], rtol=TOL64, atol=0, err_msg=key)
+  b_1, b_2 = (np.asarray(s["router_bias"]["moe"]["gate"]["bias"]) for s in (s1, s2))
+  assert np.all(np.abs(b_1 - b_2) <= qb_tolerance(b_2, 1.0)), np.abs(b_1 - b_2)  # scores <= 1
   (first1, second1), (first2, second2) = moments(s1["opt_state"]), moments(s2["opt_state"])
   assert len(first1) == len(jax.tree.leaves(s1["params"]))  # one moment per parameter
-  # 1e-5 of the gradient's scale (the largest moment), as for the loss and the norm: an entry
+  # TOL64 of the gradient's scale (the largest moment), as for the loss and the norm: an entry
   # that is a sum of cancelling per-token terms carries the rounding of the terms, not of the
-  # (smaller) result. Seen: a 96-entry moment whose entries span 1e-22..1e-4 differed by 1.3e-9
-  # (1.4e-5 of its own largest entry) between the two summation orders.
+  # (smaller) result (in float32, a 96-entry moment whose entries span 1e-22..1e-4 differed by
+  # 1.4e-5 of its own largest entry between the two summation orders).
   for kind in (zip(first1, first2), zip(second1, second2)):
     pairs = list(kind)
     scale = max(float(np.abs(g2).max()) for _, g2 in pairs)
     for g1, g2 in pairs:
-      np.testing.assert_allclose(g1, g2, rtol=0, atol=1e-5 * scale)
+      assert g1.dtype == np.float64
+      np.testing.assert_allclose(g1, g2, rtol=0, atol=TOL64 * scale)
+  for p1, p2 in zip(jax.tree.leaves(s1["params"]), jax.tree.leaves(s2["params"])):
+    np.testing.assert_allclose(p1, p2, rtol=0, atol=TOL64 * max(1.0, np.abs(p2).max()))
 
 
 def moments(opt_state):
