@@ -23,8 +23,7 @@ from convert.hf_load import build_model, load_model
 from convert.to_orbax import CONFIG, MANIFEST, packed_paths
 from convert.variables import abstract_variables
 from k3jax.config import ModelConfig
-
-STACKS = ("kda", "mla", "dense_mlp", "moe", "layers")
+from k3jax.model.schedule import STACKS, stack_sizes
 
 
 def is_checkpoint(path: str) -> bool:
@@ -174,9 +173,7 @@ def _load_prefix(directory, cfg, n_layers, target, codes):
   """The truncated model of the layers a partial checkpoint holds, read with TensorStore: the
   arrays have the full model's shapes, and the entries never converted read as zeros."""
   small = prefix_config(cfg, n_layers)
-  counts = {"kda": len(small.kda_layers), "mla": len(small.mla_layers),
-            "dense_mlp": len(small.dense_layers), "moe": len(small.moe_layers),
-            "layers": n_layers}
+  counts = stack_sizes(small)
   arrays = {}
   for path in target:
     store = orbax_io.open_array(directory, path)

@@ -26,11 +26,11 @@ order. Nothing bigger than one tensor plus the writes in flight is ever held.
   first: a K3 expert matrix [3584, 3072] bf16 in 8 chunks [896, 1536]). Every write covers
   whole chunks (nothing is read back), no chunk mixes two layers or two experts, and a
   restore onto a mesh reads only the chunks its shards touch, so the smaller the chunks the
-  less a process reads beyond its shards; conversion speed did not change between 2 and
-  16 MiB (benchmarks/convert.py --chunk-mib).
-- B-tree nodes of <= `NODE_BYTES`: Orbax's 100 MB nodes are rewritten whole by every
-  commit, which at 600k chunks costs 0.5 s per commit (3.7x the time of 1 MB nodes in a
-  TensorStore-only test of 100 commits); K3 makes ~10^6 chunks and ~2*10^4 commits.
+  less a process reads beyond its shards (benchmarks/convert.py --chunk-mib measures the
+  speed across chunk sizes).
+- B-tree nodes of <= `NODE_BYTES`: every commit rewrites the B-tree nodes it touches whole,
+  so Orbax's default 100 MB nodes make a commit's cost grow with the number of chunks
+  already written; K3 makes ~10^6 chunks and ~2*10^4 commits (README, Benchmarks).
 - Resume: `on_commit(keys)` is called with the stream keys of every batch once its commit
   (and TensorStore's fsync) has finished; `convert` journals them and skips them on
   `--resume`. A batch interrupted mid-commit leaves an orphaned data file at most; the

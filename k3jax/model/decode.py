@@ -88,7 +88,7 @@ def extend(model: K3Model, input_ids: jax.Array, cache: Cache) -> tuple[jax.Arra
   ctx = _Context(cache.length, q_pos, cache.start, q_pos[None, :] >= cache.start[:, None])
   x = model.embed[...][input_ids].astype(cfg.jnp_dtype)
   stacks = {name: nnx.split(getattr(model, name))
-            for name in ("kda", "mla", "dense_mlp", "moe", "layers")
+            for name in schedule.STACKS
             if getattr(model, name) is not None}
   carry = initial_carry(cfg, x)
   layers = _Layers(cache.kda, cache.mla)
@@ -146,7 +146,7 @@ def _index(state, i):
 # Per-layer form: weights split once, every layer unrolled, one cache entry per layer.
 # ----------------------------------------------------------------------------------------------
 
-STACKS = ("kda", "mla", "dense_mlp", "moe", "layers")
+STACKS = schedule.STACKS
 
 
 class Unstacked(NamedTuple):

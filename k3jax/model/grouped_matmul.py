@@ -7,13 +7,13 @@ a prefix of the rows (sum <= m, as in the fixed-size buffers of expert paralleli
 the last group give zeros. Two implementations, equal up to float summation order:
 
   "ragged_dot"  jax.lax.ragged_dot: XLA's grouped matmul (MXU / tensor-core kernels on TPU and
-                GPU). On XLA:CPU it runs ~50x slower than a dense matmul of the same FLOPs
-                (measured at m=8192, h=f=256, E=32): the CPU lowering does not tile by group.
+                GPU). XLA:CPU lowers it without tiling by group, far slower than a dense
+                matmul of the same FLOPs (benchmarks/grouped_matmul.py measures it).
   "tiled"       every group is padded to a multiple of `tile` rows, so each tile of rows
                 belongs to one expert; the tiles then run as one batched matmul against their
                 experts' weights (gathered per tile). Static shapes: at most ceil(m / tile) + E
-                tiles, so padding costs at most E * tile rows. ~18x faster than ragged_dot on
-                XLA:CPU at the shape above (fwd+bwd), 2.7x a dense matmul of the same FLOPs.
+                tiles, so padding costs at most E * tile rows, and every tile is a plain
+                matmul that XLA:CPU's dot emitter handles well.
 
 impl=None picks "tiled" on CPU and "ragged_dot" elsewhere. With no more rows than experts
 (decoding: batch x k rows), "tiled" instead gathers each row's expert matrix: a decode step

@@ -13,6 +13,11 @@ import dataclasses
 
 from k3jax.config import ModelConfig
 
+# The model's parameter stacks, each with a leading layer-entry axis: per-layer norms and AttnRes
+# queries ("layers"), the two token mixers, the two MLP kinds. Everything that walks the stacks
+# (forward, decode, converter, info) reads these names from here.
+STACKS = ("kda", "mla", "dense_mlp", "moe", "layers")
+
 Kinds = tuple[str, str, str]    # (norm stack, mixer stack, mlp stack) of one layer
 Indices = tuple[int, int, int]  # entries of those stacks
 
@@ -29,6 +34,13 @@ class Run:
 
 def layer_kinds(cfg: ModelConfig, l: int) -> Kinds:
   return ("layers", "mla" if cfg.is_mla(l) else "kda", "moe" if cfg.is_moe(l) else "dense_mlp")
+
+
+def stack_sizes(cfg: ModelConfig) -> dict[str, int]:
+  """Entries of each stack in `cfg` (a stack of size 0 is absent from the model)."""
+  return {"kda": len(cfg.kda_layers), "mla": len(cfg.mla_layers),
+          "dense_mlp": len(cfg.dense_layers), "moe": len(cfg.moe_layers),
+          "layers": cfg.num_layers}
 
 
 def layer_indices(cfg: ModelConfig, l: int) -> Indices:

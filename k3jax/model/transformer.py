@@ -115,7 +115,7 @@ class K3Model(nnx.Module):
       inputs_embeds = self.embed[...][input_ids]
     x = inputs_embeds.astype(cfg.jnp_dtype)
     stacks = {name: nnx.split(getattr(self, name))
-              for name in ("kda", "mla", "dense_mlp", "moe", "layers")
+              for name in schedule.STACKS
               if getattr(self, name) is not None}
     carry = initial_carry(cfg, x)
     routings: list[Routing] = []

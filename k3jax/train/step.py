@@ -63,7 +63,7 @@ class StepConfig:
   qb_bins: int = 1000
 
 
-def schedule(sc: StepConfig, peak: float) -> optax.Schedule:
+def lr_schedule(sc: StepConfig, peak: float) -> optax.Schedule:
   warmup = min(sc.warmup_steps, max(sc.decay_steps - 1, 0))
   # linear warm-up from peak / warmup (not 0: the first step already learns)
   return optax.warmup_cosine_decay_schedule(
@@ -72,9 +72,9 @@ def schedule(sc: StepConfig, peak: float) -> optax.Schedule:
 
 
 def optimizer(sc: StepConfig, logical_axes: Any) -> optax.GradientTransformation:
-  muon = per_head_muon(schedule(sc, sc.learning_rate), logical_axes=logical_axes,
-                       weight_decay=sc.weight_decay,
-                       adam_learning_rate=schedule(sc, sc.adam_learning_rate or sc.learning_rate))
+  adam_lr = lr_schedule(sc, sc.adam_learning_rate or sc.learning_rate)
+  muon = per_head_muon(lr_schedule(sc, sc.learning_rate), logical_axes=logical_axes,
+                       weight_decay=sc.weight_decay, adam_learning_rate=adam_lr)
   if sc.clip_norm is None:
     return muon
   return optax.chain(optax.clip_by_global_norm(sc.clip_norm), muon)
@@ -124,7 +124,7 @@ def build(cfg: ModelConfig, sc: StepConfig) -> Steps:
   graphdef, params_abs, _, _ = nnx.split(abstract, nnx.Param, RouterBias, ...)
   axes = plain(logical_axes_from_state(params_abs))
   tx = optimizer(sc, axes)
-  lr_of = schedule(sc, sc.learning_rate)
+  lr_of = lr_schedule(sc, sc.learning_rate)
   k, n_experts = cfg.num_experts_per_token, cfg.num_experts
 
   def forward(params, bias, inputs, segment_ids):

@@ -90,6 +90,16 @@ def test_saved_layout_is_the_dialect_we_expect(kimi):
   assert "model.layers.0.self_attn.q_conv1d.weight" in names
 
 
+def test_info_counts_the_saved_parameters(kimi, capsys):
+  """`k3jax info` on Kimi-Linear's config.json counts what transformers saved (its buffers, the
+  router's e_score_correction_bias, aside)."""
+  from tests.k3jax.test_info import safetensors_param_count
+  assert main(["info", "--config", os.path.join(kimi["folder"], "config.json"), "--json"]) == 0
+  out = json.loads(capsys.readouterr().out)
+  assert out["total_params"] == safetensors_param_count(kimi["folder"])
+  assert out["layers"] == {"kda": 3, "mla": 1, "dense_mlp": 1, "moe": 3}
+
+
 def test_float64_matches_transformers(kimi):
   ref = {"input_ids": kimi["ids"], "logits_fp64": kimi["logits64"]}
   r = compare(kimi["folder"], ref, "float64")

@@ -1,6 +1,9 @@
 """`k3jax info`: K3's figures equal SPEC §2.1, computed without allocating the model."""
 
 import json
+import math
+import os
+import struct
 
 import pytest
 
@@ -17,7 +20,6 @@ def test_k3_figures_match_spec():
   assert round(s["active_params"] / 1e9) == 105
   assert s["kda_state_bytes_per_request"] == 69 * 96 * 128 * 128 * 4
   assert s["kda_state_bytes_per_request"] / 2**20 == 414.0
-  assert s["kda_state_bytes_per_request"] / 8 / 2**20 == 51.75   # 8-way head sharding
   assert s["mla_cache_bytes_per_token"] == 24 * (512 + 64) * 2 == 27_648
   assert s["mla_cache_bytes_per_token_if_all_mla"] == 107_136
 
@@ -44,4 +46,43 @@ def test_cli_bad_config_is_one_line_error(capsys):
 
 def test_cli_forward_on_tiny(capsys):
   assert cli.main(["info", "--config", "tiny", "--forward"]) == 0
-  assert "finite=True" in capsys.readouterr().out
+  out = capsys.readouterr().out
+  vocab = configs.get("tiny").vocab_size
+  assert f"logits (1, 16, {vocab}) float32, finite=True" in out
+
+
+def safetensors_param_count(folder, kda_heads=None):
+  """Parameters in an official-layout folder, read from the safetensors headers alone: MXFP4
+  `*_packed` bytes hold two values each, their `*_scale` bytes and the router's
+  `e_score_correction_bias` (a buffer, not a parameter) are not counted, and a K3 `A_log`
+  ([head_dim], SPEC §2.4) holds `kda_heads` values and zero padding."""
+  total = 0
+  for name in sorted(os.listdir(folder)):
+    if not name.endswith(".safetensors"):
+      continue
+    with open(os.path.join(folder, name), "rb") as f:
+      header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+    for key, info in header.items():
+      if key == "__metadata__" or key.endswith(("_scale", "e_score_correction_bias")):
+        continue
+      if key.endswith("A_log") and kda_heads is not None:
+        total += kda_heads
+        continue
+      total += math.prod(info["shape"]) * (2 if key.endswith("_packed") else 1)
+  return total
+
+
+def test_released_layout_config_json(reference_dir, capsys):
+  """The K3 release's config.json (`text_config`, `linear_attn_config`): the counts equal the
+  checkpoint's own tensors and the layer lists of the file."""
+  folder = os.path.join(reference_dir, "k3_tiny_a")
+  assert cli.main(["info", "--config", os.path.join(folder, "config.json"), "--json"]) == 0
+  out = json.loads(capsys.readouterr().out)
+  with open(os.path.join(folder, "config.json")) as f:
+    text = json.load(f)["text_config"]
+  heads = text["linear_attn_config"]["num_heads"]
+  assert out["total_params"] == safetensors_param_count(folder, kda_heads=heads)
+  n_mla = len(text["linear_attn_config"]["full_attn_layers"])
+  assert out["layers"]["mla"] == n_mla
+  assert out["layers"]["kda"] == text["num_hidden_layers"] - n_mla
+  assert out["layers"]["dense_mlp"] == text["first_k_dense_replace"]

@@ -20,6 +20,7 @@ import pytest
 from k3jax.cli import main
 from k3jax.train import checkpoint as ckpt_lib
 from k3jax.train import data as data_lib
+from k3jax.train import flops
 from k3jax.train import step as step_lib
 from k3jax.train.loop import run, step_config
 from k3jax.train.metrics import read_records
@@ -54,13 +55,23 @@ def test_loss_falls_and_outputs_are_written(straight):
   assert np.mean(loss[-4:]) < np.mean(loss[:4]) - 1.0                # and clearly learns
   evals = [r["eval_loss"] for r in records if "eval_loss" in r]
   assert len(evals) == 2 and evals[1] < evals[0] < np.log(256)       # held-out loss falls
-  n_moe = len(MICRO.moe_layers)
+  n_moe, n_exp = len(MICRO.moe_layers), MICRO.num_experts
+  train_flops_per_token = flops.count(MICRO, 32).train_per_token   # options(): seq_len 32
   for r in records:
     assert r["grad_norm"] > 0 and r["lr"] > 0 and r["loss_tokens"] > 0
-    for key in ("load_max_mean_before", "load_max_mean_after", "dead_before", "dead_after"):
-      assert len(r[key]) == n_moe and all(v >= 0 for v in r[key]), key
+    for key in ("load_max_mean_before", "load_max_mean_after"):
+      # the busiest expert's load over the mean: 1 when balanced, E when one takes every pair
+      # (fp32 quotient: one rounding, 1e-6 relative)
+      assert len(r[key]) == n_moe and all(
+          1 - 1e-6 <= v <= n_exp * (1 + 1e-6) for v in r[key]), key
+    for key in ("dead_before", "dead_after"):
+      # the fraction of experts that got no pair: a multiple of 1/E, below 1
+      assert len(r[key]) == n_moe and all(
+          0 <= v < 1 and abs(v * n_exp - round(v * n_exp)) < 1e-6 for v in r[key]), key
     if r["step"] > 1:  # the first step of a process includes compilation
-      assert r["tokens_per_s"] > 0 and r["mfu"] > 0
+      # MFU is the model FLOPs of the tokens/s it reports over the peak given (1 TFLOP/s)
+      assert r["mfu"] == pytest.approx(train_flops_per_token * r["tokens_per_s"] / 1e12,
+                                       rel=1e-12)
   out = summary["out"]
   for name in ("loss.png", "expert_load.png"):
     with open(os.path.join(out, "plots", name), "rb") as f:

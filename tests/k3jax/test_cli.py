@@ -1,0 +1,34 @@
+"""`k3jax --help` lists exactly the commands that run, and the README lists the same ones."""
+
+import argparse
+import os
+import re
+
+import pytest
+
+from k3jax import cli
+
+README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+
+
+def commands():
+  parser = cli.build_parser()
+  sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+  return set(sub.choices)
+
+
+def test_help_lists_the_readme_commands():
+  with open(README) as f:
+    text = f.read()
+  section = text[text.index("## Commands"):text.index("\n## ", text.index("## Commands") + 1)]
+  documented = set(re.findall(r"^- `k3jax (\w+)", section, flags=re.M))
+  assert commands() == documented == {"info", "train", "generate", "convert", "export",
+                                      "parity", "tokenize"}
+
+
+@pytest.mark.parametrize("command", sorted(commands()))
+def test_every_command_has_help(command, capsys):
+  with pytest.raises(SystemExit) as e:
+    cli.main([command, "--help"])
+  assert e.value.code == 0
+  assert capsys.readouterr().out.startswith(f"usage: k3jax {command}")
