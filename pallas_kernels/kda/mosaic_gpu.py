@@ -287,9 +287,10 @@ def kda_mosaic_gpu(
   params = {n: x for n, x in (("A_log", A_log), ("dt_bias", dt_bias)) if x is not None}
 
   def reference_fn(q, k, v, g, beta, h0, seg, params):
-    return reference.chunk_kda(q, k, v, g, beta, scale=scale, initial_state=h0,
-                               output_final_state=True, segment_ids=seg.astype(jnp.int32),
-                               **{**opts, **params})
+    o, ht = reference.chunk_kda(q, k, v, g, beta, scale=scale, initial_state=h0,
+                                output_final_state=True, segment_ids=seg.astype(jnp.int32),
+                                **{**opts, **params})
+    return o.astype(v.dtype), ht
 
   @jax.custom_vjp
   def run(q, k, v, g, beta, h0, seg, params):
@@ -303,7 +304,6 @@ def kda_mosaic_gpu(
     return run(*args), args
 
   def run_bwd(args, cts):
-    cts = (cts[0].astype(args[2].dtype), cts[1])
     return jax.vjp(reference_fn, *args)[1](cts)
 
   run.defvjp(run_fwd, run_bwd)
