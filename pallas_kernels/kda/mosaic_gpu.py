@@ -40,7 +40,9 @@ Backward: not a Mosaic GPU kernel yet. The custom_vjp recomputes the forward in 
 the VJP of `reference.chunk_kda` (the plain chunked form), which is exact in float32 but runs at
 XLA speed. Raw-input options (K3 gate, beta sigmoid, q/k l2norm) are applied in the jnp prologue
 (`reference.prepare_inputs`, which XLA fuses into the chunk-parallel work), not in the kernel.
-The decode step is `reference.kda_step` (no kernel either).
+
+Decode (`kda_step_mosaic_gpu`): one warpgroup per (batch, head) holds the [K, V] state in
+registers (wgmma layout) for one token's update; no matmul, no shared memory.
 
 Pipelining: the chunk loop waits for each TMA before its matmuls (no double buffering): the
 single-buffered working set already fills shared memory at K = 128.
@@ -311,7 +313,50 @@ def kda_mosaic_gpu(
   return o, (ht if output_final_state else None)
 
 
+# --- fused decode step -------------------------------------------------------------------------
+
+_ROWS = plgpu.Layout.WGMMA  # [K, V] state: K on rows (64 per warpgroup tile), V on columns
+
+
+def _step_body(q_g, k_g, v_g, g_g, beta_g, s_g, o_g, s_out_g, *, scale):
+  b, h = jax.lax.axis_index("b"), jax.lax.axis_index("h")
+  col = lambda r: plgpu.load(r.at[b, h], layout=_ROWS.reduce(1))  # [K]: one value per row
+  row = lambda r: plgpu.load(r.at[b, h], layout=_ROWS.reduce(0))  # [V]: one value per column
+  s = plgpu.load(s_g.at[b, h], layout=_ROWS)
+  K, V = s.shape
+  bc = lambda x: jax.lax.broadcast_in_dim(x, (K, V), (0,))
+  br = lambda x: jax.lax.broadcast_in_dim(x, (K, V), (1,))
+  k = col(k_g)
+  s = s * bc(jnp.exp(col(g_g)))
+  pred = jnp.sum(s * bc(k), axis=0)
+  s = s + bc(k) * br(row(beta_g) * (row(v_g) - pred))
+  o_g[b, h] = jnp.sum(s * bc(col(q_g) * scale), axis=0)
+  s_out_g[b, h] = s
+
+
 def kda_step_mosaic_gpu(q, k, v, g, beta, state, *, scale=None, interpret=False):
-  """Single-token decode: reference.kda_step (no Mosaic GPU kernel yet; `interpret` unused)."""
-  del interpret
-  return reference.kda_step(q, k, v, g, beta, state, scale=scale)
+  """Fused single-token decode, same contract as `tpu.kda_step_tpu`: q, k, g [B,H,K]; v [B,H,V];
+  beta [B,H]; state [B,H,K,V] float32 -> (o [B,H,V] in v's dtype, new state float32).
+
+  One warpgroup per (batch, head) loads the [K, V] state from HBM straight into registers
+  (wgmma layout: K rows in 64-row tiles), applies the step (reference.decode_step's math in
+  float32, no matmul) and writes the new state: one read and one write of the state. K and V
+  are zero-padded to multiples of 64 (exact: zero rows/columns stay zero). The vectors travel
+  in float32 (a bf16 [K] vector spread over a warpgroup is 2 bytes a thread, below the 4-byte
+  GMEM transfer Mosaic GPU needs); they are tiny next to the state."""
+  B, H, K = q.shape
+  V = v.shape[-1]
+  scale = float(K**-0.5 if scale is None else scale)
+  Kp, Vp = _round64(K), _round64(V)
+  pad = lambda x, n: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n - x.shape[-1])])
+  state = jnp.pad(state.astype(_f32), ((0, 0), (0, 0), (0, Kp - K), (0, Vp - V)))
+  beta_v = jnp.broadcast_to(beta.astype(_f32)[..., None], (B, H, Vp))
+  o, s = plgpu.kernel(
+      functools.partial(_step_body, scale=scale),
+      out_type=(jax.ShapeDtypeStruct((B, H, Vp), _f32),
+                jax.ShapeDtypeStruct((B, H, Kp, Vp), _f32)),
+      grid=(B, H), grid_names=("b", "h"),
+      interpret=_interpret_arg(interpret),
+      kernel_name="kda_step_mosaic_gpu",
+  )(*(pad(x.astype(_f32), n) for x, n in ((q, Kp), (k, Kp), (v, Vp), (g, Kp))), beta_v, state)
+  return o[..., :V].astype(v.dtype), s[:, :, :K, :V]

@@ -14,7 +14,8 @@ use_beta_sigmoid) are defined by reference.prepare_inputs and every backend take
   "pallas_tpu"  tpu.kda_tpu, Pallas Mosaic kernels (raw inputs prepared in-kernel)
   "pallas_gpu"  gpu.kda_gpu, Pallas Triton kernels (JAX deprecates Pallas Triton)
   "pallas_mosaic_gpu"  mosaic_gpu.kda_mosaic_gpu, a Pallas Mosaic GPU recurrence kernel for
-                sm_90+ (Hopper, Blackwell); K <= 128; backward through reference.chunk_kda
+                sm_90+ (Hopper, Blackwell); K <= 128; backward through reference.chunk_kda;
+                a fused Mosaic GPU decode step
 
 On a GPU, backend=None picks "pallas_mosaic_gpu" on sm_90 and newer (where Mosaic GPU runs) when
 K fits it, "pallas_gpu" otherwise.

@@ -97,8 +97,27 @@ def test_dispatch_picks_mosaic_gpu_on_sm90_and_newer(monkeypatch):
   # K beyond the kernel's shared memory plan, or no Mosaic GPU module: the Triton kernels.
   monkeypatch.setattr(jax, "devices", lambda: [FakeGPU("9.0")])
   assert ops._resolve(None, "kda", K=256)[0] == "pallas_gpu"
-  # The decode step has no Mosaic GPU kernel: the backend hands it to reference.kda_step.
   assert ops._resolve(None, "kda_step")[1] is kda_step_mosaic_gpu
   monkeypatch.setitem(__import__("sys").modules, "pallas_kernels.kda.mosaic_gpu", None)
   assert ops._resolve(None, "kda", K=128)[0] == "pallas_gpu"
 
+
+
+def test_decode_step_matches_naive():
+  """Through the public decode op, so the dispatch to the fused kernel is covered too."""
+  from pallas_kernels.kda import kda_step
+  kda_cases.check_decode_steps(
+      lambda *a: kda_step(*a, backend="pallas_mosaic_gpu", interpret=True))
+
+
+def test_decode_step_lowers_for_cuda():
+  B, H, K = 8, 4, 128
+  sds = jax.ShapeDtypeStruct
+  args = [sds((B, H, K), jnp.bfloat16)] * 3 + [sds((B, H, K), jnp.float32),
+                                               sds((B, H), jnp.float32),
+                                               sds((B, H, K, K), jnp.float32)]
+  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=132, platform="cuda")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+  with jax.sharding.use_abstract_mesh(mesh):
+    text = jax.jit(kda_step_mosaic_gpu).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "@mosaic_gpu_v2" in text and "kda_step_mosaic_gpu" in text
