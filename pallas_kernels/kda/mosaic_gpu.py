@@ -129,7 +129,7 @@ def _acc(*shape):
 
 
 def _recurrence(wn, qd, m, klT, uT, a, h0T, *, interpret):
-  """wn, qd [B,H,NT,2,C,K] (value, low part); m [B,H,NT,2,C,C]; klT [B,H,NT,2,K,C];
+  """wn, qd [B,H,NT,2,C,K] (TF32 hi and lo planes); m [B,H,NT,2,C,C]; klT [B,H,NT,2,K,C];
   uT [B,H,NT,V,C]; a [B,H,NT,K]; h0T [B,H,V,K] -> oT [B,H,NT,V,C], htT [B,H,V,K]."""
   B, H, NT, _, _, K = wn.shape  # flattened to (B H NT) / (B H) rows: TMA takes <= 5 dims
   V = uT.shape[3]
