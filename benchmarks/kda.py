@@ -5,7 +5,8 @@
     python benchmarks/kda.py --quick                # tiny smoke grid (what CPU runs by default)
 
 Backends: "naive", "chunked" (the plain references) and "xla_cpu" (the fast jnp backend) through
-`pallas_kernels.kda.ops.kda(backend=...)`, our Pallas kernels (`kda_tpu` on TPU, `kda_gpu` on GPU), and the outside
+`pallas_kernels.kda.ops.kda(backend=...)`, our Pallas kernels (`kda_tpu` on TPU; on GPU
+`kda_gpu` (Triton) and `kda_mosaic_gpu` (Mosaic GPU, sm_90+)), and the outside
 reference next to them as ratios: on a TPU tokamax's Mosaic KDA
 (`tokamax.ops.kimi_delta_attention(..., implementation="mosaic")`), on a GPU fla's Triton
 `chunk_kda`. Inputs: K=V=128 (by default), q/k/v bf16, g = -5*sigmoid(x) float32, beta float32.
@@ -50,8 +51,8 @@ def parse_args(argv=None):
   p.add_argument("--K", type=int, default=128, help="key and value head dim")
   p.add_argument("--quick", action="store_true", help="tiny grid (default on CPU)")
   p.add_argument("--backends", default="auto",
-                 help="comma list among naive,chunked,xla_cpu,pallas,reference (default: all "
-                 "available)")
+                 help="comma list among naive,chunked,xla_cpu,pallas,mosaic,reference (default: "
+                 "all available; mosaic = the Mosaic GPU kernel, on GPU by default)")
   p.add_argument("--modes", default="fwd,fwdbwd")
   p.add_argument("--iters", type=int, default=5)
   p.add_argument("--warmup", type=int, default=2)
@@ -109,9 +110,13 @@ def ops_backend(name):
   return run
 
 
-def pallas_backend(platform, interpret):
+def pallas_backend(platform, interpret, mosaic_gpu=False):
   def run(args, modes, iters, warmup):
-    if platform == "tpu":
+    if mosaic_gpu:
+      if platform != "gpu" and not interpret:
+        return Result(note="skipped: Mosaic GPU needs an sm_90+ GPU (or --interpret)")
+      from pallas_kernels.kda.mosaic_gpu import kda_mosaic_gpu as kda_fn
+    elif platform == "tpu":
       from pallas_kernels.kda.tpu import kda_tpu as kda_fn
     elif platform == "gpu":
       from pallas_kernels.kda.gpu import kda_gpu as kda_fn
@@ -176,6 +181,8 @@ def available_backends(platform, wanted, interpret):
     out["xla_cpu"] = ops_backend("xla_cpu")
   if wanted in ("auto",) or "pallas" in wanted:
     out[f"pallas_{platform}"] = pallas_backend(platform, interpret)
+  if (wanted == "auto" and platform == "gpu") or "mosaic" in wanted:
+    out["pallas_mosaic_gpu"] = pallas_backend(platform, interpret, mosaic_gpu=True)
   if wanted in ("auto",) or "reference" in wanted:
     if platform == "tpu":
       out["tokamax_mosaic"] = tokamax_backend

@@ -1,0 +1,123 @@
+"""Mosaic GPU KDA backend (SPEC §4, §8) on this CPU-only machine: the kernel in Mosaic GPU
+interpret mode (plgpu.InterpretGPUParams: simulated TMA, shared memory, barriers, wgmma as
+numpy matmuls) against the naive recurrence in float64, and its lowering for CUDA, which runs
+Mosaic GPU's own lowering (wgmma operand layouts, TMA tile shapes, swizzles) without a GPU.
+Tolerances in tests/numerics.py.
+
+K=32, V=64 (K != V; K is zero-padded to 64 for the kernel's 64-wide tiles), and K=96, V=128
+for the kernel's K-tile and V-block loops. Interpret mode
+walks every (batch, head, V block, chunk) in Python, so shapes are tiny. The gradients are
+reference.chunk_kda's VJP (the backend's documented backward), checked here all the same.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.pallas_kernels.kda import kda_cases
+from pallas_kernels.kda import ops
+from pallas_kernels.kda.mosaic_gpu import kda_mosaic_gpu, kda_step_mosaic_gpu, tf32_split
+
+
+def kernel(*args, **kw):
+  return kda_mosaic_gpu(*args, **kw, interpret=True)
+
+
+@pytest.mark.parametrize("T", [1, 63, 64])
+def test_fp32_matches_naive(T):
+  kda_cases.check_against_naive(kernel, B=2, T=T, H=1, K=32, V=64, decay="mild")
+
+
+def test_fp32_three_chunks_k3_gate_two_k_tiles_two_v_blocks_matches_naive():
+  """T = 130 (three chunks, the last one partial) with K3-strength decays; K = 96 walks two
+  64-wide K tiles (zero-padded) and V = 128 runs two V-block programs."""
+  kda_cases.check_against_naive(kernel, B=2, T=130, H=1, K=96, V=128, decay="k3", seed=3)
+
+
+def test_bf16_matches_naive_on_same_inputs():
+  kda_cases.check_against_naive(kernel, B=2, T=64, H=1, K=64, V=64, dtype=jnp.bfloat16,
+                                seed=5)
+
+
+def test_public_op_with_the_lower_bound_gate():
+  """ops.kda hands K3's raw inputs to the backend, which prepares them before the kernel."""
+  kda_cases.check_fused_against_naive(kda_cases.via_op("pallas_mosaic_gpu"), B=2, T=63, H=1,
+                                      K=32, V=64, reference=kda_cases.via_op("naive"))
+
+
+def test_tf32_split_is_exact_and_tf32_representable():
+  x = jax.random.normal(jax.random.key(0), (4096,)) * jnp.exp2(
+      jax.random.randint(jax.random.key(1), (4096,), -40, 40).astype(jnp.float32))
+  hi, lo = tf32_split(x)
+  np.testing.assert_array_equal(hi + lo, x)  # exact: lo is the float32 remainder
+  bits = np.asarray(jax.lax.bitcast_convert_type(hi, jnp.uint32))
+  assert not (bits & 0x1FFF).any()  # hi has TF32's 10 mantissa bits only
+  assert (np.abs(lo) <= np.abs(x) * 2.0**-10).all()
+
+
+def test_lowers_for_cuda_forward_and_gradient():
+  """Pallas -> Mosaic GPU for an (abstract) H100, no GPU needed: the custom call carries the
+  kernel's Mosaic GPU module. Compiling it to a cubin needs the CUDA plugin and a GPU."""
+  B, T, H, K, V = 1, 256, 2, 128, 128
+  sds = jax.ShapeDtypeStruct
+  args = [sds((B, T, H, K), jnp.bfloat16), sds((B, T, H, K), jnp.bfloat16),
+          sds((B, T, H, V), jnp.bfloat16), sds((B, T, H, K), jnp.float32),
+          sds((B, T, H), jnp.float32), sds((B, H, K, V), jnp.float32)]
+
+  def fwd(q, k, v, g, beta, h0):
+    return kda_mosaic_gpu(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+
+  def loss(*a):
+    o, ht = fwd(*a)
+    return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(ht)
+
+  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=132, platform="cuda")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+  with jax.sharding.use_abstract_mesh(mesh):
+    for fn in (fwd, jax.grad(loss, argnums=range(6))):
+      text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+      assert "@mosaic_gpu_v2" in text and "kda_fwd_mosaic_gpu" in text
+
+
+def test_dispatch_picks_mosaic_gpu_on_sm90_and_newer(monkeypatch):
+  assert [ops.gpu_backend(cc) for cc in ("7.0", "8.0", "8.9", "9.0", "10.0", None)] == [
+      "pallas_gpu", "pallas_gpu", "pallas_gpu", "pallas_mosaic_gpu", "pallas_mosaic_gpu",
+      "pallas_gpu"]
+
+  class FakeGPU:
+    def __init__(self, cc):
+      self.compute_capability = cc
+
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  for cc, want in (("9.0", "pallas_mosaic_gpu"), ("8.0", "pallas_gpu")):
+    monkeypatch.setattr(jax, "devices", lambda cc=cc: [FakeGPU(cc)])
+    assert ops.default_backend() == want
+    assert ops._resolve(None, "kda", K=128)[0] == want
+  # K beyond the kernel's shared memory plan, or no Mosaic GPU module: the Triton kernels.
+  monkeypatch.setattr(jax, "devices", lambda: [FakeGPU("9.0")])
+  assert ops._resolve(None, "kda", K=256)[0] == "pallas_gpu"
+  assert ops._resolve(None, "kda_step")[1] is kda_step_mosaic_gpu
+  monkeypatch.setitem(__import__("sys").modules, "pallas_kernels.kda.mosaic_gpu", None)
+  assert ops._resolve(None, "kda", K=128)[0] == "pallas_gpu"
+
+
+
+def test_decode_step_matches_naive():
+  """Through the public decode op, so the dispatch to the fused kernel is covered too."""
+  from pallas_kernels.kda import kda_step
+  kda_cases.check_decode_steps(
+      lambda *a: kda_step(*a, backend="pallas_mosaic_gpu", interpret=True))
+
+
+def test_decode_step_lowers_for_cuda():
+  B, H, K = 8, 4, 128
+  sds = jax.ShapeDtypeStruct
+  args = [sds((B, H, K), jnp.bfloat16)] * 3 + [sds((B, H, K), jnp.float32),
+                                               sds((B, H), jnp.float32),
+                                               sds((B, H, K, K), jnp.float32)]
+  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=132, platform="cuda")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+  with jax.sharding.use_abstract_mesh(mesh):
+    text = jax.jit(kda_step_mosaic_gpu).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "@mosaic_gpu_v2" in text and "kda_step_mosaic_gpu" in text
