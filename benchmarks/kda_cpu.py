@@ -31,6 +31,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks._timing import timed  # noqa: E402
 from pallas_kernels.kda import kda  # noqa: E402
 
 LOWER_BOUND = -5.0
@@ -61,17 +62,6 @@ def make_inputs(B, T, H, K, seed=0):
   dt_bias = 0.5 * jax.random.normal(ks[6], (H, K), jnp.float32)
   w = jax.random.normal(ks[7], (B, T, H, K), jnp.float32)
   return (q, k, v, x, beta), (a_log, dt_bias), w
-
-
-def timed(fn, *args, reps):
-  """Median wall seconds of fn(*args) after one warm-up call (which also compiles)."""
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
 
 
 def ours(backend, params, w):

@@ -84,6 +84,11 @@ def lane_multiple(n: int) -> int:
   return _round_up(n, 128)
 
 
+def tile_multiple(n: int) -> int:
+  """GPU (Mosaic GPU): features padded to whole 64-wide warpgroup tiles."""
+  return _round_up(n, 64)
+
+
 def power_of_two(n: int) -> int:
   """GPU (Triton): tensor sizes must be powers of two, and tl.dot wants dims >= 16."""
   return max(16, 1 << (n - 1).bit_length())

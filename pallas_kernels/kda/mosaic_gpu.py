@@ -73,10 +73,6 @@ MAX_K = 128
 _f32 = jnp.float32
 
 
-def _round64(n: int) -> int:
-  return -(-n // 64) * 64
-
-
 def tf32_split(x):
   """x = hi + lo exactly (float32): hi is x truncated to TF32 (what a tensor core would read
   of x), lo the exact remainder (|lo| < 2^-10 |x|)."""
@@ -276,7 +272,7 @@ def kda_mosaic_gpu(
   reference.check_gate(g, A_log, dt_bias, gate, lower_bound)
   B, T, H, K = q.shape
   V = v.shape[-1]
-  if _round64(K) > MAX_K:
+  if _layout.tile_multiple(K) > MAX_K:
     raise ValueError(f"pallas_mosaic_gpu supports K <= {MAX_K} (shared memory); got K={K}")
   scale = float(K**-0.5 if scale is None else scale)
   opts = dict(A_log=A_log, dt_bias=dt_bias, gate=gate, lower_bound=lower_bound,
@@ -297,7 +293,7 @@ def kda_mosaic_gpu(
   @jax.custom_vjp
   def run(q, k, v, g, beta, h0, seg, params):
     qp, kp, gp, bp = reference.prepare_inputs(q, k, g, beta, **{**opts, **params})
-    xs = _layout.to_kernel_layout(qp, kp, v, gp, bp, h0, feature_size=_round64)
+    xs = _layout.to_kernel_layout(qp, kp, v, gp, bp, h0, feature_size=_layout.tile_multiple)
     rc, rr = _layout.reset_counts(seg.astype(jnp.int32), B, T, xs[0].shape[2])
     o, ht = _forward_jit(*xs, rc, rr, scale=scale, interpret=interpret)
     return _layout.from_kernel_layout(o, ht, T=T, V=V, K=K)
@@ -347,7 +343,7 @@ def kda_step_mosaic_gpu(q, k, v, g, beta, state, *, scale=None, interpret=False)
   B, H, K = q.shape
   V = v.shape[-1]
   scale = float(K**-0.5 if scale is None else scale)
-  Kp, Vp = _round64(K), _round64(V)
+  Kp, Vp = _layout.tile_multiple(K), _layout.tile_multiple(V)
   pad = lambda x, n: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, n - x.shape[-1])])
   state = jnp.pad(state.astype(_f32), ((0, 0), (0, 0), (0, Kp - K), (0, Vp - V)))
   beta_v = jnp.broadcast_to(beta.astype(_f32)[..., None], (B, H, Vp))

@@ -3,11 +3,11 @@
 import json
 import math
 import os
-import struct
 
 import pytest
 
 import configs
+from convert.safetensors_io import read_header
 from k3jax import cli
 from k3jax.info import summary
 
@@ -60,15 +60,13 @@ def safetensors_param_count(folder, kda_heads=None):
   for name in sorted(os.listdir(folder)):
     if not name.endswith(".safetensors"):
       continue
-    with open(os.path.join(folder, name), "rb") as f:
-      header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
-    for key, info in header.items():
-      if key == "__metadata__" or key.endswith(("_scale", "e_score_correction_bias")):
+    for key, info in read_header(os.path.join(folder, name)).tensors.items():
+      if key.endswith(("_scale", "e_score_correction_bias")):
         continue
       if key.endswith("A_log") and kda_heads is not None:
         total += kda_heads
         continue
-      total += math.prod(info["shape"]) * (2 if key.endswith("_packed") else 1)
+      total += math.prod(info.shape) * (2 if key.endswith("_packed") else 1)
   return total
 
 

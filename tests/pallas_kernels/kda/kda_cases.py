@@ -182,3 +182,34 @@ def check_fused_against_naive(kernel, B, T, H, K, V, *, l2norm_eps=1e-6, dtype=j
     else:
       assert_close(n, a, b)
     assert np.abs(b).max() > 1e-3, n
+
+
+def cuda_inputs(sharding=None, *, B=1, T=256, H=2, K=128, V=128):
+  """Abstract (q, k, v, g, beta, h0) for compiling a GPU kernel: bf16 q/k/v, float32 rest."""
+  sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
+  return [sds((B, T, H, K), jnp.bfloat16), sds((B, T, H, K), jnp.bfloat16),
+          sds((B, T, H, V), jnp.bfloat16), sds((B, T, H, K), jnp.float32),
+          sds((B, T, H), jnp.float32), sds((B, H, K, V), jnp.float32)]
+
+
+def forward_and_gradient(kernel):
+  """kernel's forward (o, final state) and the gradient of a loss of both w.r.t. all six
+  inputs: the two programs a GPU backend must lower."""
+  def fwd(q, k, v, g, beta, h0):
+    return kernel(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+
+  def loss(*a):
+    o, ht = fwd(*a)
+    return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(ht)
+
+  return {"forward": fwd, "gradient": jax.grad(loss, argnums=range(6))}
+
+
+def lower_for_h100(kernel):
+  """{"forward"|"gradient": StableHLO text} of `kernel` lowered for an abstract H100: the
+  Pallas GPU lowering runs without a GPU (compiling to a cubin needs XLA:GPU)."""
+  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=132, platform="cuda")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+  with jax.sharding.use_abstract_mesh(mesh):  # Pallas reads the GPU kind here
+    return {what: jax.jit(fn).trace(*cuda_inputs()).lower(lowering_platforms=("cuda",)).as_text()
+            for what, fn in forward_and_gradient(kernel).items()}

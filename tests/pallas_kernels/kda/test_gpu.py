@@ -53,30 +53,13 @@ def test_public_op_with_the_lower_bound_gate():
 def test_lowers_to_triton_for_cuda_forward_and_gradient():
   """Pallas -> Triton IR for an (abstract) H100, no GPU needed. Compiling that IR to a cubin
   happens inside XLA:GPU, which needs the CUDA PJRT plugin and a GPU: not checked here."""
-  B, T, H, K, V = 1, 256, 2, 128, 128
-  sds = jax.ShapeDtypeStruct
-  args = [sds((B, T, H, K), jnp.bfloat16), sds((B, T, H, K), jnp.bfloat16),
-          sds((B, T, H, V), jnp.bfloat16), sds((B, T, H, K), jnp.float32),
-          sds((B, T, H), jnp.float32), sds((B, H, K, V), jnp.float32)]
-
-  def fwd(q, k, v, g, beta, h0):
-    return kda_gpu(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-
-  def loss(*a):
-    o, ht = fwd(*a)
-    return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(ht)
-
-  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=132, platform="cuda")
-  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
-  with jax.sharding.use_abstract_mesh(mesh):
-    kernels = {fwd: ["kda_intra_fwd_gpu", "kda_fwd_gpu"],
-               jax.grad(loss, argnums=range(6)): ["kda_intra_fwd_gpu", "kda_fwd_gpu",
-                                                  "kda_bwd_gpu", "kda_intra_bwd_gpu"]}
-    for fn, names in kernels.items():
-      text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-      assert "__gpu$xla.gpu.triton" in text
-      for name in names:
-        assert name in text, name
+  kernels = {"forward": ["kda_intra_fwd_gpu", "kda_fwd_gpu"],
+             "gradient": ["kda_intra_fwd_gpu", "kda_fwd_gpu", "kda_bwd_gpu",
+                          "kda_intra_bwd_gpu"]}
+  for what, text in kda_cases.lower_for_h100(kda_gpu).items():
+    assert "__gpu$xla.gpu.triton" in text
+    for name in kernels[what]:
+      assert name in text, name
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

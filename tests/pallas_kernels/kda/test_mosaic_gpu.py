@@ -59,25 +59,8 @@ def test_tf32_split_is_exact_and_tf32_representable():
 def test_lowers_for_cuda_forward_and_gradient():
   """Pallas -> Mosaic GPU for an (abstract) H100, no GPU needed: the custom call carries the
   kernel's Mosaic GPU module. Compiling it to a cubin needs the CUDA plugin and a GPU."""
-  B, T, H, K, V = 1, 256, 2, 128, 128
-  sds = jax.ShapeDtypeStruct
-  args = [sds((B, T, H, K), jnp.bfloat16), sds((B, T, H, K), jnp.bfloat16),
-          sds((B, T, H, V), jnp.bfloat16), sds((B, T, H, K), jnp.float32),
-          sds((B, T, H), jnp.float32), sds((B, H, K, V), jnp.float32)]
-
-  def fwd(q, k, v, g, beta, h0):
-    return kda_mosaic_gpu(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-
-  def loss(*a):
-    o, ht = fwd(*a)
-    return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(ht)
-
-  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=132, platform="cuda")
-  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
-  with jax.sharding.use_abstract_mesh(mesh):
-    for fn in (fwd, jax.grad(loss, argnums=range(6))):
-      text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-      assert "@mosaic_gpu_v2" in text and "kda_fwd_mosaic_gpu" in text
+  for text in kda_cases.lower_for_h100(kda_mosaic_gpu).values():
+    assert "@mosaic_gpu_v2" in text and "kda_fwd_mosaic_gpu" in text
 
 
 def test_dispatch_picks_mosaic_gpu_on_sm90_and_newer(monkeypatch):
