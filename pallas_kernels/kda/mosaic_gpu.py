@@ -154,7 +154,8 @@ def _recurrence(wn, qd, m, klT, uT, a, h0T, *, interpret):
       put_state(kt, u_s[...])
     plgpu.commit_smem()
 
-    def mm3(acc, a_hi, a_lo, b_hi, b_lo):  # acc += a b in 3xTF32 (drops a_lo b_lo, 2^-20 |a||b|); b stored [N, contraction]
+    # acc += a b in 3xTF32 (drops a_lo b_lo, 2^-20 |a||b|); b stored [N, contraction]
+    def mm3(acc, a_hi, a_lo, b_hi, b_lo):
       plgpu.wgmma(acc, a_hi, b_hi.T)
       plgpu.wgmma(acc, a_hi, b_lo.T)
       plgpu.wgmma(acc, a_lo, b_hi.T)
