@@ -14,6 +14,13 @@ given `segment_ids`, keeps packed pieces apart (MLA mask, KDA state and conv res
 A step's batch has shape [A, b, T]: A micro-batches of b rows (gradient accumulation).
 The iterator is resumable: its grain state (a small JSON dict) goes into every checkpoint.
 
+Data shards (many processes, SPEC §6): with `num_shards` S the pieces are dealt out
+round-robin to S independent pipelines (piece i to shard i mod S, each shuffled and packed on
+its own), shard s supplies rows [s b/S, (s+1) b/S) of every micro-batch, and a process reads
+only the shards whose rows its devices hold (`open_shards`). S is a property of the run, not
+of the process count: one process reading all S shards produces exactly the batches that S
+processes produce together. S = 1 is the single pipeline above.
+
 Default corpus: the running interpreter's standard-library `*.py` files (top level of the
 stdlib folder, sorted by name), so the embedded default needs no download.
 """
@@ -127,11 +134,23 @@ class PipelineConfig:
   batch_rows: int       # rows per optimizer step (A * b)
   micro_batches: int    # A
   seed: int
+  num_shards: int = 1   # S independent pipelines, each supplying b / S rows per micro-batch
+
+  def __post_init__(self):
+    if (self.batch_rows // self.micro_batches) % self.num_shards:
+      raise UserError(f"{self.batch_rows // self.micro_batches} rows per micro-batch do not "
+                      f"split into {self.num_shards} data shards")
+
+  @property
+  def shard_rows(self) -> int:
+    """Rows per step that one shard supplies (A * b / S)."""
+    return self.batch_rows // self.num_shards
 
 
 def _packed(docs_tokens: Sequence[np.ndarray], piece_table: np.ndarray, cfg: PipelineConfig,
-            *, shuffle: bool, repeat: bool) -> grain.IterDataset:
+            *, shuffle: bool, repeat: bool, rows: int | None = None) -> grain.IterDataset:
   t = cfg.seq_len
+  rows = cfg.batch_rows if rows is None else rows
 
   def load(row) -> dict[str, np.ndarray]:
     doc, start = int(row[0]), int(row[1])
@@ -146,19 +165,66 @@ def _packed(docs_tokens: Sequence[np.ndarray], piece_table: np.ndarray, cfg: Pip
   # first fit into as many bins as a step has rows: full pieces fill a bin alone, the short
   # tails of documents share bins; bins are emitted together as one step's rows
   ds = grain.experimental.FirstFitPackIterDataset(
-      ds, length_struct={"tokens": t + 1}, num_packing_bins=cfg.batch_rows, seed=cfg.seed,
+      ds, length_struct={"tokens": t + 1}, num_packing_bins=rows, seed=cfg.seed,
       shuffle_bins=shuffle)
-  ds = ds.batch(cfg.batch_rows, drop_remainder=True)
+  ds = ds.batch(rows, drop_remainder=True)
   a = cfg.micro_batches
   return ds.map(lambda r: rows_to_batch(r["tokens"], r["tokens_segment_ids"], a))
 
 
-def train_dataset(docs_tokens: Sequence[np.ndarray], cfg: PipelineConfig) -> grain.IterDataset:
-  """Endless, shuffled, packed batches; prefetched on a thread so packing overlaps the step.
-  (The prefetch does not disturb resumption: grain's state counts consumed batches only.)"""
-  ds = _packed(docs_tokens, pieces([len(d) for d in docs_tokens], cfg.seq_len), cfg,
-               shuffle=True, repeat=True)
+def train_dataset(docs_tokens: Sequence[np.ndarray], cfg: PipelineConfig,
+                  shard: int = 0) -> grain.IterDataset:
+  """Endless, shuffled, packed batches of data shard `shard` ([A, b/S, T]); prefetched on a
+  thread so packing overlaps the step. (The prefetch does not disturb resumption: grain's state
+  counts consumed batches only.)"""
+  if not 0 <= shard < cfg.num_shards:
+    raise ValueError(f"shard {shard} of {cfg.num_shards}")
+  table = pieces([len(d) for d in docs_tokens], cfg.seq_len)[shard::cfg.num_shards]
+  if not len(table):
+    raise UserError(f"data shard {shard} of {cfg.num_shards} has no piece; use fewer shards "
+                    "or more data")
+  ds = _packed(docs_tokens, table, cfg, shuffle=True, repeat=True, rows=cfg.shard_rows)
   return grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=2)
+
+
+class ShardIterator:
+  """The batches of the data shards one process reads, rows concatenated in shard order:
+  [A, b/S * len(shards), T]. State: {shard: grain state} (resumable per shard)."""
+
+  def __init__(self, docs_tokens: Sequence[np.ndarray], cfg: PipelineConfig,
+               shards: Sequence[int], state: dict | None = None):
+    self.shards = list(shards)
+    self._its = {s: iterate(train_dataset(docs_tokens, cfg, s),
+                            None if state is None else state[str(s)]) for s in self.shards}
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    parts = [next(self._its[s]) for s in self.shards]
+    if len(parts) == 1:
+      return parts[0]
+    return {k: np.concatenate([p[k] for p in parts], axis=1) for k in parts[0]}
+
+  def get_state(self) -> dict[str, dict]:
+    return {str(s): it.get_state() for s, it in self._its.items()}
+
+  def close(self) -> None:
+    for it in self._its.values():
+      close = getattr(it, "close", None)
+      if close is not None:
+        close()
+
+
+def shards_for_rows(cfg: PipelineConfig, rows: tuple[int, int]) -> list[int]:
+  """The data shards that supply micro-batch rows [start, stop) (of b per micro-batch)."""
+  per = cfg.batch_rows // cfg.micro_batches // cfg.num_shards
+  start, stop = rows
+  if start % per or stop % per:
+    raise UserError(f"this process holds rows [{start}, {stop}) of each micro-batch, which is "
+                    f"not a whole number of data shards of {per} rows; choose --data-shards "
+                    "so that every process's rows are whole shards")
+  return list(range(start // per, stop // per))
 
 
 def eval_batches(docs_tokens: Sequence[np.ndarray], cfg: PipelineConfig,
