@@ -50,8 +50,43 @@ def load_reference(path: str) -> dict[str, np.ndarray]:
   return ref
 
 
-def run_model(model_dir: str, ids: np.ndarray, dtype: str, layers: bool = False) -> dict:
-  """The model's outputs on `ids` in `dtype` (float64 arrays): logits, layer_out, hidden."""
+def _load_on_mesh(model_dir: str, dtype: str, mesh):
+  """(model, cfg) with every array in its sharding on `mesh` (sharding/rules.py): a k3jax
+  checkpoint is restored by Orbax straight into the shards; an official-layout folder is read
+  into host memory and then placed (convert it first for a model that does not fit one host)."""
+  import jax  # noqa: PLC0415
+  from flax import nnx  # noqa: PLC0415
+  from jax.sharding import NamedSharding  # noqa: PLC0415
+
+  import configs  # noqa: PLC0415
+  from convert.hf_load import abstract_state  # noqa: PLC0415
+  from convert.load import is_checkpoint, load_any, load_checkpoint  # noqa: PLC0415
+  from sharding.placement import check_model_fits, variable_spec  # noqa: PLC0415
+
+  cfg = configs.resolve(model_dir, **NUMERICS[dtype])
+  variables = abstract_state(cfg)
+  check_model_fits(nnx.from_flat_state(variables), mesh)  # before reading anything
+  shardings = {path: NamedSharding(mesh, variable_spec(var)) for path, var in variables.items()}
+  if is_checkpoint(model_dir):
+    model, cfg = load_checkpoint(model_dir, allow_partial=True, shardings=shardings,
+                                 **NUMERICS[dtype])
+  else:
+    model, cfg = load_any(model_dir, **NUMERICS[dtype])
+  graphdef, state = nnx.split(model)
+  flat = [(path, var) for path, var in nnx.to_flat_state(state)]
+  placed = [jax.device_put(var.get_value(), shardings[tuple(str(p) for p in path)])
+            for path, var in flat]
+  for (_, var), value in zip(flat, placed):
+    var.set_value(value)
+  return nnx.merge(graphdef, state), cfg
+
+
+def run_model(model_dir: str, ids: np.ndarray, dtype: str, layers: bool = False,
+              mesh: str | None = None) -> dict:
+  """The model's outputs on `ids` in `dtype` (float64 arrays): logits, layer_out, hidden.
+  `mesh` (a spec such as "data=2,expert=2,tensor=2") runs it sharded (SPEC §6)."""
+  import contextlib  # noqa: PLC0415
+
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
   from flax import nnx  # noqa: PLC0415
@@ -59,13 +94,19 @@ def run_model(model_dir: str, ids: np.ndarray, dtype: str, layers: bool = False)
   from convert.load import load_any, read_manifest  # noqa: PLC0415
 
   with jax.enable_x64(dtype == "float64"):
-    model, cfg = load_any(model_dir, **NUMERICS[dtype])
+    if mesh is not None:
+      from sharding.mesh import make_mesh  # noqa: PLC0415
+      device_mesh = make_mesh(mesh)
+      model, cfg = _load_on_mesh(model_dir, dtype, device_mesh)
+    else:
+      model, cfg = load_any(model_dir, **NUMERICS[dtype])
     partial = (read_manifest(model_dir) or {}).get("layers") if os.path.isdir(model_dir) else None
     ids = jnp.asarray(ids, jnp.int32)
     if int(ids.max()) >= cfg.vocab_size or int(ids.min()) < 0:
       raise UserError(f"input_ids outside the vocabulary [0, {cfg.vocab_size})")
     want_layers = layers or partial is not None
-    out = nnx.jit(lambda m, x: m(x, return_layer_out=want_layers))(model, ids)
+    with jax.set_mesh(device_mesh) if mesh is not None else contextlib.nullcontext():
+      out = nnx.jit(lambda m, x: m(x, return_layer_out=want_layers))(model, ids)
     return {"model": model_dir, "dtype": dtype, "num_layers": cfg.num_layers,
             "partial_layers": partial,
             "logits": np.asarray(out.logits, np.float64),
@@ -111,14 +152,19 @@ def judge(out: dict, ref: dict[str, np.ndarray]) -> dict:
   return report
 
 
-def compare(model_dir: str, ref: dict[str, np.ndarray], dtype: str) -> dict:
+def compare(model_dir: str, ref: dict[str, np.ndarray], dtype: str,
+            mesh: str | None = None) -> dict:
   """Run the model in `dtype` on ref["input_ids"]; every number of the report, and the verdict."""
   layers = any(k.startswith("layer_out_") for k in ref)
-  return judge(run_model(model_dir, ref["input_ids"], dtype, layers), ref)
+  report = judge(run_model(model_dir, ref["input_ids"], dtype, layers, mesh), ref)
+  if mesh is not None:
+    report["mesh"] = mesh
+  return report
 
 
 def format_report(r: dict) -> str:
-  lines = [f"model {r['model']} ({r['num_layers']} layers), {r['dtype']}"]
+  lines = [f"model {r['model']} ({r['num_layers']} layers), {r['dtype']}"
+           + (f", mesh {r['mesh']}" if r.get("mesh") else "")]
   if r.get("partial_layers") is not None:
     lines.append(f"partial checkpoint: layers {r['partial_layers'][0]}-{r['partial_layers'][1]}; "
                  f"logits not compared")
@@ -139,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
   if not os.path.exists(args.model_dir):
     raise UserError(f"{args.model_dir}: no such folder")
   ref = load_reference(args.reference)
-  report = compare(args.model_dir, ref, args.dtype)
+  report = compare(args.model_dir, ref, args.dtype, args.mesh)
   report["reference"] = args.reference
   if args.json:
     print(json.dumps(report))
@@ -157,5 +203,7 @@ def register(sub) -> None:
   p.add_argument("--reference", required=True, metavar="NPZ",
                  help=".npz with input_ids and logits (and logits_fp64, layer_out_i)")
   p.add_argument("--dtype", choices=tuple(NUMERICS), default="float32")
+  p.add_argument("--mesh", default=None, metavar="SPEC",
+                 help="run sharded on a device mesh, e.g. data=2,expert=2,tensor=2 (SPEC 6)")
   p.add_argument("--json", action="store_true", help="print one JSON object")
   p.set_defaults(func=run)

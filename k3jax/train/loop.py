@@ -314,6 +314,10 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
           + (f"resuming from step {start}" if resume_step is not None else "from scratch"
              if not opts.init_from else f"from {opts.init_from}"), flush=True)
 
+  if jax.process_count() > 1:
+    print(f"k3jax train: process {jax.process_index()}/{jax.process_count()} supplies rows "
+          f"[{rows[0]}, {rows[1]}) of each micro-batch from data shard(s) {read_shards}",
+          flush=True)
   writer = (MetricsWriter(out, resume_step=resume_step, tensorboard=opts.tensorboard)
             if main_process else _NoWriter())
   iterator = data_lib.ShardIterator(train_tokens, pipe, read_shards, data_state)
