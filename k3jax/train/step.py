@@ -132,6 +132,25 @@ class OnMesh:
       return self.jitted.lower(*args)
 
 
+class InitParamsOnMesh:
+  """seed -> (params, router_bias) created in their shardings by one jitted init per seed;
+  `lower(seed)` gives its compiled program (e.g. for the per-device memory plan)."""
+
+  def __init__(self, cfg: ModelConfig, mesh: jax.sharding.Mesh, shardings):
+    self.cfg, self.mesh, self.shardings = cfg, mesh, shardings
+
+  @functools.cache
+  def _jitted(self, seed: int) -> OnMesh:
+    return OnMesh(jax.jit(functools.partial(_init_params, self.cfg, seed),
+                          out_shardings=self.shardings), self.mesh)
+
+  def __call__(self, seed: int):
+    return self._jitted(seed)()
+
+  def lower(self, seed: int):
+    return self._jitted(seed).lower()
+
+
 class Steps(NamedTuple):
   graphdef: Any
   logical_axes: Any
@@ -303,14 +322,9 @@ def build(cfg: ModelConfig, sc: StepConfig, mesh: jax.sharding.Mesh | None = Non
   batch_sh, rep = batch_sharding(mesh), replicated(mesh)
   param_sh, bias_sh = state_sh["params"], state_sh["router_bias"]
 
-  @functools.cache
-  def init_params_on_mesh(seed: int):
-    return OnMesh(jax.jit(functools.partial(_init_params, cfg, seed),
-                          out_shardings=(param_sh, bias_sh)), mesh)
-
   return Steps(
       graphdef=graphdef, logical_axes=axes, tx=tx,
-      init_params=lambda seed: init_params_on_mesh(seed)(),
+      init_params=InitParamsOnMesh(cfg, mesh, (param_sh, bias_sh)),
       init=OnMesh(jax.jit(init, in_shardings=(param_sh, bias_sh, rep),
                           out_shardings=state_sh), mesh),
       train=OnMesh(jax.jit(train, donate_argnums=0, in_shardings=(state_sh, batch_sh, rep),

@@ -16,12 +16,13 @@ import sys
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
+from k3jax.train import step as step_lib
+from k3jax.train.checkpoint import Checkpointer
 from k3jax.train.loop import run
 from k3jax.train.metrics import read_records
 
-from .helpers import TWO_LAYERS, assert_close, run_options
+from .helpers import TWO_LAYERS, assert_close, model_config, run_options, step_cfg
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 DRIVER = """
@@ -93,10 +94,17 @@ def test_two_processes_train_save_resume_equal_one_process(tmp_path, config_file
   assert sorted(os.listdir(out / "checkpoints" / "2" / "data")) == [
       "commit_success.txt", "shard_0.json", "shard_1.json"]
 
-  from convert.load import load_checkpoint
+  # the last checkpoints (params, router biases, optimizer state), both read on one device
+  opts = run_options(out, config_file)
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   with jax.enable_x64(True):
-    states = [nnx.state(load_checkpoint(os.path.join(d, "model"), dtype="float64",
-                                        param_dtype="float64")[0])
-              for d in (str(out), one["out"])]
-    got_state, want_state = (jax.device_get(nnx.as_pure(s)) for s in states)
-  assert_close(got_state, want_state, what="final model ")
+    steps = step_lib.build(model_config(opts), step_cfg(opts))
+    params, bias = jax.eval_shape(lambda: step_lib.init_params(model_config(opts), 0))
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
+                          step_lib.abstract_state(steps, params, bias))
+    states = []
+    for run_dir in (str(out), one["out"]):
+      ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), keep=3, async_save=False)
+      states.append(jax.device_get(ckpt.restore(3, target, shards=(0, 1))[0]))
+      ckpt.close()
+  assert_close(states[0], states[1], what="step 3 state ")

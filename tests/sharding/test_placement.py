@@ -1,10 +1,7 @@
 """Placement from the one rules table (SPEC §6): parameters of the real model tree, optimizer
 moments beside their parameters, and an init that creates every array in its shards."""
 
-import functools
-
 import jax
-import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
@@ -19,6 +16,8 @@ from sharding.mesh import make_mesh
 from sharding.placement import variable_shardings
 from tests.k3jax.train.helpers import options
 
+from .helpers import TWO_LAYERS, model_config, run_options, step_cfg
+
 MESH = "fsdp=2,expert=2,tensor=2"
 
 
@@ -29,11 +28,15 @@ def mesh():
 
 @pytest.fixture(scope="module")
 def tiny_steps(mesh):
-  return step_lib.build(configs.get("tiny"), step_config(options("unused", "unused")), mesh)
+  return step_lib.build(TWO_LAYERS, step_config(options("unused", "unused")), mesh)
+
+
+def _key(k):
+  return getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
 
 
 def flat(tree):
-  return {tuple(k.key for k in path): leaf
+  return {tuple(_key(k) for k in path): leaf
           for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
@@ -59,13 +62,14 @@ def test_parameters_follow_the_table(mesh):
   for path, spec in want.items():
     assert specs[path] == spec, (path, specs[path])
   assert len(specs) == len(jax.tree.leaves(nnx.state(abstract)))
-  # activations: rows over data x fsdp x expert, the model width whole, vocab on tensor
+  # activations: rows over data x fsdp x expert (data has size 1 here), the model width
+  # whole, vocab on tensor
   assert activation_spec(("batch", "length", "embed"), (8, 16, 128), mesh) == P(
-      ("data", "fsdp", "expert"), None, None)
+      ("fsdp", "expert"), None, None)
   assert activation_spec(("batch", "length", "vocab"), (8, 16, 256), mesh) == P(
-      ("data", "fsdp", "expert"), None, "tensor")
+      ("fsdp", "expert"), None, "tensor")
   assert activation_spec(("batch", "length", "embed"), (2, 16, 128), mesh) == P(
-      ("data", "fsdp"), None, None)  # a 2-row batch: split as far as it divides
+      "fsdp", None, None)  # a 2-row batch: split as far as it divides
 
 
 def test_optimizer_state_lives_with_its_parameter(tiny_steps):
@@ -85,30 +89,26 @@ def test_optimizer_state_lives_with_its_parameter(tiny_steps):
   assert all(s.spec == P() for s in rest)
 
 
-def test_init_creates_every_array_in_its_shards(tiny_steps, mesh):
-  cfg = configs.get("tiny")
-  params, bias = tiny_steps.init_params(0)
-  for tree, shardings in ((params, tiny_steps.shardings["params"]),
-                          (bias, tiny_steps.shardings["router_bias"])):
-    for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
-      assert a.sharding == s
-  # the same values as the one-device init (the RNG is partitionable)
-  want_p, want_b = step_lib.init_params(cfg, 0)
-  for a, b in zip(jax.tree.leaves((params, bias)), jax.tree.leaves((want_p, want_b))):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  # and no device ever holds the whole model: per-device output + temporaries of the compiled
-  # init stay below the model's size (one device: 2.5x it)
-  jitted = jax.jit(functools.partial(step_lib._init_params, cfg, 0),
-                   out_shardings=(tiny_steps.shardings["params"],
-                                  tiny_steps.shardings["router_bias"]))
-  with jax.set_mesh(mesh):
-    stats = jitted.lower().compile().memory_analysis()
-  model_bytes = sum(a.nbytes for a in jax.tree.leaves((want_p, want_b)))
+def test_init_creates_every_array_in_its_shards():
+  """The train tests' own init (test_train_mesh.py: the same config, mesh and compiled
+  program; its run from this init equals the one-device run, so the values are the one-device
+  init's): every array comes out in its shards, and no device ever holds the whole model: the
+  compiled init's per-device outputs + temporaries stay below the model's size."""
+  opts = run_options("unused", "unused")
+  with jax.enable_x64(True):
+    steps = step_lib.build(model_config(opts), step_cfg(opts), make_mesh(MESH))
+    params, bias = steps.init_params(0)
+    for tree, shardings in ((params, steps.shardings["params"]),
+                            (bias, steps.shardings["router_bias"])):
+      for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
+        assert a.sharding == s
+    stats = steps.init_params.lower(0).compile().memory_analysis()
+  model_bytes = sum(a.nbytes for a in jax.tree.leaves((params, bias)))
   assert stats.output_size_in_bytes + stats.temp_size_in_bytes < model_bytes, stats
 
 
 def test_restore_target_carries_the_shardings(tiny_steps):
-  params, bias = jax.eval_shape(lambda: step_lib.init_params(configs.get("tiny"), 0))
+  params, bias = jax.eval_shape(lambda: step_lib.init_params(TWO_LAYERS, 0))
   target = step_lib.abstract_state(tiny_steps, params, bias)
   for leaf, sharding in zip(jax.tree.leaves(target), jax.tree.leaves(tiny_steps.shardings)):
     assert isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding == sharding
