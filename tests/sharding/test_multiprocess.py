@@ -2,12 +2,12 @@
 train on one mesh (data=2 across the processes, expert=2, tensor=2), save, resume, and
 finish equal to a one-process run on one device with the same two data shards (SPEC §6).
 
-Each process runs `k3jax train` twice in one interpreter (steps 1-2 with a checkpoint at 2,
-then 3 resumed from it), so the resume goes through Orbax's multi-process restore but not
-through a second compile. float64: the runs differ only by float64 summation order
-(helpers.RTOL_F64)."""
+Both runs start `--init-from` one saved initial model (the processes restore it straight into
+their shards; no process compiles a random init). Each process runs `k3jax train` twice in one
+interpreter (steps 1-2 with a checkpoint at 2, then 3 resumed from it), so the resume goes
+through Orbax's multi-process restore but not through a second compile. float64: the runs
+differ only by float64 summation order (helpers.RTOL_F64)."""
 
-import json
 import os
 import socket
 import subprocess
@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 
 from k3jax.train import step as step_lib
-from k3jax.train.checkpoint import Checkpointer
+from k3jax.train.checkpoint import Checkpointer, save_model
 from k3jax.train.loop import run
 from k3jax.train.metrics import read_records
 
-from .helpers import TWO_LAYERS, assert_close, model_config, run_options, step_cfg
+from .helpers import assert_close, model_config, run_options, step_cfg
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 DRIVER = """
@@ -41,7 +41,7 @@ def free_port() -> int:
 
 
 def cli_args(opts) -> list[str]:
-  return ["train", "--out", opts.out, "--config", opts.config, "--decay-steps",
+  return ["train", "--out", opts.out, "--init-from", opts.init_from, "--decay-steps",
           str(opts.decay_steps), "--batch-size", str(opts.batch_size), "--seq-len",
           str(opts.seq_len), "--lr", str(opts.learning_rate), "--warmup", str(opts.warmup_steps),
           "--eval-every", str(opts.eval_every), "--eval-batches", str(opts.eval_batches),
@@ -51,18 +51,25 @@ def cli_args(opts) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def config_file(tmp_path_factory):
-  path = tmp_path_factory.mktemp("cfg") / "two_layers.json"
-  path.write_text(json.dumps({"format": "k3jax", "config": TWO_LAYERS.to_dict()}))
-  return str(path)
+def initial_model(tmp_path_factory):
+  """The float64 initial model every run here starts from (the one-device init of
+  test_train_mesh.py: the same compiled program), saved as `k3jax train` saves models."""
+  path = str(tmp_path_factory.mktemp("init") / "model")
+  opts = run_options("unused", None)
+  with jax.enable_x64(True):
+    cfg = model_config(opts)
+    steps = step_lib.build(cfg, step_cfg(opts))
+    params, bias = steps.init_params(0)
+    save_model(path, steps.graphdef, params, bias, cfg)
+  return path
 
 
-def test_two_processes_train_save_resume_equal_one_process(tmp_path, config_file):
+def test_two_processes_train_save_resume_equal_one_process(tmp_path, initial_model):
   out = tmp_path / "two"
   port = free_port()
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
          "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
-  args = cli_args(run_options(out, config_file)) + [
+  args = cli_args(run_options(out, None, init_from=initial_model)) + [
       "--mesh", "data=2,expert=2,tensor=2", "--coordinator", f"localhost:{port}",
       "--num-processes", "2"]
   procs = [subprocess.Popen([sys.executable, "-c", DRIVER, *args, "--process-id", str(i)],
@@ -83,7 +90,7 @@ def test_two_processes_train_save_resume_equal_one_process(tmp_path, config_file
   assert "resuming from step 2" in logs[0]
 
   # the one-process reference: one device, the same two data shards read in one process
-  one = run(run_options(tmp_path / "one", config_file, data_shards=2))
+  one = run(run_options(tmp_path / "one", None, init_from=initial_model, data_shards=2))
 
   got, want = read_records(str(out)), read_records(one["out"])
   assert [r["step"] for r in got] == [1, 2, 3]  # process 0 alone wrote metrics.jsonl
@@ -95,7 +102,7 @@ def test_two_processes_train_save_resume_equal_one_process(tmp_path, config_file
       "commit_success.txt", "shard_0.json", "shard_1.json"]
 
   # the last checkpoints (params, router biases, optimizer state), both read on one device
-  opts = run_options(out, config_file)
+  opts = run_options(out, None)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   with jax.enable_x64(True):
     steps = step_lib.build(model_config(opts), step_cfg(opts))
