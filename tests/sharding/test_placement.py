@@ -2,6 +2,7 @@
 moments beside their parameters, and an init that creates every array in its shards."""
 
 import jax
+import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
@@ -90,18 +91,25 @@ def test_optimizer_state_lives_with_its_parameter(tiny_steps):
 
 
 def test_init_creates_every_array_in_its_shards():
-  """The train tests' own init (test_train_mesh.py: the same config, mesh and compiled
-  program; its run from this init equals the one-device run, so the values are the one-device
-  init's): every array comes out in its shards, and no device ever holds the whole model: the
-  compiled init's per-device outputs + temporaries stay below the model's size."""
+  """The float64 model of the train tests (its one-device init is the same compiled program
+  as theirs): on the mesh every array comes out in its shards with the one-device values, and
+  no device ever holds the whole model: the compiled init's per-device outputs + temporaries
+  stay below the model's size."""
   opts = run_options("unused", "unused")
   with jax.enable_x64(True):
-    steps = step_lib.build(model_config(opts), step_cfg(opts), make_mesh(MESH))
+    cfg, sc = model_config(opts), step_cfg(opts)
+    steps = step_lib.build(cfg, sc, make_mesh(MESH))
     params, bias = steps.init_params(0)
     for tree, shardings in ((params, steps.shardings["params"]),
                             (bias, steps.shardings["router_bias"])):
       for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
         assert a.sharding == s
+    # the same random bits (partitionable RNG) through the same transforms compiled in other
+    # fusions: equal up to a few ulps of float32, the dtype some initialisers draw in (conv
+    # taps, A_log, dt_bias, as the official ones do)
+    want = step_lib.build(cfg, sc).init_params(0)
+    for a, b in zip(jax.tree.leaves((params, bias)), jax.tree.leaves(want)):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
     stats = steps.init_params.lower(0).compile().memory_analysis()
   model_bytes = sum(a.nbytes for a in jax.tree.leaves((params, bias)))
   assert stats.output_size_in_bytes + stats.temp_size_in_bytes < model_bytes, stats

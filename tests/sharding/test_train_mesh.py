@@ -16,9 +16,15 @@ from .helpers import assert_close, model_config, random_batch, run_options, step
 MESH = "fsdp=2,expert=2,tensor=2"
 
 
-def three_steps(steps, batches):
-  params, bias = steps.init_params(0)
-  rng = step_lib.new_rng(0) if steps.mesh is None else np.asarray(step_lib.new_rng(0))
+def three_steps(steps, batches, init):
+  """Three steps from `init` (params, biases: the one-device init; on a mesh placed in its
+  shardings first, as `--init-from` does; the init on a mesh itself: test_placement.py)."""
+  params, bias = init
+  rng = step_lib.new_rng(0)
+  if steps.mesh is not None:
+    params = jax.device_put(params, steps.shardings["params"])
+    bias = jax.device_put(bias, steps.shardings["router_bias"])
+    rng = np.asarray(rng)
   state = steps.init(params, bias, rng)
   if steps.mesh is None:
     state = step_lib.place(state)  # as the train loop does: shares its compiled program
@@ -35,10 +41,12 @@ def runs():
   batches = [random_batch(seed) for seed in range(3)]
   with jax.enable_x64(True):
     cfg, sc = model_config(opts), step_cfg(opts)
-    one = three_steps(step_lib.build(cfg, sc), batches)
+    one_device = step_lib.build(cfg, sc)
+    init = one_device.init_params(0)
+    one = three_steps(one_device, batches, init)
     sharded_steps = step_lib.build(cfg, sc, make_mesh(MESH))
-    sharded = three_steps(sharded_steps, batches)
-    params, bias = sharded_steps.init_params(0)
+    sharded = three_steps(sharded_steps, batches, init)
+    params, bias = init
     hlo = sharded_steps.train.lower(
         step_lib.abstract_state(sharded_steps, params, bias), batches[0],
         step_lib.NO_QK_CLIP).compile().as_text()
