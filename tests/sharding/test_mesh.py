@@ -112,3 +112,16 @@ def test_commands_refuse_impossible_meshes_in_one_line(capsys, tmp_path, referen
     code, err = _cli(capsys, *args)
     assert code == 2, (args, err)
     assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_cloud_tpu_multihost_environment_is_detected(monkeypatch):
+  """`jax.distributed.initialize()` without arguments is called when the environment names
+  several TPU workers (not tested here: it would start a distributed client)."""
+  from sharding import distributed
+  for name in ("TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES", "MEGASCALE_COORDINATOR_ADDRESS"):
+    monkeypatch.delenv(name, raising=False)
+  assert not distributed._multihost_env()
+  monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "t1v-0")
+  assert not distributed._multihost_env()  # one host: nothing to join
+  monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "t1v-0,t1v-1")
+  assert distributed._multihost_env()
