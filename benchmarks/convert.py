@@ -14,9 +14,12 @@ GB in a temporary folder beside --workdir, then in one run:
 
 Before each timed read the files are dropped from the page cache (posix_fadvise DONTNEED), so
 both read the disk. Throughput is source bytes / wall time. Peak RSS is the converter
-process's VmHWM, set against the bound 2 x largest tensor + 1 GiB. Cleans up after itself.
+process's VmHWM, set against the bound 2 x largest tensor + 1 GiB; "files" counts every file
+of the checkpoint (the OCDBT data files are about one per committed write batch). Cleans up
+after itself.
 
     python benchmarks/convert.py [--experts 32] [--vocab 32768] [--workdir /tmp]
+                                 [--chunk-mib 4] [--no-raw]
 """
 
 from __future__ import annotations
@@ -35,9 +38,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from convert.hf_load import abstract_param_shapes  # noqa: E402
 from convert.name_map import DIALECTS, PACKED, SCALE, full_name, hf_shape, slots  # noqa: E402
 from convert.safetensors_io import DTYPES, ShardWriter, plan_header  # noqa: E402
+from convert.variables import param_shapes  # noqa: E402
 from k3jax.config import from_hf_config  # noqa: E402
 
 GiB = 1 << 30
@@ -75,7 +78,7 @@ def build(folder: str, num_experts: int, vocab: int) -> tuple[int, int]:
   with open(os.path.join(folder, "config.json"), "w") as f:
     json.dump(config, f, indent=2)
   cfg = from_hf_config(config)
-  shapes = abstract_param_shapes(cfg)
+  shapes = param_shapes(cfg)
   dialect = DIALECTS["k3"]
   shards: list[list] = [[], []]  # embedding + layer 0 | layer 1 + head
   for slot in slots(cfg):
@@ -151,13 +154,16 @@ def raw_copy(folder: str, dest: str) -> float:
   return time.perf_counter() - t
 
 
-def run_convert(src: str, out: str, experts: str) -> tuple[float, int]:
+def run_convert(src: str, out: str, experts: str, chunk_mib: float | None = None
+                ) -> tuple[float, int]:
   """(wall seconds, peak RSS bytes) of `k3jax convert` in a fresh process."""
   drop_cache(src)
   repo = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
   # VmHWM, the peak RSS of this process image: ru_maxrss would also count the pages the
   # child shared with this (large) parent between fork and exec.
-  code = ("import sys; from k3jax.cli import main; rc = main(sys.argv[1:]); "
+  chunk = ("" if chunk_mib is None else
+           f"from convert import orbax_io; orbax_io.CHUNK_BYTES = {int(chunk_mib * 2**20)}; ")
+  code = (chunk + "import sys; from k3jax.cli import main; rc = main(sys.argv[1:]); "
           "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0]); "
           "sys.exit(rc)")
   env = {**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -177,6 +183,9 @@ def main() -> None:
   p.add_argument("--experts", type=int, default=128, help="routed experts in the MoE layer")
   p.add_argument("--vocab", type=int, default=16384)
   p.add_argument("--workdir", default=tempfile.gettempdir())
+  p.add_argument("--chunk-mib", type=float, default=None,
+                 help="the checkpoint's chunk size limit (default: the converter's)")
+  p.add_argument("--no-raw", action="store_true", help="skip the raw read and copy")
   args = p.parse_args()
   root = tempfile.mkdtemp(prefix="k3jax-convert-bench-", dir=args.workdir)
   try:
@@ -186,20 +195,23 @@ def main() -> None:
     total, largest = build(src, args.experts, args.vocab)
     print(f"synthetic K3-shaped checkpoint: {total / GiB:.2f} GiB in 2 shards, largest tensor "
           f"{largest / GiB:.3f} GiB (built in {time.perf_counter() - t:.0f}s)")
-    raw = raw_read(src)
-    print(f"raw read:                 {raw:6.1f}s  {total / raw / GiB:6.2f} GiB/s")
-    copy = raw_copy(src, os.path.join(root, "copy"))
-    shutil.rmtree(os.path.join(root, "copy"))
-    print(f"raw copy (read + write):  {copy:6.1f}s  {total / copy / GiB:6.2f} GiB/s "
-          f"({100 * raw / copy:5.1f}% of raw read)")
+    raw = copy = math.nan
+    if not args.no_raw:
+      raw = raw_read(src)
+      print(f"raw read:                 {raw:6.1f}s  {total / raw / GiB:6.2f} GiB/s")
+      copy = raw_copy(src, os.path.join(root, "copy"))
+      shutil.rmtree(os.path.join(root, "copy"))
+      print(f"raw copy (read + write):  {copy:6.1f}s  {total / copy / GiB:6.2f} GiB/s "
+            f"({100 * raw / copy:5.1f}% of raw read)")
     bound = 2 * largest + GiB
     for experts in ("bf16", "mxfp4"):
       out = os.path.join(root, f"out_{experts}")
-      wall, rss = run_convert(src, out, experts)
-      size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out) for f in fs)
+      wall, rss = run_convert(src, out, experts, args.chunk_mib)
+      files = [os.path.join(d, f) for d, _, fs in os.walk(out) for f in fs]
+      size = sum(map(os.path.getsize, files))
       print(f"convert --experts {experts:5s}: {wall:6.1f}s  {total / wall / GiB:6.2f} GiB/s "
             f"({100 * raw / wall:5.1f}% of raw read, {100 * copy / wall:5.1f}% of raw copy), "
-            f"wrote {size / GiB:.2f} GiB, peak RSS "
+            f"wrote {size / GiB:.2f} GiB in {len(files)} files, peak RSS "
             f"{rss / GiB:.2f} GiB (bound 2 x largest + 1 GiB = {bound / GiB:.2f} GiB: "
             f"{'ok' if rss <= bound else 'EXCEEDED'})")
       shutil.rmtree(out)

@@ -15,23 +15,10 @@ from flax import nnx
 
 from convert.errors import CheckpointError
 from convert.source import open_source, plan, read_weight, to_k3jax
+from convert.variables import Path, abstract_variables
 from k3jax.config import ModelConfig
 
-__all__ = ["CheckpointError", "abstract_param_shapes", "abstract_state", "build_model",
-           "load_model"]
-
-Path = tuple[str, ...]
-
-
-def abstract_state(cfg: ModelConfig) -> dict[Path, Any]:
-  """k3jax path -> abstract variable (shape, dtype) of the model `cfg` describes."""
-  from k3jax.model.transformer import K3Model  # noqa: PLC0415  (model import is heavy)
-  abstract = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
-  return {tuple(str(p) for p in path): v for path, v in nnx.to_flat_state(nnx.state(abstract))}
-
-
-def abstract_param_shapes(cfg: ModelConfig) -> dict[Path, tuple[int, ...]]:
-  return {path: tuple(v.shape) for path, v in abstract_state(cfg).items()}
+__all__ = ["CheckpointError", "build_model", "load_model"]
 
 
 def build_model(cfg: ModelConfig, arrays: dict[Path, Any]):
@@ -57,7 +44,7 @@ def load_model(folder: str, cfg: ModelConfig | None = None, **overrides: Any):
   source = open_source(folder, **overrides)
   cfg = cfg or source.cfg
   source.cfg = cfg
-  variables = abstract_state(cfg)
+  variables = abstract_variables(cfg)
   arrays = {path: np.zeros(v.shape, v.get_value().dtype) for path, v in variables.items()}
   for item in plan(source, shapes={p: tuple(v.shape) for p, v in variables.items()}):
     weight = read_weight(source, item)

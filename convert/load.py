@@ -19,8 +19,9 @@ import numpy as np
 
 from convert import mxfp4, orbax_io
 from convert.errors import CheckpointError
-from convert.hf_load import abstract_state, build_model, load_model
+from convert.hf_load import build_model, load_model
 from convert.to_orbax import CONFIG, MANIFEST, packed_paths
+from convert.variables import abstract_variables
 from k3jax.config import ModelConfig
 
 STACKS = ("kda", "mla", "dense_mlp", "moe", "layers")
@@ -56,11 +57,26 @@ def prefix_config(cfg: ModelConfig, n_layers: int) -> ModelConfig:
                                                           if l < n_layers))
 
 
+def named_shardings(cfg: ModelConfig, mesh, rules=None) -> dict:
+  """k3jax path -> NamedSharding on `mesh` from each variable's logical axis names through
+  the rules table (sharding/rules.py): the targets of a sharded `load_checkpoint`."""
+  from jax.sharding import NamedSharding  # noqa: PLC0415
+
+  from sharding import rules as sharding_rules  # noqa: PLC0415
+  table = sharding_rules.LOGICAL_AXIS_RULES if rules is None else rules
+  out = {}
+  for path, var in abstract_variables(cfg).items():
+    names = var.get_metadata().get("out_sharding") or (None,) * len(var.shape)
+    out[path] = NamedSharding(mesh, sharding_rules.logical_to_spec(names, table, mesh))
+  return out
+
+
 def load_checkpoint(directory: str, *, allow_partial: bool = False, shardings=None,
                     **overrides: Any):
   """(model, cfg) from a converted checkpoint, in cfg.param_dtype (override it as for
   `load_model`: dtype=..., param_dtype=..., matmul_precision=...). `shardings` (k3jax path ->
-  jax.sharding.Sharding) places each array as Orbax restores it."""
+  jax.sharding.Sharding, e.g. `named_shardings(cfg, mesh)`) places each array as Orbax
+  restores it: each process reads only the chunks of its own shards."""
   cfg = checkpoint_config(directory, **overrides)
   manifest = read_manifest(directory) or {}
   layers = manifest.get("layers")
@@ -71,7 +87,7 @@ def load_checkpoint(directory: str, *, allow_partial: bool = False, shardings=No
     raise CheckpointError(f"{directory} holds layers {layers[0]}-{layers[1]}: only a prefix "
                           "(0-B) can be run")
   codes = manifest.get("experts") == "mxfp4"
-  variables = abstract_state(cfg)
+  variables = abstract_variables(cfg)
   saved = orbax_io.saved_paths(directory)
   target = {}
   for path, var in variables.items():
@@ -95,10 +111,50 @@ def load_checkpoint(directory: str, *, allow_partial: bool = False, shardings=No
 
   if layers is not None:
     return _load_prefix(directory, cfg, layers[1] + 1, target, codes)
+  if codes and shardings:  # the experts straight into their shardings, block by block
+    arrays = orbax_io.restore(directory, {p: t for p, t in target.items()
+                                          if not p[-1].endswith(("_packed", "_scale"))})
+    arrays.update(_dequantized_sharded(directory, variables, shardings))
+    return build_model(cfg, arrays), cfg
   arrays = orbax_io.restore(directory, target)
   if codes:
     _dequantize_experts(arrays, variables)
   return build_model(cfg, arrays), cfg
+
+
+def _dequantized_sharded(directory: str, variables: dict, shardings: dict) -> dict:
+  """Each kept-MXFP4 expert stack as a jax.Array in its sharding: every device's block is
+  made from the codes and scales of that block only (read through Orbax's read spec), so a
+  process reads and holds nothing but its own shards."""
+  import jax  # noqa: PLC0415
+  out = {}
+  for path, var in variables.items():
+    if path[:2] != ("moe", "experts"):
+      continue
+    dtype = np.dtype(var.get_value().dtype)
+    codes, scales = (orbax_io.open_array(directory, p) for p in packed_paths(path))
+    out[path] = jax.make_array_from_callback(
+        tuple(var.shape), shardings[path],
+        lambda index, codes=codes, scales=scales, shape=tuple(var.shape), dtype=dtype:
+            _dequantized_block(codes, scales, index, shape, dtype))
+  return out
+
+
+def _dequantized_block(codes, scales, index, shape, dtype) -> np.ndarray:
+  """Block `index` of weights [n, E, in, out] from codes [n, E, out, in/2] and scales
+  [n, E, out, in/32]: whole groups of 32 are read and dequantised, then trimmed."""
+  layers, experts, cols = (slice(*index[i].indices(shape[i])[:2]) for i in (0, 1, 3))
+  a, b = index[2].indices(shape[2])[:2]
+  g0, g1 = a // mxfp4.GROUP, -(-b // mxfp4.GROUP)
+  half = mxfp4.GROUP // 2
+  c = codes[layers, experts, cols, g0 * half:g1 * half].read().result()
+  s = scales[layers, experts, cols, g0:g1].read().result()
+  w = np.empty((*c.shape[:2], b - a, c.shape[2]), dtype)
+  for j in range(w.shape[0]):
+    for e in range(w.shape[1]):
+      m = mxfp4.dequantize(c[j, e], s[j, e], dtype)  # [out block, whole groups]
+      w[j, e] = m[:, a - g0 * mxfp4.GROUP:b - g0 * mxfp4.GROUP].T
+  return w
 
 
 def _dequantize_experts(arrays: dict, variables: dict) -> None:
@@ -130,7 +186,7 @@ def _load_prefix(directory, cfg, n_layers, target, codes):
       store = store[: counts[path[0]]]
     arrays[path] = store.read().result()
   if codes:
-    _dequantize_experts(arrays, abstract_state(small))
+    _dequantize_experts(arrays, abstract_variables(small))
   return build_model(small, arrays), small
 
 

@@ -1,19 +1,42 @@
-"""The converted checkpoint: an Orbax PyTree checkpoint written array slice by array slice.
+"""The converted checkpoint: an Orbax PyTree checkpoint (OCDBT), written one tensor at a time
+through Orbax's own save path.
 
-On disk it is exactly what `ocp.StandardCheckpointer().save(path, nnx.state(model))` writes
-with `use_ocdbt=False` (Orbax's plain TensorStore/zarr layout): one zarr array per variable in
-a folder named by its key path (`moe.experts.w1.value`: nnx Variables flatten to a `value`
-leaf), and `_METADATA` describing the tree. So the standard Orbax calls restore it:
+On disk it is what `ocp.StandardCheckpointer().save(path, tree)` writes for a tree of numpy
+arrays: `_CHECKPOINT_METADATA`, `_METADATA` (every leaf an `np.ndarray` at its key path, nnx
+Variables ending in `value`), and one OCDBT database (`manifest.ocdbt`, `d/`,
+`ocdbt.process_0/`) holding a zarr array per variable. So Orbax's standard calls read it:
 
-    abstract = nnx.state(nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0))))
-    state = ocp.StandardCheckpointer().restore(path, abstract)
+    ocp.StandardCheckpointer().metadata(path)           # the tree, shapes, dtypes, chunks
+    ocp.StandardCheckpointer().restore(path, abstract)   # leaves may carry NamedShardings:
+                                                         # each device reads only its chunks
 
-What differs is how it is written: the arrays are created at their full stacked shapes up
-front and filled one HF tensor at a time (`[layer_j]`, `[layer_j, expert_e]`), so nothing
-bigger than one tensor is ever held. Chunks follow those slices (one stack entry, split into
-row blocks of <= 64 MiB), so every write covers whole chunks and no chunk is read back.
-Chunks are stored uncompressed: weights barely compress, and zstd would cost more CPU time
-than the disk time it saves.
+How it is written: Orbax's `PyTreeCheckpointHandler` saves a tree whose leaves are
+`StreamedArray`s (a shape and a dtype, no data). Their TypeHandler is Orbax's `NumpyHandler`
+with a different `serialize`: it builds each array's TensorStore spec with Orbax's public
+`get_json_tspec_write` (so Orbax's metadata, OCDBT layout and chunking rules apply), opens them
+all, and then fills them from one stream of (array, stack index, tensor) slices in source-file
+order. Nothing bigger than one tensor plus the writes in flight is ever held.
+
+- Transactions: slices are staged in a TensorStore transaction that commits every
+  `TXN_BYTES`; a commit writes about one OCDBT data file, so a 1.5 TB conversion writes a
+  few thousand files, not one per expert matrix. The next batch is read while the last one
+  commits, within two batches in memory (`Stream`).
+- Chunks: each array's write shape is one stack entry (one layer, or one layer's expert);
+  Orbax's `chunk_byte_size` splits it into chunks of <= `CHUNK_BYTES` (largest dimensions
+  first: a K3 expert matrix [3584, 3072] bf16 in 8 chunks [896, 1536]). Every write covers
+  whole chunks (nothing is read back), no chunk mixes two layers or two experts, and a
+  restore onto a mesh reads only the chunks its shards touch, so the smaller the chunks the
+  less a process reads beyond its shards; conversion speed did not change between 2 and
+  16 MiB (benchmarks/convert.py --chunk-mib).
+- B-tree nodes of <= `NODE_BYTES`: Orbax's 100 MB nodes are rewritten whole by every
+  commit, which at 600k chunks costs 0.5 s per commit (3.7x the time of 1 MB nodes in a
+  TensorStore-only test of 100 commits); K3 makes ~10^6 chunks and ~2*10^4 commits.
+- Resume: `on_commit(keys)` is called with the stream keys of every batch once its commit
+  (and TensorStore's fsync) has finished; `convert` journals them and skips them on
+  `--resume`. A batch interrupted mid-commit leaves an orphaned data file at most; the
+  OCDBT manifest only ever names complete commits.
+- No compression: weights barely compress, and zstd costs more CPU time than the disk time
+  it saves.
 
 With `--experts mxfp4` the routed experts are kept as their codes and scales
 (`moe.experts.w1_packed` uint8 [n_moe, E, out, in/2] and `moe.experts.w1_scale` uint8
@@ -23,130 +46,225 @@ dequantises them (exactly) into the model's expert weights.
 
 from __future__ import annotations
 
-import collections
-import json
-import math
+import asyncio
+import dataclasses
+import functools
 import os
+import threading
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
-import ml_dtypes
 import numpy as np
 import tensorstore as ts
+from etils import epath
 
 from convert.errors import CheckpointError
 
 Path = tuple[str, ...]
-CHUNK_BYTES = 64 << 20
-INFLIGHT_BYTES = 128 << 20
+CHUNK_BYTES = 4 << 20
+TXN_BYTES = 256 << 20
+NODE_BYTES = 1 << 20  # OCDBT B-tree node size while converting (the merged tree keeps Orbax's)
 METADATA = "_METADATA"
+STEP_METADATA = "_CHECKPOINT_METADATA"  # Orbax's per-checkpoint metadata file (Checkpointer)
+# A stream item: (journal key, bytes as stored, () -> [(array path, stack index, tensor)]).
+Item = tuple[str, int, Callable[[], list[tuple[Path, tuple[int, ...], np.ndarray]]]]
 
 
 def param_name(path: Path) -> str:
-  """Orbax's folder name for a k3jax variable path (key path joined by dots, plus `value`)."""
+  """Orbax's name for a k3jax variable path (key path joined by dots, plus `value`)."""
   return ".".join((*path, "value"))
 
 
-def _zarr_dtype(dtype: np.dtype) -> str:
-  dtype = np.dtype(dtype)
-  return "bfloat16" if dtype == ml_dtypes.bfloat16 else dtype.str
+class Interrupted(Exception):
+  """The stream was asked to stop (Ctrl-C in the main thread); committed batches are kept."""
 
 
-def chunk_shape(shape: tuple[int, ...], n_lead: int, itemsize: int) -> list[int]:
-  """One stack entry per chunk, its first axis split into blocks of <= CHUNK_BYTES."""
-  rest = shape[n_lead:]
-  if not rest:
-    return [1] * n_lead
-  row = math.prod(rest[1:]) * itemsize
-  rows = max(1, min(rest[0], CHUNK_BYTES // max(row, 1)))
-  return [1] * n_lead + [rows, *rest[1:]]
+@dataclasses.dataclass(eq=False)
+class StreamedArray:
+  """A checkpoint leaf that is never in memory: shape, dtype, and how many leading stack axes
+  one write addresses. Its data comes from the `Stream` all leaves of a save share."""
+  path: Path
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  n_lead: int
+  stream: Stream
+
+  @property
+  def write_shape(self) -> tuple[int, ...]:
+    return (1,) * self.n_lead + tuple(self.shape[self.n_lead:])
 
 
-class CheckpointWriter:
-  """Creates the arrays of an Orbax checkpoint and fills them slice by slice, asynchronously,
-  with a bounded amount of data in flight."""
+class Stream:
+  """The tensors to write, in order, and where to report committed batches.
 
-  def __init__(self, directory: str):
-    self.directory = directory
-    self.arrays: dict[Path, ts.TensorStore] = {}
-    self._rows: dict[Path, int] = {}
-    self._lead: dict[Path, int] = {}
-    self._inflight: collections.deque = collections.deque()
-    self._inflight_bytes = 0
-    # No cache: written chunks are never read back. No fsync per chunk either (it serialises
-    # the writes on the disk); `finish` syncs every file once, before the folder is renamed.
-    self._context = ts.Context({"cache_pool": {"total_bytes_limit": 0},
-                                "file_io_concurrency": {"limit": 8}, "file_io_sync": False})
+  Each item is (key, nbytes, read): `read()` returns the item's slices [(array path, stack
+  index, tensor)], `nbytes` their size as stored. Items are staged in a transaction that
+  commits once it holds `txn_bytes`, and the next batch is read while the last one commits;
+  but the bytes staged and committing stay within `2 * txn_bytes` where a single item allows
+  it: an item that does not fit waits for the commit in flight, and an item bigger than a
+  batch goes alone. So memory holds at most two batches, or one big tensor and its copy.
+  """
 
-  def create(self, path: Path, shape: tuple[int, ...], dtype, n_lead: int) -> None:
-    dtype = np.dtype(dtype)
-    chunks = chunk_shape(tuple(shape), n_lead, dtype.itemsize)
-    spec = {
-        "driver": "zarr",
-        "kvstore": {"driver": "file", "path": os.path.join(self.directory, param_name(path))},
-        "metadata": {"shape": list(shape), "chunks": chunks, "dtype": _zarr_dtype(dtype),
-                     "compressor": None, "fill_value": None},
-        "create": True,
-    }
-    self.arrays[path] = ts.open(spec, context=self._context).result()
-    self._rows[path] = chunks[n_lead] if len(shape) > n_lead else 1
-    self._lead[path] = n_lead
+  def __init__(self, items: Iterable[Item], on_commit: Callable[[list[str]], None],
+               txn_bytes: int | None = None):
+    self.items, self.on_commit = items, on_commit
+    self.txn_bytes = TXN_BYTES if txn_bytes is None else txn_bytes
+    self.stop = threading.Event()
 
-  def write(self, path: Path, index: tuple[int, ...], array: np.ndarray) -> None:
-    """arrays[path][index] = array, in chunk-aligned slabs along the first non-stack axis."""
-    store = self.arrays[path]
-    target = store.dtype.numpy_dtype
-    if len(index) != self._lead[path]:
-      raise ValueError(f"{'.'.join(path)}: index {index} does not address one stack entry")
-    expect = tuple(store.shape[len(index):])
-    if tuple(array.shape) != expect:
-      raise CheckpointError(f"{'.'.join(path)}: got shape {tuple(array.shape)}, the checkpoint "
-                            f"array takes {expect}")
-    if array.ndim == 0:
-      self._submit(store[index], np.asarray(array, target))
-      return
-    rows = self._rows[path]
-    for r in range(0, array.shape[0], rows):
-      slab = np.ascontiguousarray(array[r:r + rows], dtype=target)
-      self._submit(store[(*index, slice(r, r + slab.shape[0]))], slab)
-    if array.nbytes > INFLIGHT_BYTES:
-      # the slabs in flight are views that keep this whole array alive: let them land before
-      # the caller reads the next big tensor, or two of them would be in memory at once
-      self.flush()
+  async def run(self, stores: dict[Path, ts.TensorStore]) -> None:
+    txn, keys, staged = ts.Transaction(), [], 0
+    committing: tuple[Any, list[str], int] | None = None
+    try:
+      for key, nbytes, read in self.items:
+        if self.stop.is_set():
+          raise Interrupted()
+        if nbytes >= self.txn_bytes and keys:  # a big item goes alone: send the batch first
+          if committing is not None:
+            await self._finish(committing)
+          committing, (txn, keys, staged) = (txn.commit_async(), keys, staged), self._new()
+        if committing is not None and committing[2] + staged + nbytes > 2 * self.txn_bytes:
+          await self._finish(committing)
+          committing = None
+        await self._stage(stores, txn, read)
+        keys.append(key)
+        staged += nbytes
+        if staged >= self.txn_bytes:
+          if committing is not None:
+            await self._finish(committing)
+          committing, (txn, keys, staged) = (txn.commit_async(), keys, staged), self._new()
+      if committing is not None:
+        await self._finish(committing)
+        committing = None
+      if keys:
+        await self._finish((txn.commit_async(), keys, staged))
+    finally:
+      if committing is not None:  # keep what was already on its way to disk
+        try:
+          await self._finish(committing)
+        except Exception:  # noqa: BLE001  (the first error is the one to report)
+          pass
 
-  def _submit(self, view: ts.TensorStore, data: np.ndarray) -> None:
-    while self._inflight and self._inflight_bytes + data.nbytes > INFLIGHT_BYTES:
-      self._retire()
-    # `data` is a private copy nobody modifies: TensorStore may keep it instead of copying.
-    future = view.write(data, can_reference_source_data_indefinitely=True)
-    self._inflight.append((future, data.nbytes))
-    self._inflight_bytes += data.nbytes
+  @staticmethod
+  def _new():
+    return ts.Transaction(), [], 0
 
-  def _retire(self) -> None:
-    future, nbytes = self._inflight.popleft()
-    future.result()
-    self._inflight_bytes -= nbytes
+  @staticmethod
+  async def _stage(stores, txn, read) -> None:
+    """Stage one item's slices; they live only in this frame, so nothing but the
+    transaction holds them once it returns."""
+    for path, index, array in read():
+      store = stores[path]
+      expect = tuple(store.shape[len(index):])
+      if tuple(array.shape) != expect:
+        raise CheckpointError(f"{'.'.join(path)}: got shape {tuple(array.shape)}, the "
+                              f"checkpoint array takes {expect}")
+      # No contiguous copy: TensorStore lays the chunks out itself, and may keep `array`
+      # (nobody modifies it) until the commit instead of copying it now.
+      data = np.asarray(array, dtype=store.dtype.numpy_dtype)
+      await store.with_transaction(txn)[index].write(
+          data, can_reference_source_data_indefinitely=True)
 
-  def flush(self) -> None:
-    while self._inflight:
-      self._retire()
+  async def _finish(self, committing: tuple[Any, list[str], int]) -> None:
+    commit, keys, _ = committing
+    await commit
+    self.on_commit(keys)
 
-  def finish(self) -> None:
-    """Wait for every write, then write Orbax's `_METADATA` (the tree it restores)."""
-    self.flush()
-    tree = {}
-    for path, store in sorted(self.arrays.items()):
-      keys = (*path, "value")
-      tree[str(keys)] = {
-          "key_metadata": [{"key": k, "key_type": 2} for k in keys],  # 2: a dict key
-          "value_metadata": {"value_type": "jax.Array", "skip_deserialize": False,
-                             "write_shape": list(store.shape)},
-      }
-    meta = {"tree_metadata": tree, "use_ocdbt": False, "use_zarr3": False,
-            "store_array_data_equal_to_fill_value": True, "custom_metadata": None}
-    with open(os.path.join(self.directory, METADATA), "w") as f:
-      json.dump(meta, f)
-    sync_tree(self.directory)
+
+def _handler_class():
+  import orbax.checkpoint as ocp  # noqa: PLC0415  (slow import, only needed to write/read)
+
+  class StreamingHandler(ocp.type_handlers.NumpyHandler):
+    """Orbax's numpy TypeHandler, but the values arrive as a stream of slices."""
+
+    async def serialize(self, values, infos, args=None):
+      args = args or [ocp.SaveArgs()] * len(values)
+      streams = {id(v.stream) for v in values}
+      if len(streams) != 1:
+        raise ValueError("every StreamedArray of a save must share one Stream")
+
+      async def fill():
+        opens = []
+        for value, info, arg in zip(values, infos, args):
+          await info.await_path_creation()
+          spec = ocp.type_handlers.get_json_tspec_write(
+              info, use_ocdbt=info.is_ocdbt_checkpoint, global_shape=value.shape,
+              local_shape=value.write_shape, dtype=value.dtype,
+              process_index=jax.process_index(), arg=arg)
+          if "config" in spec["kvstore"]:
+            # Orbax's 100 MB nodes suit its one commit per save; here every batch commits and
+            # rewrites the nodes it touches, so small ones keep a commit's cost flat
+            spec["kvstore"]["config"]["max_decoded_node_bytes"] = NODE_BYTES
+          # open=True too: on --resume the arrays exist with the committed batches in them
+          opens.append(ts.open(ts.Spec(spec), create=True, open=True, context=info.ts_context))
+        stores = dict(zip((v.path for v in values), await asyncio.gather(*opens)))
+        await values[0].stream.run(stores)
+
+      return [ocp.future.CommitFutureAwaitingContractedSignals(fill(), name="k3jax_convert")]
+
+  return StreamingHandler
+
+
+def write_checkpoint(directory: str, arrays: dict[Path, tuple[tuple[int, ...], Any, int]],
+                     stream: Stream, *, every_array_written: bool = True) -> None:
+  """Write the Orbax checkpoint of `arrays` (path -> (shape, dtype, leading stack axes)) into
+  the existing folder `directory`, filled from `stream`. Blocks until every byte and Orbax's
+  metadata are on disk; on Ctrl-C the stream stops after the batch being committed.
+
+  Orbax checks after the save that every array holds data; `every_array_written=False` (a
+  `--layers` slice, whose other arrays stay at their fill value) skips that check."""
+  import orbax.checkpoint as ocp  # noqa: PLC0415
+  tree: dict[str, Any] = {}
+  for path, (shape, dtype, n_lead) in sorted(arrays.items()):
+    node = tree
+    for k in path:
+      node = node.setdefault(k, {})
+    node["value"] = StreamedArray(path, tuple(shape), np.dtype(dtype), n_lead, stream)
+  registry = ocp.type_handlers.create_type_handler_registry(
+      (StreamedArray, _handler_class()()),
+      (jax.Array, ocp.type_handlers.ArrayHandler()))  # unused; Orbax warns without one
+  handler = ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=False, use_compression=False,
+                                        type_handler_registry=registry)
+  save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), tree)
+  started = time.time_ns()
+  path = epath.Path(directory)
+  done = threading.Event()
+  errors: list[BaseException] = []
+
+  def save():
+    try:
+      handler.save(path, args=ocp.args.PyTreeSave(tree, save_args=save_args))
+      # what handler.finalize does for numpy leaves: merge ocdbt.process_0 into the root
+      # manifest, then check that every array holds data (not so for a --layers slice)
+      asyncio.run(ocp.type_handlers.merge_ocdbt_per_process_files(
+          path, ts_context=ocp.type_handlers.get_ts_context(use_ocdbt=True), use_zarr3=False,
+          enable_validation=every_array_written))
+    except BaseException as e:  # noqa: BLE001  (re-raised in the caller's thread)
+      errors.append(e)
+    finally:
+      done.set()
+
+  # The save runs in its own thread so that Ctrl-C reaches this one, which then asks the
+  # stream to stop and waits for the batch in flight to land (journalled, resumable).
+  worker = threading.Thread(target=save, name="k3jax-convert-save", daemon=True)
+  worker.start()
+  try:
+    while not done.wait(0.2):
+      pass
+  except KeyboardInterrupt:
+    stream.stop.set()
+    done.wait()
+    raise
+  if errors:
+    raise errors[0]
+  # What `ocp.Checkpointer.save` records around its handler's save (this save is resumable, so
+  # it runs the handler itself): the handler to read it with, and when it was written.
+  ocp.metadata.metadata_store(enable_write=True, blocking_write=True).write(
+      path / STEP_METADATA,
+      {"item_handlers": ocp.StandardCheckpointHandler().typestr(), "metrics": {},
+       "performance_metrics": {}, "init_timestamp_nsecs": started,
+       "commit_timestamp_nsecs": time.time_ns(), "custom_metadata": {}})
 
 
 def sync_tree(directory: str) -> None:
@@ -162,41 +280,61 @@ def sync_tree(directory: str) -> None:
 
 # ---- reading ---------------------------------------------------------------------------------
 
-def saved_paths(directory: str) -> dict[Path, tuple[int, ...]]:
-  """k3jax path -> shape of every array in an Orbax checkpoint (from its `_METADATA`)."""
+def _tree_metadata(directory: str):
+  import orbax.checkpoint as ocp  # noqa: PLC0415
+  if not os.path.exists(os.path.join(directory, METADATA)):
+    raise CheckpointError(f"{directory}: not an Orbax checkpoint (no {METADATA})")
   try:
-    with open(os.path.join(directory, METADATA)) as f:
-      meta = json.load(f)
-  except (OSError, json.JSONDecodeError) as e:
-    raise CheckpointError(f"{directory}: not an Orbax checkpoint ({METADATA}: {e})") from None
+    return ocp.PyTreeCheckpointHandler().metadata(epath.Path(directory))
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise CheckpointError(f"{directory}: unreadable Orbax metadata ({e})") from None
+
+
+def saved_arrays(directory: str) -> dict[Path, Any]:
+  """k3jax path -> Orbax's ArrayMetadata (shape, dtype, chunks) of every array in a
+  checkpoint, converted or saved by Orbax itself (training)."""
   out = {}
-  for info in meta["tree_metadata"].values():
-    keys = tuple(k["key"] for k in info["key_metadata"])
-    if keys[-1] == "value":
-      keys = keys[:-1]
-    out[keys] = tuple(info["value_metadata"].get("write_shape") or ())
+  for keys, meta in jax.tree_util.tree_flatten_with_path(
+      _tree_metadata(directory).tree, is_leaf=lambda x: hasattr(x, "shape"))[0]:
+    path = tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in keys)
+    out[path[:-1] if path[-1] == "value" else path] = meta
   return out
 
 
+def saved_paths(directory: str) -> dict[Path, tuple[int, ...]]:
+  """k3jax path -> shape of every array in a checkpoint."""
+  return {path: tuple(meta.shape) for path, meta in saved_arrays(directory).items()}
+
+
+@functools.cache
+def _read_context(use_ocdbt: bool) -> ts.Context:
+  """One TensorStore context for every slice read, so the OCDBT caches are shared."""
+  import orbax.checkpoint as ocp  # noqa: PLC0415
+  return ocp.type_handlers.get_ts_context(use_ocdbt=use_ocdbt)
+
+
 def open_array(directory: str, path: Path) -> ts.TensorStore:
-  """One array of a checkpoint, for slice reads: ours (plain zarr) or one Orbax itself saved
-  (OCDBT by default), so `export` also takes a checkpoint written by training."""
-  with open(os.path.join(directory, METADATA)) as f:
-    use_ocdbt = json.load(f).get("use_ocdbt", True)
-  name = param_name(path)
-  if use_ocdbt:
-    kvstore = {"driver": "ocdbt", "base": f"file://{os.path.abspath(directory)}", "path": name}
-  else:
-    kvstore = {"driver": "file", "path": os.path.join(directory, name)}
+  """One array of a checkpoint, for slice reads, through Orbax's own read spec (OCDBT, or
+  the one-folder-per-array layout of checkpoints converted before OCDBT). Chunks never
+  written (the layers a `--layers` slice does not hold) read as zeros."""
+  import orbax.checkpoint as ocp  # noqa: PLC0415
+  use_ocdbt = ocp.type_handlers.is_ocdbt_checkpoint(epath.Path(directory))
+  context = _read_context(use_ocdbt)
+  info = ocp.type_handlers.ParamInfo(name=param_name(path), parent_dir=epath.Path(directory),
+                                     is_ocdbt_checkpoint=use_ocdbt, use_zarr3=False,
+                                     ts_context=context)
+  spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=use_ocdbt,
+                                               raise_array_data_missing_error=False)
   try:
-    return ts.open({"driver": "zarr", "kvstore": kvstore, "open": True}).result()
+    return ts.open(ts.Spec(spec), open=True, context=context).result()
   except ValueError as e:
-    raise CheckpointError(f"{directory}: cannot open array {name} ({e})") from None
+    raise CheckpointError(f"{directory}: cannot open array {info.name} ({e})") from None
 
 
 def restore(directory: str, target: dict[Path, Any]) -> dict[Path, Any]:
-  """Restore `target` (k3jax path -> jax.ShapeDtypeStruct, with a sharding if wanted) through
-  the standard Orbax API; returns path -> array."""
+  """Restore the arrays of `target` (k3jax path -> jax.ShapeDtypeStruct, with a sharding if
+  wanted), and only those, through Orbax's PyTree restore; returns path -> array (numpy, or a
+  jax.Array where a sharding was given: each process reads the chunks of its shards)."""
   import orbax.checkpoint as ocp  # noqa: PLC0415  (slow import, only needed here)
   tree: dict[str, Any] = {}
   for path, leaf in target.items():
@@ -204,7 +342,10 @@ def restore(directory: str, target: dict[Path, Any]) -> dict[Path, Any]:
     for k in path:
       node = node.setdefault(k, {})
     node["value"] = leaf
-  restored = ocp.StandardCheckpointer().restore(directory, tree)
+  restored = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).restore(
+      directory, args=ocp.args.PyTreeRestore(
+          tree, restore_args=ocp.checkpoint_utils.construct_restore_args(tree),
+          partial_restore=True))
   out = {}
   for path in target:
     node = restored

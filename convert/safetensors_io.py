@@ -1,9 +1,11 @@
 """safetensors files: a strict header check before any read, and a streaming writer.
 
 Reading goes through `safetensors.safe_open` only (never pickle), and only after `read_header`
-has validated the file itself: the 8-byte header length, a bound on it, the JSON, known dtypes,
-sizes that match shapes, and data offsets that lie inside the file without overlapping. So a
-truncated or hostile file fails with a message naming it, not deep inside a reader.
+has validated the file against everything safetensors' own reader requires (the 8-byte header
+length and its bound, a UTF-8 JSON object, known dtypes, 64-bit sizes that match shapes,
+tensors tiling the data section exactly) plus a little more (no duplicate names). So a
+truncated, damaged or hostile file fails with one line naming it, not deep inside a reader;
+an error safetensors still raises (a file changed after the check) is turned into one too.
 
 Writing streams: `ShardWriter` lays out the header first (names, dtypes, shapes, offsets) and
 then takes one tensor at a time, so a shard never has to be in memory at once. Without a
@@ -24,7 +26,7 @@ from typing import Any
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, which safe_open's numpy path needs)
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from convert.errors import CheckpointError
 
@@ -66,7 +68,15 @@ class Header:
 
 
 def read_header(path: str) -> Header:
-  """Parse and validate the header of a safetensors file; CheckpointError names the file."""
+  """Parse and validate the header of a safetensors file; CheckpointError names the file.
+
+  Accepts exactly what safetensors' reader accepts (and refuses a few things it would let
+  through: duplicate names, unknown fields, dtypes k3jax does not read), so that `safe_open`
+  never fails on a file that passed: the header is UTF-8 JSON text, an
+  object of tensors (plus an optional `__metadata__` of strings); every size fits in 64 bits;
+  each tensor's byte length is its shape times its dtype; and the tensors, sorted by
+  offsets, tile the data section exactly: contiguous from 0 to the end of the file.
+  """
   name = os.path.basename(path)
   try:
     size = os.path.getsize(path)
@@ -84,12 +94,7 @@ def read_header(path: str) -> Header:
       raw = f.read(n)
   except OSError as e:
     raise CheckpointError(f"{name}: cannot read ({e.strerror})") from None
-  try:
-    parsed = json.loads(raw.decode("utf-8"))
-  except (UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise CheckpointError(f"{name}: malformed header (not JSON: {e})") from None
-  if not isinstance(parsed, dict):
-    raise CheckpointError(f"{name}: malformed header (not a JSON object)")
+  parsed = _parse_json(name, raw)
   metadata = parsed.pop("__metadata__", None)
   if metadata is not None and not (isinstance(metadata, dict) and all(
       isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
@@ -97,34 +102,107 @@ def read_header(path: str) -> Header:
   data_size = size - 8 - n
   tensors: dict[str, TensorInfo] = {}
   for key, info in parsed.items():
-    tensors[key] = _tensor_info(name, key, info, data_size)
-  spans = sorted((t.begin, t.end, t.name) for t in tensors.values() if t.end > t.begin)
-  for (_, prev_end, prev), (begin, _, cur) in zip(spans, spans[1:]):
-    if begin < prev_end:
-      raise CheckpointError(f"{name}: tensors {prev} and {cur} overlap in the data section")
+    tensors[key] = _tensor_info(name, key, info)
+  # safetensors' own rule: sorted by (begin, end), each tensor starts where the last ended
+  # (zero-size tensors included), and the last one ends where the file does
+  end = 0
+  for t in sorted(tensors.values(), key=lambda t: (t.begin, t.end)):
+    if t.begin != end:
+      what = ("overlaps the one before it" if t.begin < end
+              else f"leaves bytes {end}-{t.begin} unused")
+      raise CheckpointError(f"{name}: tensor {t.name} at data offset {t.begin} {what}: the "
+                            "tensors must fill the data section back to back")
+    end = t.end
+  if end != data_size:
+    if end > data_size:
+      raise CheckpointError(f"{name}: the tensors need {end} data bytes, the file holds "
+                            f"{data_size}: the file is truncated (or its header length wrong)")
+    raise CheckpointError(f"{name}: the tensors cover {end} of the file's {data_size} data "
+                          "bytes: wrong header length, or bytes appended to the file")
   return Header(path, raw, metadata, tensors, 8 + n)
 
 
-def _tensor_info(file: str, key: str, info: Any, data_size: int) -> TensorInfo:
+_U64 = 1 << 64  # safetensors reads sizes as 64-bit integers
+
+
+def _unique_object(pairs):
+  keys = [k for k, _ in pairs]
+  if len(set(keys)) != len(keys):
+    dup = next(k for k in keys if keys.count(k) > 1)
+    raise _Duplicate(dup)
+  return dict(pairs)
+
+
+class _Duplicate(ValueError):
+  pass
+
+
+def _no_constant(name: str):
+  raise ValueError(f"{name} is not JSON")
+
+
+def _parse_json(name: str, raw: bytes) -> dict:
+  """The header object, refused in one line wherever safetensors' serde reader would fail
+  (and where Python's json is laxer: NaN, lone surrogates, duplicates, deep nesting)."""
+  def bad(why):
+    return CheckpointError(f"{name}: malformed header ({why})")
+  try:
+    text = raw.decode("utf-8")
+    parsed = json.loads(text, object_pairs_hook=_unique_object, parse_constant=_no_constant)
+  except _Duplicate as e:
+    raise bad(f"name {e.args[0]!r} appears twice") from None
+  except UnicodeDecodeError as e:
+    raise bad(f"not UTF-8: {e.reason} at byte {e.start}") from None
+  except (ValueError, RecursionError) as e:  # JSONDecodeError, too many digits, nesting
+    raise bad(f"not JSON: {str(e).splitlines()[0][:200]}") from None
+  if not isinstance(parsed, dict):
+    raise bad("not a JSON object")
+  _check_strings(name, parsed)
+  return parsed
+
+
+def _check_strings(name: str, value: Any) -> None:
+  """JSON escapes can spell lone UTF-16 surrogates, which Python keeps and Rust refuses."""
+  stack = [value]
+  while stack:
+    v = stack.pop()
+    if isinstance(v, dict):
+      stack.extend(v)
+      stack.extend(v.values())
+    elif isinstance(v, list):
+      stack.extend(v)
+    elif isinstance(v, str):
+      try:
+        v.encode("utf-8")
+      except UnicodeEncodeError:
+        raise CheckpointError(f"{name}: malformed header (string {v!r} is not valid "
+                              "Unicode)") from None
+
+
+def _tensor_info(file: str, key: str, info: Any) -> TensorInfo:
   bad = f"{file}: malformed header entry for tensor {key}"
   if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
     raise CheckpointError(f"{bad} (needs exactly dtype, shape, data_offsets)")
   dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-  if dtype not in DTYPES:
+  if not isinstance(dtype, str) or dtype not in DTYPES:
     raise CheckpointError(f"{bad} (unsupported dtype {dtype!r})")
-  if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
-    raise CheckpointError(f"{bad} (shape must be a list of non-negative integers)")
+  if not (isinstance(shape, list) and all(type(d) is int and 0 <= d < _U64 for d in shape)):
+    raise CheckpointError(f"{bad} (shape must be a list of non-negative 64-bit integers)")
   if not (isinstance(offsets, list) and len(offsets) == 2
-          and all(type(o) is int for o in offsets) and 0 <= offsets[0] <= offsets[1]):
+          and all(type(o) is int and 0 <= o < _U64 for o in offsets) and offsets[0] <= offsets[1]):
     raise CheckpointError(f"{bad} (data_offsets must be [begin, end] with 0 <= begin <= end)")
+  count = 1
+  for d in shape:  # multiplied left to right in 64 bits, as safetensors does
+    count *= d
+    if count >= _U64:
+      raise CheckpointError(f"{bad} (shape {shape} overflows 64 bits)")
+  expect = count * DTYPES[dtype].itemsize
+  if expect >= _U64:
+    raise CheckpointError(f"{bad} (shape {shape} overflows 64 bits)")
   begin, end = offsets
-  expect = math.prod(shape) * DTYPES[dtype].itemsize
   if end - begin != expect:
     raise CheckpointError(f"{bad} ({end - begin} data bytes for {dtype} {shape}, "
                           f"which needs {expect})")
-  if end > data_size:
-    raise CheckpointError(f"{file}: tensor {key} ends at byte {end} of a {data_size}-byte data "
-                          "section: the file is truncated")
   return TensorInfo(key, dtype, tuple(shape), begin, end)
 
 
@@ -159,10 +237,17 @@ class ShardReader:
     if name not in self.header(path).tensors:
       raise CheckpointError(f"{os.path.basename(path)}: no tensor {name}")
     info = self.header(path).tensors[name]
-    if rows is None and info.nbytes > self.recycle_bytes and len(info.shape) > 0:
-      return self._read_in_blocks(path, info)  # never map more than recycle_bytes at once
-    handle = self._handle(path)
-    out = handle.get_tensor(name) if rows is None else handle.get_slice(name)[rows]
+    try:
+      if rows is None and info.nbytes > self.recycle_bytes and len(info.shape) > 0:
+        return self._read_in_blocks(path, info)  # never map more than recycle_bytes at once
+      handle = self._handle(path)
+      out = handle.get_tensor(name) if rows is None else handle.get_slice(name)[rows]
+    except SafetensorError as e:
+      # read_header accepts only what safetensors reads, so this is a file that changed
+      # after it was checked, or a reader bug: still one line, naming the file
+      self._drop(path)
+      raise CheckpointError(f"{os.path.basename(path)}: tensor {name}: safetensors: "
+                            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     self._count(path, out.nbytes)
     return out
 

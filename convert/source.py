@@ -23,6 +23,7 @@ from convert.errors import CheckpointError
 from convert.name_map import (DIALECTS, PACKED, SCALE, Dialect, Entry, Slot, full_name,
                               hf_shape, slots)
 from convert.safetensors_io import Header, ShardReader, TensorInfo
+from convert.variables import param_shapes
 from k3jax.config import ConfigError, ModelConfig, from_hf_config
 
 INDEX = "model.safetensors.index.json"
@@ -166,8 +167,7 @@ def plan(source: Source, layers: range | None = None, shapes: dict | None = None
   """
   cfg, dialect = source.cfg, source.dialect
   if shapes is None:
-    from convert.hf_load import abstract_param_shapes  # noqa: PLC0415
-    shapes = abstract_param_shapes(cfg)
+    shapes = param_shapes(cfg)
   expected: dict[Entry, tuple[int, ...]] = {}
   known: set[str] = set()
   for slot in slots(cfg):

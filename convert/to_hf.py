@@ -30,6 +30,7 @@ from convert.progress import Progress
 from convert.safetensors_io import DTYPES, ShardWriter, plan_header
 from convert.source import INDEX, SINGLE
 from convert.to_orbax import HF_DIR, packed_paths
+from convert.variables import param_shapes
 from k3jax.config import ModelConfig, to_hf_config
 
 SHARD_BYTES = 5 << 30  # default shard size when the source's sharding is unknown
@@ -139,8 +140,7 @@ def export(ckpt_dir: str, out_dir: str, *, force: bool = False, progress: bool =
                           "export needs the whole model")
   saved = orbax_io.saved_paths(ckpt_dir)
   codes = any(p[-1].endswith("_packed") for p in saved)
-  from convert.hf_load import abstract_param_shapes  # noqa: PLC0415
-  shapes = abstract_param_shapes(cfg)
+  shapes = param_shapes(cfg)
   recorded = (manifest.get("source") or {}).get("shards")
   if recorded and num_shards is None:
     dialect = DIALECTS[manifest["dialect"]]

@@ -1,7 +1,8 @@
 """`k3jax convert`: an official-layout folder -> an Orbax checkpoint of the k3jax tree, streaming.
 
     OUT_DIR/
-      _METADATA, <variable>.value/      the Orbax checkpoint (see orbax_io)
+      _CHECKPOINT_METADATA, _METADATA,  the Orbax checkpoint (see orbax_io): one OCDBT database
+      manifest.ocdbt, d/, ocdbt.process_0/   holding every variable
       k3jax_config.json                 {"format": "k3jax", "config": ...} (configs.resolve)
       k3jax_convert.json                the manifest: dialect, expert storage, layers held, and
                                         each source shard's header (names, order, dtypes) so
@@ -9,13 +10,21 @@
       hf/config.json (+ tokenizer files) copied verbatim for export
 
 Tensors are read one at a time in (shard, offset) order and written straight into their slice
-of the stacked arrays; peak memory is one tensor plus the bounded write queue.
+of the stacked arrays; peak memory is one tensor plus two write batches (orbax_io.TXN_BYTES).
+
+Resume: the work happens in `.OUT_DIR.partial` (outdir.resumable), which an interruption
+leaves behind. `k3jax_convert.journal` there lists the tensors whose write batch has been
+committed; `--resume` skips them and writes the rest into the same arrays, so the result is
+the checkpoint an uninterrupted run writes. The folder is renamed to OUT_DIR only once
+everything, the Orbax metadata and these json files included, is on disk.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import json
+import math
 import os
 import shutil
 
@@ -24,19 +33,20 @@ import numpy as np
 
 from convert import orbax_io
 from convert.errors import CheckpointError
-from convert.hf_load import abstract_state
 from convert.name_map import ENTRIES
-from convert.outdir import staged
+from convert.outdir import resumable
 from convert.progress import Progress
 from convert.safetensors_io import DTYPES
 from convert.source import Item, layer_range, open_source, plan, read_weight, to_k3jax
+from convert.variables import abstract_variables
 
 MANIFEST = "k3jax_convert.json"
 CONFIG = "k3jax_config.json"
+JOURNAL = "k3jax_convert.journal"  # while converting: tensors whose batch is committed
 HF_DIR = "hf"
 # Small files a model folder carries besides the weights (tokenizer, generation defaults).
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer*", "*.tiktoken",
-              "special_tokens_map.json", "chat_template*")
+              "tiktoken.model", "tokenization*.py", "special_tokens_map.json", "chat_template*")
 SIDE_FILE_LIMIT = 64 << 20
 
 
@@ -58,14 +68,15 @@ def _storage_dtypes(items: list[Item], dequantize: bool) -> dict[tuple[str, ...]
 
 
 def convert(hf_dir: str, out_dir: str, *, layers: str | None = None, experts: str = "bf16",
-            force: bool = False, progress: bool = True) -> dict:
-  """Convert; returns the manifest. Raises CheckpointError/ConfigError on bad input."""
+            force: bool = False, resume: bool = False, progress: bool = True) -> dict:
+  """Convert; returns the manifest (plus `resumed`: tensors an interrupted run had already
+  written). Raises CheckpointError/ConfigError on bad input."""
   if experts not in ("bf16", "mxfp4"):
     raise CheckpointError(f"--experts {experts!r}: choose bf16 or mxfp4")
   source = open_source(hf_dir)
   cfg = source.cfg
   selected = layer_range(layers, cfg)
-  variables = abstract_state(cfg)
+  variables = abstract_variables(cfg)
   shapes = {p: tuple(v.shape) for p, v in variables.items()}
   # globals: the embedding belongs with layer 0, the head with the last layer (a prefix
   # converts what a partial download of the first shards holds).
@@ -79,31 +90,38 @@ def convert(hf_dir: str, out_dir: str, *, layers: str | None = None, experts: st
     if dense is not None:
       raise CheckpointError(f"--experts mxfp4 needs MXFP4 experts, but {dense.name} is stored "
                             f"as {dense.parts[0].info.dtype}")
-  dtypes = _storage_dtypes(items, dequantize=not keep_codes)
+  arrays = _arrays(cfg, variables, _storage_dtypes(items, dequantize=not keep_codes),
+                   keep_codes)
+  manifest = _manifest(source, items, selected, with_embed, with_head, experts)
 
-  with staged(out_dir, force=force, inputs=(hf_dir,)) as tmp:
-    writer = orbax_io.CheckpointWriter(tmp)
-    _create_arrays(writer, cfg, variables, dtypes, keep_codes)
-    bar = Progress(sum(it.nbytes for it in items), "convert", enabled=progress)
-    for it in items:
-      _copy(source, it, writer, keep_codes)
-      bar.update(it.nbytes)
-    writer.finish()
+  with resumable(out_dir, force=force, resume=resume, inputs=(hf_dir,),
+                 key=_resume_key(manifest, source.config_raw)) as tmp:
+    journal = os.path.join(tmp, JOURNAL)
+    done = _journalled(journal)
+    todo = [it for it in items if it.name not in done]
+    bar = Progress(sum(it.nbytes for it in todo), "convert", enabled=progress)
+    with open(journal, "a") as log:
+      def committed(names: list[str]) -> None:
+        log.write("".join(f"{n}\n" for n in names))
+        log.flush()
+      stream = orbax_io.Stream(_items(source, todo, arrays, keep_codes, bar), committed)
+      orbax_io.write_checkpoint(tmp, arrays, stream, every_array_written=selected is None)
     bar.close()
     source.reader.close()
-
-    manifest = _manifest(source, items, selected, with_embed, with_head, experts)
     with open(os.path.join(tmp, MANIFEST), "w") as f:
       json.dump(manifest, f)
     with open(os.path.join(tmp, CONFIG), "w") as f:
       json.dump({"format": "k3jax", "config": cfg.to_dict()}, f, indent=2)
     _copy_side_files(source.folder, os.path.join(tmp, HF_DIR))
-  return manifest
+    os.remove(journal)  # last: a resume from before this line has nothing left to convert
+    orbax_io.sync_tree(tmp)
+  return {**manifest, "resumed": len(items) - len(todo)}
 
 
-def _create_arrays(writer, cfg, variables, dtypes, keep_codes) -> None:
-  """Every array of the tree at its full stacked shape, before any tensor is read."""
+def _arrays(cfg, variables, dtypes, keep_codes) -> dict:
+  """path -> (shape, dtype, leading stack axes) of every array of the checkpoint."""
   entry_of = {path: e for e in ENTRIES if e.when(cfg) for path in e.paths}
+  out = {}
   for path, var in variables.items():
     if path not in entry_of:
       raise CheckpointError(f"k3jax parameter {'.'.join(path)} has no entry in the name map")
@@ -112,23 +130,55 @@ def _create_arrays(writer, cfg, variables, dtypes, keep_codes) -> None:
     if keep_codes and entry.mxfp4:
       n_moe, n_exp, fan_in, fan_out = var.shape
       codes, scales = packed_paths(path)
-      writer.create(codes, (n_moe, n_exp, fan_out, fan_in // 2), np.uint8, lead)
-      writer.create(scales, (n_moe, n_exp, fan_out, fan_in // 32), np.uint8, lead)
+      out[codes] = ((n_moe, n_exp, fan_out, fan_in // 2), np.uint8, lead)
+      out[scales] = ((n_moe, n_exp, fan_out, fan_in // 32), np.uint8, lead)
       continue
     # layers outside --layers: no source tensor seen, so the official dtype of the entry
     default = np.dtype(ml_dtypes.bfloat16 if entry.hf_dtype == "bf16" else np.float32)
-    writer.create(path, var.shape, dtypes.get(path, default), lead)
+    out[path] = (tuple(var.shape), dtypes.get(path, default), lead)
+  return out
 
 
-def _copy(source, it: Item, writer, keep_codes: bool) -> None:
-  """One HF tensor (or MXFP4 pair) into its slice(s) of the checkpoint arrays."""
-  if keep_codes and it.mxfp4:
-    for part, dest in zip(it.parts, packed_paths(it.slot.entry.paths[0])):
-      writer.write(dest, it.slot.index, source.reader.read(part.path, part.info.name))
-    return
-  arrays = to_k3jax(it, read_weight(source, it), source.cfg)
-  for path, arr in zip(it.slot.entry.paths, arrays):
-    writer.write(path, it.slot.index, arr)
+def _items(source, items: list[Item], arrays: dict, keep_codes: bool, bar: Progress):
+  """Each HF tensor (or MXFP4 pair) as a stream item: its key, its size as stored, and how to
+  read it laid out for its slice(s) of the checkpoint (read only when the writer asks)."""
+  for it in items:
+    if keep_codes and it.mxfp4:
+      dests = packed_paths(it.slot.entry.paths[0])
+
+      def read(it=it, dests=dests):
+        return [(dest, it.slot.index, source.reader.read(part.path, part.info.name))
+                for part, dest in zip(it.parts, dests)]
+    else:
+      dests = it.slot.entry.paths
+
+      def read(it=it, dests=dests):
+        return list(zip(dests, [it.slot.index] * len(dests),
+                        to_k3jax(it, read_weight(source, it), source.cfg)))
+    nbytes = sum(math.prod(arrays[p][0][arrays[p][2]:]) * np.dtype(arrays[p][1]).itemsize
+                 for p in dests)
+    yield it.name, nbytes, read
+    bar.update(it.nbytes)
+
+
+def _journalled(path: str) -> set[str]:
+  """Tensors whose batch was committed before an interruption (a torn last line is not)."""
+  if not os.path.exists(path):
+    return set()
+  with open(path) as f:
+    text = f.read()
+  return set(text.split("\n")[:-1])
+
+
+def _resume_key(manifest: dict, config_raw: bytes) -> dict:
+  """What a resumed conversion must match: the manifest (layers, expert storage, every source
+  shard's name and header, so the same tensors at the same offsets), config.json, and the
+  writer's chunk and node sizes."""
+  digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode())
+  return {"manifest_sha256": digest.hexdigest(),
+          "config_sha256": hashlib.sha256(config_raw).hexdigest(),
+          # the arrays on disk must be reopened exactly as they were created
+          "chunk_bytes": orbax_io.CHUNK_BYTES, "node_bytes": orbax_io.NODE_BYTES}
 
 
 def _manifest(source, items, selected, with_embed, with_head, experts) -> dict:

@@ -1,4 +1,4 @@
-"""`k3jax` command line: info | convert | export | parity | train | generate (SPEC §9).
+"""`k3jax` command line: info | convert | export | parity | train | generate | tokenize (SPEC §9).
 
 Each subcommand lives in its own module exposing `register(subparsers)`; the parser it adds
 sets `func(args) -> int`. User mistakes raise `UserError` (or ConfigError) and are printed as
@@ -25,6 +25,7 @@ _SUBCOMMANDS = (
     "k3jax.generate",
     "convert.cli",
     "k3jax.parity",
+    "k3jax.tokenize_cli",
 )
 
 
@@ -55,4 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  # `python -m k3jax.cli`: run the imported module's main, so that the UserError subcommands
+  # raise (k3jax.cli.UserError) is the one caught, not this __main__ copy's
+  from k3jax.cli import main as _main  # noqa: PLC0415
+  sys.exit(_main())

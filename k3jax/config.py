@@ -76,6 +76,17 @@ class ModelConfig:
     kda_backend: KDA op backend; None picks by platform (see pallas_kernels.kda.ops).
     moe_grouped_matmul: routed experts' grouped matmul, "ragged_dot" or "tiled"; None picks by
       platform (tiled on CPU, where ragged_dot is slow; see k3jax.model.grouped_matmul).
+    moe_capacity_factor: None (default) keeps the routed experts dropless: every selected
+      (token, expert) pair is computed and the exchange buffers are sized for the worst case.
+      A float c caps every expert at ceil(c * k * n / E) pairs per step, n the tokens of its
+      expert-parallel group (the tokens of one device times the `expert` mesh axis; all tokens
+      without a mesh): pairs past the cap, later tokens first, are dropped (they add nothing
+      to their token's output, the other weights are not renormalised) and counted
+      (`Routing.dropped_pairs`). Bounds the exchange buffers and the grouped matmuls to about
+      c times the balanced load instead of the worst case (sharding/expert_parallel.py).
+    moe_dispatch: expert-parallel exchange, "ragged" (jax.lax.ragged_all_to_all: moves only
+      the routed rows) or "padded" (all_to_all of fixed-size per-device buffers, for XLA:CPU,
+      which lacks ragged_all_to_all); None picks by the platform the program is lowered for.
     remat: rematerialise each layer in the backward pass.
     scan_layers: run the longest stretch of identical repeating layer units under one
       lax.scan (compile time independent of depth); numerically identical to unrolling.
@@ -131,6 +142,8 @@ class ModelConfig:
   matmul_precision: Literal["default", "high", "highest"] = "default"
   kda_backend: str | None = None
   moe_grouped_matmul: Literal["ragged_dot", "tiled"] | None = None
+  moe_capacity_factor: float | None = None
+  moe_dispatch: Literal["ragged", "padded"] | None = None
   remat: bool = False
   scan_layers: bool = True
 
@@ -149,6 +162,10 @@ class ModelConfig:
       raise ConfigError(f"unsupported router activation {self.router_activation!r}")
     if self.num_experts_per_token > self.num_experts:
       raise ConfigError("num_experts_per_token exceeds num_experts")
+    if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
+      raise ConfigError(f"moe_capacity_factor must be > 0, got {self.moe_capacity_factor}")
+    if self.moe_dispatch not in (None, "ragged", "padded"):
+      raise ConfigError(f"unknown moe_dispatch {self.moe_dispatch!r}")
     for name in ("dtype", "param_dtype"):
       jnp.dtype(getattr(self, name))  # raises on an unknown dtype name
 

@@ -2,8 +2,9 @@
 
     grouped_matmul(x_mh, w_ehf, group_sizes_e, impl=None) -> y_mf
 
-Rows arrive sorted by expert, `group_sizes` [E] of them per expert (sum = m). Two
-implementations, equal up to float summation order:
+Rows arrive sorted by expert, `group_sizes` [E] of them per expert. The groups may fill only
+a prefix of the rows (sum <= m, as in the fixed-size buffers of expert parallelism): rows past
+the last group give zeros. Two implementations, equal up to float summation order:
 
   "ragged_dot"  jax.lax.ragged_dot: XLA's grouped matmul (MXU / tensor-core kernels on TPU and
                 GPU). On XLA:CPU it runs ~50x slower than a dense matmul of the same FLOPs
@@ -14,7 +15,9 @@ implementations, equal up to float summation order:
                 tiles, so padding costs at most E * tile rows. ~18x faster than ragged_dot on
                 XLA:CPU at the shape above (fwd+bwd), 2.7x a dense matmul of the same FLOPs.
 
-impl=None picks "tiled" on CPU and "ragged_dot" elsewhere.
+impl=None picks "tiled" on CPU and "ragged_dot" elsewhere. With no more rows than experts
+(decoding: batch x k rows), "tiled" instead gathers each row's expert matrix: a decode step
+then reads only the k selected experts per token, not a padded tile of every expert.
 """
 
 from __future__ import annotations
@@ -38,18 +41,24 @@ def grouped_matmul(x_mh: jax.Array, w_ehf: jax.Array, group_sizes_e: jax.Array, 
   if impl != "tiled":
     raise ValueError(f"unknown grouped matmul {impl!r}; expected one of {IMPLS}")
   m, e = x_mh.shape[0], w_ehf.shape[0]
+  expert_m = jnp.repeat(jnp.arange(e), group_sizes_e, total_repeat_length=m)
+  filled_m = jnp.arange(m) < jnp.sum(group_sizes_e)
+  if m <= e:  # decode-sized: m expert matrices read, never more than the E + 1 tiles below
+    y_mf = jnp.einsum("mh,mhf->mf", x_mh, w_ehf[expert_m], precision=precision)
+    return jnp.where(filled_m[:, None], y_mf, 0)
   n_tiles = -(-m // tile) + e
   padded_e = (group_sizes_e + tile - 1) // tile * tile
   padded_end_e = jnp.cumsum(padded_e)
   start_e = jnp.cumsum(group_sizes_e) - group_sizes_e
-  expert_m = jnp.repeat(jnp.arange(e), group_sizes_e, total_repeat_length=m)
-  # row i of group g goes to (padded start of g) + (i - start of g)
+  # row i of group g goes to (padded start of g) + (i - start of g); rows past the groups
+  # go nowhere (an out-of-range position, dropped on write, read back as 0)
   pos_m = padded_end_e[expert_m] - padded_e[expert_m] + jnp.arange(m) - start_e[expert_m]
+  pos_m = jnp.where(filled_m, pos_m, n_tiles * tile)
   x_pad = jnp.zeros((n_tiles * tile, x_mh.shape[1]), x_mh.dtype).at[pos_m].set(
-      x_mh, unique_indices=True)
+      x_mh, mode="drop", unique_indices=True)
   # tiles past the last group hold only zeros; any expert index will do for them
   expert_j = jnp.minimum(
       jnp.searchsorted(padded_end_e, jnp.arange(n_tiles) * tile, side="right"), e - 1)
   y_jtf = jnp.einsum("jth,jhf->jtf", x_pad.reshape(n_tiles, tile, -1), w_ehf[expert_j],
                      precision=precision)
-  return y_jtf.reshape(n_tiles * tile, -1)[pos_m]
+  return y_jtf.reshape(n_tiles * tile, -1).at[pos_m].get(mode="fill", fill_value=0)

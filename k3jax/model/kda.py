@@ -11,6 +11,13 @@ The gate, beta sigmoid and q/k l2norm are handed to the op as raw inputs so a ke
 them. The conv is causal and depthwise (weights [H, K, taps], the last tap on the current
 token) and does not read across packed-sequence boundaries. `KDAState` carries what decoding
 needs: the last taps-1 projected inputs of q, k, v and the recurrent state [B, H, K, V] fp32.
+
+Decoding (SPEC §7): with a state, a chunk of any length continues it through the chunked op;
+one token (T = 1) takes the fused single-step path `kda_step` instead (Pallas on TPU/GPU),
+never the chunked op padded to 64. `token_mask` [B, T] marks left padding: a pad token's
+projected q, k, v are zeroed before the conv, so the conv reads zeros there exactly as it
+reads the zero left edge of an unpadded row, and the state, which starts at zero, stays
+exactly zero through the pads (k = v = 0 only decays it): pads are never absorbed.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from flax import nnx
 
 from k3jax.config import ModelConfig
 from k3jax.model.layers import Projection, make_param, ones_param, rms_normalize, wide_dtype
-from pallas_kernels.kda.ops import kda
+from pallas_kernels.kda.ops import kda, kda_step, prepare_inputs
 
 
 class KDAState(NamedTuple):
@@ -102,27 +109,51 @@ class KDA(nnx.Module):
     return self.g_b_proj(self.g_a_proj(x))
 
   def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
-               state: KDAState | None = None) -> tuple[jax.Array, KDAState]:
+               state: KDAState | None = None, token_mask: jax.Array | None = None
+               ) -> tuple[jax.Array, KDAState]:
+    """x [B, T, d] -> (y [B, T, d], state after the last token). `state` continues a
+    sequence; `token_mask` [B, T] bool is False at (left) padding (see the module doc)."""
     cfg = self.cfg
+    wide = wide_dtype(x.dtype)
     convs = []
     for proj, w, tail in ((self.q_proj, self.q_conv, None if state is None else state.conv_q),
                           (self.k_proj, self.k_conv, None if state is None else state.conv_k),
                           (self.v_proj, self.v_conv, None if state is None else state.conv_v)):
-      y, new_tail = causal_conv(proj(x), w[...], tail, segment_ids)
-      convs.append((jax.nn.silu(y), new_tail))
+      u = proj(x)
+      if token_mask is not None:
+        u = jnp.where(token_mask[..., None, None], u, jnp.zeros((), u.dtype))
+      # fp32 taps and silu, one rounding at the end, as the official conv1d + silu compute
+      # them in bf16 (per-tap bf16 rounding would be a second, avoidable noise source)
+      y, new_tail = causal_conv(u.astype(wide), w[...], tail, segment_ids)
+      convs.append((jax.nn.silu(y).astype(u.dtype), new_tail.astype(u.dtype)))
     (q, tq), (k, tk), (v, tv) = convs
-    wide = wide_dtype(x.dtype)
-    o, s_final = kda(
-        q, k, v, self.f_b_proj(self.f_a_proj(x)).astype(wide), self.b_proj(x).astype(wide),
-        A_log=self.A_log[...].astype(wide), dt_bias=self.dt_bias[...].astype(wide),
-        gate=cfg.kda_gate, lower_bound=cfg.gate_lower_bound,
-        use_qk_l2norm=True, l2norm_eps=cfg.l2norm_eps, use_beta_sigmoid=True,
-        initial_state=None if state is None else state.recurrent, output_final_state=True,
-        segment_ids=segment_ids, backend=cfg.kda_backend)
+    g, beta = self.f_b_proj(self.f_a_proj(x)).astype(wide), self.b_proj(x).astype(wide)
+    raw = dict(A_log=self.A_log[...].astype(wide), dt_bias=self.dt_bias[...].astype(wide),
+               gate=cfg.kda_gate, lower_bound=cfg.gate_lower_bound, use_qk_l2norm=True,
+               l2norm_eps=cfg.l2norm_eps, use_beta_sigmoid=True)
+    if state is not None and x.shape[1] == 1 and segment_ids is None:
+      # one decode token: the fused step on prepared inputs (unit q/k, log decay, beta)
+      q, k, g, beta = prepare_inputs(q, k, g, beta, **raw)
+      o, s_final = kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state.recurrent,
+                            backend=cfg.kda_backend)
+      o = o[:, None]
+    else:
+      o, s_final = kda(q, k, v, g, beta, **raw,
+                       initial_state=None if state is None else state.recurrent,
+                       output_final_state=True, segment_ids=segment_ids,
+                       backend=cfg.kda_backend)
     # FusedRMSNormGated: the gain and the gate multiply in fp32, one cast at the end.
     gate = jax.nn.sigmoid(self.output_gate(x).astype(wide))
     o = (rms_normalize(o, cfg.rms_norm_eps) * self.o_norm[...].astype(wide) * gate).astype(o.dtype)
     return self.o_proj(o), KDAState(tq, tk, tv, s_final)
+
+def initial_state(cfg: ModelConfig, batch: int, dtype=None) -> KDAState:
+  """The state of an empty sequence: zero conv tails (compute dtype) and a zero fp32 state
+  (float64 when the model computes in float64)."""
+  dt = jnp.dtype(dtype or cfg.jnp_dtype)
+  h, k, taps = cfg.kda_num_heads, cfg.kda_head_dim, cfg.conv_kernel_size
+  tail = jnp.zeros((batch, taps - 1, h, k), dt)
+  return KDAState(tail, tail, tail, jnp.zeros((batch, h, k, k), wide_dtype(dt)))
 
 
 def _symmetric_uniform(bound: float):

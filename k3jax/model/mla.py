@@ -10,6 +10,16 @@ The "rope" dims are never rotated (NoPE). The checkpoint's kv_b_proj is held as 
 projections, k_b and v_b, so Per-Head Muon sees K and V as separate blocks without slicing.
 Masks: causal, and tokens attend only within their own segment (packing and padding both
 travel as segment ids).
+
+Decoding (SPEC §7) caches per token only the normalised latent c and k_rot (`latent`), and
+`attend_latent` attends over that cache. With k_b / v_b absorbed (the standard MLA inference
+form), per head:
+    scores = q_nope k_b(c)^T + q_rot k_rot^T = (q_nope k_b^T) c^T + q_rot k_rot^T
+    o      = probs v_b(c)                    = (probs c) v_b
+the same numbers without expanding the cache to per-head keys and values. Which order is
+cheaper depends on how many new tokens T meet how many cached S: absorbed costs
+~T*S*(2*kv_lora + rope) per head, expanded ~S*kv_lora*(nope + v) + T*S*(nope + rope + v); a
+decode step (T = 1) always absorbs, a long prefill chunk at K3 widths expands.
 """
 
 from __future__ import annotations
@@ -72,6 +82,53 @@ class MLA(nnx.Module):
     c, k_rot = jnp.split(ckv, [self.cfg.kv_lora_rank], axis=-1)
     return self.kv_a_norm(c), k_rot
 
+  def output(self, x: jax.Array, o: jax.Array) -> jax.Array:
+    """o_proj(o * sigmoid(g_proj(x))); the sigmoid in fp32 with one rounding, as torch's."""
+    if self.cfg.mla_output_gate:
+      gate = self.g_proj(x)
+      o = o * jax.nn.sigmoid(gate.astype(wide_dtype(gate.dtype))).astype(o.dtype)
+    return self.o_proj(o)
+
+  def attend_latent(self, x: jax.Array, c_bsc: jax.Array, rot_bsr: jax.Array,
+                    q_pos_t: jax.Array, start_b: jax.Array, *, absorb: bool | None = None,
+                    heads_major: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+    """x [B, T, d] at absolute positions q_pos_t [T] against a latent cache c [B, S, kv_lora],
+    k_rot [B, S, rope] that already holds these tokens at their positions. Row b's real tokens
+    start at start_b[b] (left padding): keys before it are masked, except that a pad query sees
+    itself (so no softmax row is empty). `absorb` None picks the cheaper order.
+    `heads_major`: k_b as [H, nope, kv_lora] and v_b as [H, kv_lora, v] (`heads_major_kv_b`),
+    the layout a per-head matmul reads without transposing the weights every step."""
+    cfg = self.cfg
+    b, t, _ = x.shape
+    s = c_bsc.shape[1]
+    if absorb is None:
+      absorb = absorbed_is_cheaper(cfg, t, s)
+    q_nope, q_rot = jnp.split(self.query(x), [cfg.qk_nope_head_dim], axis=-1)
+    dt, prec = q_nope.dtype, cfg.precision
+    c_bsc, rot_bsr = c_bsc.astype(dt), rot_bsr.astype(dt)
+    # Scores are laid out key-major [B, S, T, H]: the cache is then the row-major left operand
+    # of both products, read as stored (a [B, H, T, S] layout makes XLA transpose the whole
+    # cache every step: ~3x slower on XLA:CPU at S = 32K).
+    k_b_hkc, v_b_hcv = heads_major or heads_major_kv_b(self)
+    if absorb:
+      q_lat = jnp.einsum("bthk,hkc->bthc", q_nope, k_b_hkc.astype(dt), precision=prec)
+      scores = jnp.einsum("bsc,bthc->bsth", c_bsc, q_lat, precision=prec)
+    else:
+      scores = jnp.einsum("bshk,bthk->bsth", self.k_b_proj(c_bsc), q_nope, precision=prec)
+    scores = scores + jnp.einsum("bsr,bthr->bsth", rot_bsr, q_rot, precision=prec)
+    scores = scores.astype(wide_dtype(scores.dtype)) * cfg.qk_head_dim**-0.5
+    key_s = jnp.arange(s)[None, :, None]
+    q_pos = q_pos_t[None, None, :]
+    visible = (key_s <= q_pos) & ((key_s >= start_b[:, None, None]) | (key_s == q_pos))
+    scores = jnp.where(visible[..., None], scores, -jnp.inf)   # [B, S, T, H]
+    probs = jax.nn.softmax(scores, axis=1).astype(dt)
+    if absorb:
+      o_lat = jnp.einsum("bsth,bsc->bthc", probs, c_bsc, precision=prec)
+      o = jnp.einsum("bthc,hcv->bthv", o_lat, v_b_hcv.astype(dt), precision=prec)
+    else:
+      o = jnp.einsum("bsth,bshv->bthv", probs, self.v_b_proj(c_bsc), precision=prec)
+    return self.output(x, o)
+
   def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None
                ) -> tuple[jax.Array, jax.Array]:
     """(output [B,T,d], per-head max pre-softmax logit [H]); the latter feeds QK-clip."""
@@ -88,6 +145,20 @@ class MLA(nnx.Module):
     max_logits_h = jax.lax.stop_gradient(jnp.max(scores, axis=(0, 2, 3)))
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     o = jnp.einsum("bhqs,bshv->bqhv", probs, v, precision=cfg.precision)
-    if cfg.mla_output_gate:
-      o = o * jax.nn.sigmoid(self.g_proj(x))
-    return self.o_proj(o), max_logits_h
+    return self.output(x, o), max_logits_h
+
+
+def absorbed_is_cheaper(cfg: ModelConfig, t: int, s: int) -> bool:
+  """Multiply-adds per head of T queries against S cached tokens: absorbed vs expanded."""
+  kv, rope = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+  nope, dv = cfg.qk_nope_head_dim, cfg.v_head_dim
+  absorbed = t * s * (2 * kv + rope) + t * kv * (nope + dv)
+  expanded = s * kv * (nope + dv) + t * s * (nope + rope + dv)
+  return absorbed <= expanded
+
+
+def heads_major_kv_b(mla: MLA) -> tuple[jax.Array, jax.Array]:
+  """(k_b [H, nope, kv_lora], v_b [H, kv_lora, v]): the absorbed products' weights with the
+  head axis first, as a batched matmul over heads reads them."""
+  return (jnp.transpose(mla.k_b_proj.kernel[...], (1, 2, 0)),
+          jnp.transpose(mla.v_b_proj.kernel[...], (1, 0, 2)))

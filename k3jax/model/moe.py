@@ -2,7 +2,9 @@
 
 Dropless: every selected (token, expert) pair is computed. The pairs are sorted by expert and
 run as grouped matmuls (`grouped_matmul`: `jax.lax.ragged_dot`, or padded tiles on CPU), never
-as a loop over all experts.
+as a loop over all experts. Traced under a k3jax device mesh (`jax.set_mesh`), the routed
+experts run expert-parallel inside `shard_map` (sharding/expert_parallel.py); an optional
+capacity factor (`moe_capacity_factor`) drops and counts the pairs past each expert's cap.
 
     s = sigmoid(x W_r)                           # fp32 [N, E]
     T = topk(s + b, k)                           # b: router bias, set by Quantile Balancing
@@ -13,6 +15,7 @@ as a loop over all experts.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -25,6 +28,7 @@ from k3jax.model.layers import (Projection, RMSNorm, annotated, fan_in_normal, m
                                 wide_dtype)
 from k3jax.model.mlp import MLP, glu
 from k3jax.model.quantile_balancing import quantile_balancing_bias  # noqa: F401  (re-export)
+from sharding import expert_parallel
 
 
 class RouterBias(nnx.Variable):
@@ -36,6 +40,8 @@ class Routing(NamedTuple):
   scores_ne: jax.Array   # unbiased router scores s, fp32 [N, E]
   experts_nk: jax.Array  # selected experts T, int32 [N, k]
   weights_nk: jax.Array  # routing weights p, fp32 [N, k]
+  dropped_pairs: jax.Array | None = None  # int32 []: selected pairs not computed (capacity);
+                                          # set by MoE, 0 when dropless
 
 
 class Router(nnx.Module):
@@ -50,15 +56,20 @@ class Router(nnx.Module):
     self.bias = annotated(jnp.zeros((e,), jnp.float32), ("expert_scores",), RouterBias)
 
   def __call__(self, x_nd: jax.Array) -> Routing:
-    wide = wide_dtype(x_nd.dtype)
-    logits = jnp.einsum("nd,de->ne", x_nd.astype(wide), self.kernel[...].astype(wide),
-                        precision=jax.lax.Precision.HIGHEST)
-    scores = jax.nn.sigmoid(logits)
-    _, experts = jax.lax.top_k(scores + self.bias[...].astype(wide), self.cfg.num_experts_per_token)
-    weights = jnp.take_along_axis(scores, experts, axis=-1)
-    if self.cfg.moe_renormalize and self.cfg.num_experts_per_token > 1:
-      weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
-    return Routing(scores, experts.astype(jnp.int32), weights * self.cfg.routed_scaling_factor)
+    return route(self.cfg, x_nd, self.kernel[...], self.bias[...])
+
+
+def route(cfg: ModelConfig, x_nd: jax.Array, kernel_de: jax.Array, bias_e: jax.Array) -> Routing:
+  """The router as a function of its weights (expert parallelism calls it per device)."""
+  wide = wide_dtype(x_nd.dtype)
+  logits = jnp.einsum("nd,de->ne", x_nd.astype(wide), kernel_de.astype(wide),
+                      precision=jax.lax.Precision.HIGHEST)
+  scores = jax.nn.sigmoid(logits)
+  _, experts = jax.lax.top_k(scores + bias_e.astype(wide), cfg.num_experts_per_token)
+  weights = jnp.take_along_axis(scores, experts, axis=-1)
+  if cfg.moe_renormalize and cfg.num_experts_per_token > 1:
+    weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+  return Routing(scores, experts.astype(jnp.int32), weights * cfg.routed_scaling_factor)
 
 
 class RoutedExperts(nnx.Module):
@@ -76,9 +87,10 @@ class RoutedExperts(nnx.Module):
                          ("experts", in_name, "moe_mlp"), pd)
     self.w2 = make_param(rngs, fan_in_normal(f), (e, f, width_in),
                          ("experts", "moe_mlp", in_name), pd)
+    self.in_name = in_name
 
   def __call__(self, z_nh: jax.Array, routing: Routing) -> jax.Array:
-    """sum_k p_k E_{T_k}(z), accumulated in fp32 [N, h]."""
+    """sum_k p_k E_{T_k}(z), accumulated in fp32 [N, h] (one device, dropless)."""
     n, k = routing.experts_nk.shape
     e = self.cfg.num_experts
     dt = self.cfg.jnp_dtype
@@ -118,10 +130,18 @@ class MoE(nnx.Module):
   def __call__(self, x_btd: jax.Array) -> tuple[jax.Array, Routing]:
     b, t, d = x_btd.shape
     x_nd = x_btd.reshape(b * t, d)
-    routing = self.gate(x_nd)
     latent = self.cfg.latent_size is not None
     z = self.routed_down(x_nd) if latent else x_nd
-    u = self.experts(z, routing).astype(x_nd.dtype)  # official: fp32 sum, cast to x's dtype
+    if expert_parallel.context_mesh() is None and self.cfg.moe_capacity_factor is None:
+      routing = self.gate(x_nd)
+      u, dropped = self.experts(z, routing), jnp.zeros((), jnp.int32)
+    else:  # router, dispatch and experts per device (or capped, on one device)
+      ex = self.experts
+      u, routed, dropped = expert_parallel.routed_experts(
+          self.cfg, functools.partial(route, self.cfg), x_nd, z, self.gate.kernel[...],
+          self.gate.bias[...], ex.w1[...], ex.w3[...], ex.w2[...], in_name=ex.in_name)
+      routing = Routing(*routed)
+    u = u.astype(x_nd.dtype)  # official: fp32 sum, cast to x's dtype
     if latent:
       if self.latent_norm is not None:
         u = self.latent_norm(u)
@@ -129,4 +149,4 @@ class MoE(nnx.Module):
     y = u.reshape(b, t, d)
     if self.shared_experts is not None:
       y = y + self.shared_experts(x_btd)
-    return y, routing
+    return y, routing._replace(dropped_pairs=dropped)

@@ -4,7 +4,9 @@ Embedded default: `k3jax train --config tiny --steps 300 --out DIR` trains the t
 preset byte-level on this interpreter's standard-library sources (no download). The same
 command with a larger --steps resumes from DIR's last checkpoint. --init-from fine-tunes a
 converted checkpoint (`k3jax convert`) or an official-layout model folder, with the folder's
-tiktoken tokenizer when it has one.
+tiktoken tokenizer when it has one. `--format chat --data FILE.jsonl` is chat SFT: rows of
+{"messages": [...], "tools": [...]} rendered with the folder's chat template, the loss on
+assistant tokens only (`k3jax tokenize MODEL_DIR --chat ROW.json` shows what is trained).
 
 Scale-out (SPEC §6): --mesh data=2,fsdp=1,expert=2,tensor=2 runs the step sharded over the
 devices (axes left out have size 1; one axis may be -1: the devices left over; the sizes must
@@ -48,7 +50,8 @@ def options_from_args(args: argparse.Namespace):
   cache = None if args.compile_cache.lower() == "none" else args.compile_cache
   return RunOptions(
       out=args.out, config=args.config, init_from=args.init_from, steps=args.steps,
-      data=args.data, tokenizer=args.tokenizer, batch_size=args.batch_size,
+      data=args.data, data_format=args.format, skip_bad_rows=args.skip_bad_rows,
+      tokenizer=args.tokenizer, batch_size=args.batch_size,
       grad_accum=args.grad_accum, seq_len=args.seq_len, learning_rate=args.lr,
       adam_learning_rate=args.adam_lr, warmup_steps=args.warmup, decay_steps=args.decay_steps,
       end_lr_ratio=args.end_lr_ratio, weight_decay=args.weight_decay, clip_norm=args.clip,
@@ -108,9 +111,18 @@ def register(sub) -> None:
   g.add_argument("--seed", type=int, default=0, help="init and data-order seed")
   g = p.add_argument_group("data")
   g.add_argument("--data", default=None,
-                 help="text file or folder (none given: this Python's standard-library sources)")
-  g.add_argument("--tokenizer", choices=("auto", "byte", "tiktoken"), default="auto",
-                 help="auto: the --init-from folder's tiktoken.model if any, else bytes")
+                 help="text file or folder (none given: this Python's standard-library "
+                      "sources); --format chat: a .jsonl file or folder of them")
+  g.add_argument("--format", choices=("text", "chat"), default="text",
+                 help="text: documents, every token trained; chat: JSONL rows {\"messages\": "
+                      "[...], \"tools\": [...]} rendered with the checkpoint's chat template, "
+                      "assistant tokens trained")
+  g.add_argument("--skip-bad-rows", action="store_true",
+                 help="chat: train on the good rows, listing the bad ones in OUT/bad_rows.jsonl"
+                      " (default: bad rows refuse the run)")
+  g.add_argument("--tokenizer", default="auto", metavar="auto|byte|tiktoken|FOLDER",
+                 help="auto: the --init-from folder's tiktoken.model if any, else bytes; "
+                      "FOLDER: a model folder's tokenizer (tiktoken.model, tokenizer_config.json)")
   g.add_argument("--batch-size", type=_positive(int), default=4, help="rows per step")
   g.add_argument("--seq-len", type=_positive(int), default=128, help="positions per row")
   g.add_argument("--grad-accum", type=_positive(int), default=1,

@@ -17,12 +17,17 @@ The iterator is resumable: its grain state (a small JSON dict) goes into every c
 Data shards (many processes, SPEC §6): with `num_shards` S the pieces are dealt out
 round-robin to S independent pipelines (piece i to shard i mod S, each shuffled and packed on
 its own), shard s supplies rows [s b/S, (s+1) b/S) of every micro-batch, and a process reads
-only the shards whose rows its devices hold (`open_shards`). S is a property of the run, not
+only the shards whose rows its devices hold (`shards_for_rows`, `ShardIterator`). S is a property of the run, not
 of the process count: one process reading all S shards produces exactly the batches that S
 processes produce together. S = 1 is the single pipeline above.
 
 Default corpus: the running interpreter's standard-library `*.py` files (top level of the
 stdlib folder, sorted by name), so the embedded default needs no download.
+
+Chat SFT (`--format chat`, chat_data.py): each JSONL row is one conversation rendered with the
+checkpoint's chat template, one piece of at most T+1 tokens, with per-token `weights` (1 on
+assistant tokens) packed alongside; the loss mask above is further multiplied by the target's
+weight, so only assistant tokens are trained.
 """
 
 from __future__ import annotations
@@ -98,7 +103,8 @@ def split_documents(docs: Sequence[Document]) -> tuple[list[Document], list[Docu
 
 
 def tokenize(docs: Sequence[Document], tokenizer) -> list[np.ndarray]:
-  out = [tokenizer.encode(d.data) for d in docs]
+  # special-token text in a training document is ordinary text, not a control token
+  out = [tokenizer.encode(d.data, allow_special=False) for d in docs]
   vocab = tokenizer.vocab_size
   for d, ids in zip(docs, out):
     if ids.size and (ids.min() < 0 or ids.max() >= vocab):
@@ -115,15 +121,20 @@ def pieces(lengths: Sequence[int], seq_len: int) -> np.ndarray:
   return np.asarray(rows, np.int64)
 
 
-def rows_to_batch(tokens: np.ndarray, seg: np.ndarray, micro_batches: int) -> dict[str, np.ndarray]:
-  """Packed rows [A*b, T+1] -> model inputs [A, b, T] (see module docstring)."""
+def rows_to_batch(tokens: np.ndarray, seg: np.ndarray, micro_batches: int,
+                  weights: np.ndarray | None = None) -> dict[str, np.ndarray]:
+  """Packed rows [A*b, T+1] -> model inputs [A, b, T] (see module docstring). `weights`
+  [A*b, T+1]: a position is trained only if its target's weight is nonzero (chat SFT)."""
   inputs, targets = tokens[:, :-1], tokens[:, 1:]
   seg_in, seg_next = seg[:, :-1], seg[:, 1:]
+  mask = (seg_in == seg_next) & (seg_in != 0)
+  if weights is not None:
+    mask &= weights[:, 1:] != 0
   batch = {
       "inputs": inputs.astype(np.int32),
       "targets": targets.astype(np.int32),
       "segment_ids": seg_in.astype(np.int32),
-      "loss_mask": (seg_in == seg_next) & (seg_in != 0),
+      "loss_mask": mask,
   }
   return {k: v.reshape(micro_batches, -1, v.shape[-1]) for k, v in batch.items()}
 
@@ -148,13 +159,19 @@ class PipelineConfig:
 
 
 def _packed(docs_tokens: Sequence[np.ndarray], piece_table: np.ndarray, cfg: PipelineConfig,
-            *, shuffle: bool, repeat: bool, rows: int | None = None) -> grain.IterDataset:
+            *, shuffle: bool, repeat: bool, rows: int | None = None,
+            weights: Sequence[np.ndarray] | None = None,
+            keep_remainder: bool = False) -> grain.IterDataset:
   t = cfg.seq_len
   rows = cfg.batch_rows if rows is None else rows
+  fields = ("tokens",) if weights is None else ("tokens", "weights")
 
   def load(row) -> dict[str, np.ndarray]:
     doc, start = int(row[0]), int(row[1])
-    return {"tokens": docs_tokens[doc][start:start + t + 1]}
+    piece = {"tokens": docs_tokens[doc][start:start + t + 1]}
+    if weights is not None:
+      piece["weights"] = weights[doc][start:start + t + 1].astype(np.int32)
+    return piece
 
   ds = grain.MapDataset.source(piece_table)
   if shuffle:
@@ -165,25 +182,34 @@ def _packed(docs_tokens: Sequence[np.ndarray], piece_table: np.ndarray, cfg: Pip
   # first fit into as many bins as a step has rows: full pieces fill a bin alone, the short
   # tails of documents share bins; bins are emitted together as one step's rows
   ds = grain.experimental.FirstFitPackIterDataset(
-      ds, length_struct={"tokens": t + 1}, num_packing_bins=rows, seed=cfg.seed,
+      ds, length_struct=dict.fromkeys(fields, t + 1), num_packing_bins=rows, seed=cfg.seed,
       shuffle_bins=shuffle)
-  ds = ds.batch(rows, drop_remainder=True)
+  ds = ds.batch(rows, drop_remainder=not keep_remainder)
   a = cfg.micro_batches
-  return ds.map(lambda r: rows_to_batch(r["tokens"], r["tokens_segment_ids"], a))
+
+  def to_batch(r):
+    if len(r["tokens"]) < rows:  # the last, partial eval batch: padding rows (segment 0)
+      r = {k: np.concatenate([v, np.zeros((rows - len(v),) + v.shape[1:], v.dtype)])
+           for k, v in r.items()}
+    return rows_to_batch(r["tokens"], r["tokens_segment_ids"], a, r.get("weights"))
+  return ds.map(to_batch)
 
 
 def train_dataset(docs_tokens: Sequence[np.ndarray], cfg: PipelineConfig,
+                  weights: Sequence[np.ndarray] | None = None, *,
                   shard: int = 0) -> grain.IterDataset:
   """Endless, shuffled, packed batches of data shard `shard` ([A, b/S, T]); prefetched on a
   thread so packing overlaps the step. (The prefetch does not disturb resumption: grain's state
-  counts consumed batches only.)"""
+  counts consumed batches only.) `weights`: per-token training weights of each sequence (chat
+  SFT), packed alongside."""
   if not 0 <= shard < cfg.num_shards:
     raise ValueError(f"shard {shard} of {cfg.num_shards}")
   table = pieces([len(d) for d in docs_tokens], cfg.seq_len)[shard::cfg.num_shards]
   if not len(table):
     raise UserError(f"data shard {shard} of {cfg.num_shards} has no piece; use fewer shards "
                     "or more data")
-  ds = _packed(docs_tokens, table, cfg, shuffle=True, repeat=True, rows=cfg.shard_rows)
+  ds = _packed(docs_tokens, table, cfg, shuffle=True, repeat=True, rows=cfg.shard_rows,
+               weights=weights)
   return grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=2)
 
 
@@ -192,9 +218,10 @@ class ShardIterator:
   [A, b/S * len(shards), T]. State: {shard: grain state} (resumable per shard)."""
 
   def __init__(self, docs_tokens: Sequence[np.ndarray], cfg: PipelineConfig,
-               shards: Sequence[int], state: dict | None = None):
+               shards: Sequence[int], state: dict | None = None,
+               weights: Sequence[np.ndarray] | None = None):
     self.shards = list(shards)
-    self._its = {s: iterate(train_dataset(docs_tokens, cfg, s),
+    self._its = {s: iterate(train_dataset(docs_tokens, cfg, weights, shard=s),
                             None if state is None else state[str(s)]) for s in self.shards}
 
   def __iter__(self):
@@ -227,12 +254,14 @@ def shards_for_rows(cfg: PipelineConfig, rows: tuple[int, int]) -> list[int]:
   return list(range(start // per, stop // per))
 
 
-def eval_batches(docs_tokens: Sequence[np.ndarray], cfg: PipelineConfig,
-                 max_batches: int) -> list[dict[str, np.ndarray]]:
-  """The first `max_batches` packed batches of the held-out documents, in order (fixed)."""
+def eval_batches(docs_tokens: Sequence[np.ndarray], cfg: PipelineConfig, max_batches: int,
+                 weights: Sequence[np.ndarray] | None = None) -> list[dict[str, np.ndarray]]:
+  """The first `max_batches` packed batches of the held-out documents, in order (fixed). With
+  `weights` (chat rows, which cannot be cut to fill rows) a last partial batch is padded."""
   table = pieces([len(d) for d in docs_tokens], cfg.seq_len)
   out = []
-  for batch in _packed(docs_tokens, table, cfg, shuffle=False, repeat=False):
+  for batch in _packed(docs_tokens, table, cfg, shuffle=False, repeat=False, weights=weights,
+                       keep_remainder=weights is not None):
     out.append(batch)
     if len(out) == max_batches:
       break
@@ -248,3 +277,49 @@ def iterate(ds: grain.IterDataset, state: dict | None = None) -> Iterator:
   if state is not None:
     it.set_state(state)
   return it
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingData:
+  """What a run trains and evaluates on."""
+  train_tokens: list[np.ndarray]
+  train_weights: list[np.ndarray] | None  # chat: 1 on assistant tokens; text: None (all)
+  eval_batches: list[dict[str, np.ndarray]]
+  description: str                        # for the start-up line
+  summary: dict                           # for the run's summary
+
+
+def load_training_data(path: str | None, data_format: str, tokenizer, cfg: PipelineConfig,
+                       max_eval_batches: int, *, skip_bad_rows: bool = False,
+                       out: str | None = ".") -> TrainingData:
+  """`--format text`: documents (a file, a folder, or the stdlib sources when `path` is None),
+  split into pieces; `--format chat`: JSONL conversations (chat_data.py). `out`: the folder
+  for the bad-rows list (None: not written, e.g. on processes other than 0)."""
+  if data_format == "text":
+    docs = stdlib_documents() if path is None else folder_documents(path)
+    train_docs, eval_docs = split_documents(docs)
+    train_tokens = tokenize(train_docs, tokenizer)
+    eval_tokens = tokenize(eval_docs, tokenizer)
+    n_train = sum(map(len, train_tokens))
+    return TrainingData(
+        train_tokens, None, eval_batches(eval_tokens, cfg, max_eval_batches),
+        f"{len(train_docs)} train + {len(eval_docs)} eval documents, {n_train:,} train tokens",
+        {"format": "text", "documents": len(docs), "train_tokens": n_train})
+  if data_format != "chat":
+    raise UserError(f"--format {data_format}: expected text or chat")
+  if path is None:
+    raise UserError("--format chat needs --data FILE.jsonl (rows of {\"messages\": [...]})")
+  from k3jax.train import chat_data  # noqa: PLC0415  (jinja2)
+  corpus = chat_data.read_chat(path, tokenizer, cfg.seq_len)
+  report = chat_data.check_bad_rows(corpus, path, skip=skip_bad_rows, out=out)
+  (train_t, train_w), (eval_t, eval_w), held_out = corpus.split()
+  n_train, n_trained = sum(map(len, train_t)), int(sum(w.sum() for w in train_w))
+  return TrainingData(
+      train_t, train_w, eval_batches(eval_t, cfg, max_eval_batches, eval_w),
+      f"{len(train_t)} train + {len(eval_t) if held_out else 0} eval conversations"
+      f"{'' if held_out else ' (eval on the train rows: too few to hold any out)'}, "
+      f"{n_train:,} train tokens of which {n_trained:,} assistant tokens are trained",
+      {"format": "chat", "rows": len(corpus.tokens), "bad_rows": len(corpus.bad),
+       "bad_rows_file": report, "special_text_rows": len(corpus.special_text),
+       "train_rows": len(train_t), "eval_rows": len(eval_t) if held_out else 0,
+       "train_tokens": n_train, "trained_tokens": n_trained})

@@ -47,7 +47,8 @@ from sharding.placement import check_batch
 
 RUN_FILE = "run.json"
 # options that fix what a checkpoint and its data position mean: a resume must not change them
-_RESUME_KEYS = ("data", "tokenizer", "seq_len", "batch_size", "seed", "init_from", "data_shards")
+_RESUME_KEYS = ("data", "data_format", "tokenizer", "seq_len", "batch_size", "seed",
+                "init_from", "data_shards")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +58,9 @@ class RunOptions:
   init_from: str | None = None       # converted Orbax checkpoint or official-layout HF folder
   steps: int = 300
   data: str | None = None            # text file / folder; None: the stdlib sources
-  tokenizer: str = "auto"            # auto | byte | tiktoken
+  data_format: str = "text"          # text | chat (JSONL conversations, assistant tokens only)
+  skip_bad_rows: bool = False        # chat: train on the good rows (else bad rows refuse the run)
+  tokenizer: str = "auto"            # auto | byte | tiktoken | a folder holding tiktoken.model
   batch_size: int = 4                # rows per optimizer step
   grad_accum: int = 1                # micro-batches per step (batch_size % grad_accum == 0)
   seq_len: int = 128
@@ -163,9 +166,10 @@ def _check_resume(out: str, opts: RunOptions, cfg: ModelConfig) -> None:
   if saved.get("model") != cfg.to_dict():
     raise UserError(f"{out} holds a run of another model config; use a new --out")
   for key in _RESUME_KEYS:
-    if saved["options"].get(key) != getattr(opts, key):
+    was = saved["options"].get(key, getattr(RunOptions, key, None))  # runs before the option
+    if was != getattr(opts, key):
       raise UserError(f"{out} holds a run with --{key.replace('_', '-')} "
-                      f"{saved['options'].get(key)!r} (now {getattr(opts, key)!r}); "
+                      f"{was!r} (now {getattr(opts, key)!r}); "
                       "resuming must keep it, or use a new --out")
 
 
@@ -254,13 +258,13 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
   ckpt = Checkpointer(os.path.join(out, "checkpoints"), keep=opts.keep)
   resume_step = ckpt.latest_step()
   tokenizer = load_tokenizer(opts.tokenizer, opts.init_from)
-
-  docs = (data_lib.stdlib_documents() if opts.data is None
-          else data_lib.folder_documents(opts.data))
-  train_docs, eval_docs = data_lib.split_documents(docs)
-  train_tokens = data_lib.tokenize(train_docs, tokenizer)
-  eval_tokens = data_lib.tokenize(eval_docs, tokenizer)
-  eval_batches = data_lib.eval_batches(eval_tokens, pipe, opts.eval_batches)
+  if tokenizer.vocab_size > cfg.vocab_size:
+    raise UserError(f"the {tokenizer.name} tokenizer has {tokenizer.vocab_size} ids but the "
+                    f"model only {cfg.vocab_size} embeddings")
+  data = data_lib.load_training_data(opts.data, opts.data_format, tokenizer, pipe,
+                                     opts.eval_batches, skip_bad_rows=opts.skip_bad_rows,
+                                     out=out if main_process else None)
+  eval_batches = data.eval_batches
 
   def to_device(batch, rows=rows):
     if mesh is None:
@@ -305,9 +309,7 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
   if main_process:
     print(f"k3jax train: {n_params / 1e6:.2f}M params ({flop_count.active_matmul_params / 1e6:.2f}"
           f"M active matmul), {cfg.dtype} compute / {cfg.param_dtype} master; "
-          f"{len(train_docs)} train + {len(eval_docs)} eval documents, "
-          f"{sum(map(len, train_tokens)):,} train tokens ({tokenizer.name}); batch "
-          f"{opts.batch_size} x {opts.seq_len}"
+          f"{data.description} ({tokenizer.name}); batch {opts.batch_size} x {opts.seq_len}"
           f"{f' ({opts.grad_accum} micro-batches)' if opts.grad_accum > 1 else ''}; "
           + (f"mesh {describe(mesh)}, {jax.process_count()} process(es), "
              f"{opts.data_shards} data shard(s); " if mesh is not None else "")
@@ -320,7 +322,8 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
           flush=True)
   writer = (MetricsWriter(out, resume_step=resume_step, tensorboard=opts.tensorboard)
             if main_process else _NoWriter())
-  iterator = data_lib.ShardIterator(train_tokens, pipe, read_shards, data_state)
+  iterator = data_lib.ShardIterator(data.train_tokens, pipe, read_shards, data_state,
+                                    data.train_weights)
   bar = tqdm(total=opts.steps, initial=start, disable=not (opts.progress and main_process),
              unit="step", dynamic_ncols=True)
   qk_threshold = step_lib.NO_QK_CLIP if opts.qk_clip is None else np.float32(opts.qk_clip)
@@ -385,6 +388,6 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
       "median_step_s": median,
       "tokens_per_s": tokens_per_step / median if median else None,
       "mfu": (flop_count.train_per_token * tokens_per_step / median / peak) if median else None,
-      "peak_flops": peak, "plots": plots, "checkpoints": saved_steps,
+      "peak_flops": peak, "plots": plots, "checkpoints": saved_steps, "data": data.summary,
   }
   return summary

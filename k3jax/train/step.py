@@ -224,6 +224,7 @@ def build(cfg: ModelConfig, sc: StepConfig, mesh: jax.sharding.Mesh | None = Non
         "scores": jnp.stack([r.scores_ne for r in routing]) if routing else None,
         "experts": jnp.stack([r.experts_nk for r in routing]) if routing else None,
         "max_logits": out.mla_max_logits,
+        "dropped": jnp.stack([r.dropped_pairs for r in routing]) if routing else None,
     }
     return total, aux
 
@@ -257,6 +258,8 @@ def build(cfg: ModelConfig, sc: StepConfig, mesh: jax.sharding.Mesh | None = Non
       params = qk_clip(params, {MLA_PATH: max_logits}, logical_axes=axes,
                        threshold=jnp.asarray(qk_clip_threshold, jnp.float32))
 
+    if aux["dropped"] is not None:  # pairs past a capacity factor, per MoE layer (0: dropless)
+      metrics["dropped_pairs"] = jnp.sum(aux["dropped"], axis=0)
     if aux["scores"] is not None:
       bias, load = balance(bias, aux["scores"], aux["experts"], batch["segment_ids"])
       metrics.update(load)

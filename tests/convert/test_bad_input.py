@@ -87,6 +87,24 @@ def test_malformed_header(hf, tmp_path, capsys):
   assert_refused(hf, tmp_path, capsys, SHARD1, "malformed header")
 
 
+@pytest.mark.parametrize("delta,needle", [(-1, "wrong header length"), (+1, "header")])
+def test_header_length_off_by_one(hf, tmp_path, capsys, delta, needle):
+  """The header JSON still parses (its padding absorbs the byte), but the data section then
+  starts a byte early (or late) and no longer matches the tensors exactly."""
+  path = hf / SHARD1
+  data = path.read_bytes()
+  (n,) = struct.unpack("<Q", data[:8])
+  assert data[8 + n - 1:8 + n] == b" "  # padding, so the JSON survives either way
+  path.write_bytes(struct.pack("<Q", n + delta) + data[8:])
+  assert_refused(hf, tmp_path, capsys, SHARD1, needle)
+
+
+def test_bytes_appended_to_a_shard(hf, tmp_path, capsys):
+  path = hf / SHARD3
+  path.write_bytes(path.read_bytes() + b"\0")
+  assert_refused(hf, tmp_path, capsys, SHARD3, "appended")
+
+
 def test_oversized_header(hf, tmp_path, capsys):
   path = hf / SHARD1
   data = path.read_bytes()

@@ -82,22 +82,38 @@ def test_kda_layer_formula(variant, segments, x64):
   np.testing.assert_allclose(np64(got), np_kda_layer(m, cfg, x, seg), atol=1e-10, rtol=1e-8)
 
 
-def test_decode_state_continues_the_sequence():
-  """Running T tokens, or T1 then T-T1 with the returned conv tails and recurrent state, is the
-  same computation."""
-  cfg = tiny_cfg()
+@pytest.mark.parametrize("variant", ["k3", "kimi_linear"])
+def test_decode_state_continues_the_sequence(variant, x64):
+  """Running T tokens, or T1 (chunked op) then one token (fused step) then the rest (chunked,
+  with the state), is the same computation: float64, equal to summation order (1e-12). The
+  conv tails are exactly the last taps-1 projected inputs."""
+  cfg = (tiny_cfg if variant == "k3" else kimi_linear_cfg)(dtype="float64", param_dtype="float64")
   m = _layer(cfg)
-  x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 40, 32)), jnp.float32)
+  x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 40, 32)))
   full, state_full = m(x)
   first, state = m(x[:, :23])
-  second, state2 = m(x[:, 23:], state=state)
-  np.testing.assert_allclose(np.asarray(jnp.concatenate([first, second], 1)),
-                             np.asarray(full), atol=1e-5)
-  np.testing.assert_allclose(np.asarray(state2.recurrent), np.asarray(state_full.recurrent),
-                             atol=1e-5)
-  np.testing.assert_array_equal(np.asarray(state2.conv_k), np.asarray(state_full.conv_k))
-  step_out = [m(x[:, t:t + 1], state=s)[0] for t, s in [(23, state)]]
-  np.testing.assert_allclose(np.asarray(step_out[0]), np.asarray(full[:, 23:24]), atol=1e-5)
+  step, state = m(x[:, 23:24], state=state)
+  rest, state = m(x[:, 24:], state=state)
+  np.testing.assert_allclose(np64(jnp.concatenate([first, step, rest], 1)), np64(full),
+                             atol=1e-12, rtol=0)
+  np.testing.assert_allclose(np64(state.recurrent), np64(state_full.recurrent), atol=1e-12)
+  np.testing.assert_array_equal(np64(state.conv_k), np64(m.k_proj(x[:, 24:])[:, -3:]))
+  np.testing.assert_array_equal(np64(state_full.conv_v), np64(m.v_proj(x)[:, -3:]))
+
+
+def test_left_padding_is_not_absorbed(x64):
+  """A row of pads (token_mask False) then a sequence computes what the sequence computes
+  alone, and the state stays exactly zero through the pads."""
+  cfg = tiny_cfg(dtype="float64", param_dtype="float64")
+  m = _layer(cfg)
+  x = jnp.asarray(np.random.default_rng(3).standard_normal((1, 20, 32)))
+  alone, _ = m(x[:, 7:])
+  mask = jnp.arange(20)[None] >= 7
+  junk = jnp.concatenate([x[:, :7] * 100, x[:, 7:]], 1)  # the pads' content must not matter
+  padded, _ = m(junk, token_mask=mask)
+  _, s_pads_only = m(x[:, :7] * 100, token_mask=mask[:, :7])
+  np.testing.assert_allclose(np64(padded[:, 7:]), np64(alone), atol=1e-12, rtol=0)
+  assert not np.any(np64(s_pads_only.recurrent)) and not np.any(np64(s_pads_only.conv_q))
 
 
 def test_kimi_linear_kda_matches_transformers(x64):

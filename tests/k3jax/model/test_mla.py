@@ -92,3 +92,27 @@ def test_kimi_linear_mla_matches_transformers(x64):
   # transformers' eager attention takes its softmax in fp32 even in a float64 module, so the
   # agreement is fp32-level: SPEC §8's 1e-5 for a layer against PyTorch
   np.testing.assert_allclose(np64(m(jnp.asarray(x))[0]), want.detach().numpy(), atol=1e-5)
+
+
+@pytest.mark.parametrize("make", [tiny_cfg, kimi_linear_cfg])
+def test_latent_cache_attention(make, x64):
+  """Attention over the latent cache (SPEC §7), k_b / v_b absorbed or expanded, equals the
+  layer's full-sequence attention at every position (float64, 1e-12): a whole prompt at once,
+  then token by token; a left-padded row (junk before `start`) equals the row alone."""
+  cfg = make(dtype="float64", param_dtype="float64")
+  m = randomize(MLA(cfg, rngs=nnx.Rngs(5)), 5)
+  x = jnp.asarray(np.random.default_rng(7).standard_normal((2, 9, cfg.hidden_size)))
+  full, _ = m(x)
+  c, rot = m.latent(x)
+  pad = lambda a: jnp.pad(a, ((0, 0), (0, 3), (0, 0)))  # noqa: E731  (S = 12 > T)
+  start = jnp.zeros((2,), jnp.int32)
+  for absorb in (True, False):
+    got = m.attend_latent(x, pad(c), pad(rot), jnp.arange(9), start, absorb=absorb)
+    np.testing.assert_allclose(np64(got), np64(full), atol=1e-12, rtol=0)
+    steps = [m.attend_latent(x[:, t:t + 1], pad(c), pad(rot), jnp.asarray([t]), start,
+                             absorb=absorb) for t in range(9)]
+    np.testing.assert_allclose(np64(jnp.concatenate(steps, 1)), np64(full), atol=1e-12, rtol=0)
+  junk = jnp.concatenate([x[:, :4] * 50, x[:, 4:]], 1)
+  c, rot = m.latent(junk)
+  got = m.attend_latent(junk, c, rot, jnp.arange(9), jnp.asarray([4, 4], jnp.int32))
+  np.testing.assert_allclose(np64(got[:, 4:]), np64(m(x[:, 4:])[0]), atol=1e-12, rtol=0)

@@ -15,8 +15,9 @@ def np_silu(a):
   return a / (1 + np.exp(-a))
 
 
-def np_moe(moe: MoE, cfg, x):
-  """Per-token, per-expert transcription of SPEC §2.6."""
+def np_moe(moe: MoE, cfg, x, keep=None):
+  """Per-token, per-expert transcription of SPEC §2.6. keep [N, k] (bool, slot order of the
+  top-k): pairs to compute; the others are dropped (capacity factor), weights unchanged."""
   x = np64(x).reshape(-1, cfg.hidden_size)
   w_r, bias = np64(moe.gate.kernel[...]), np64(moe.gate.bias[...])
   s = 1 / (1 + np.exp(-(x @ w_r)))
@@ -31,8 +32,10 @@ def np_moe(moe: MoE, cfg, x):
     if cfg.moe_renormalize:
       p = p / (p.sum() + 1e-20)
     p = p * cfg.routed_scaling_factor
-    u = 0
-    for e, pe in zip(chosen, p):
+    u = np.zeros(z.shape[1])
+    for j, (e, pe) in enumerate(zip(chosen, p)):
+      if keep is not None and not keep[n, j]:
+        continue
       a, b = z[n] @ w1[e], z[n] @ w3[e]
       act = (4 * np.tanh(a / 4) / (1 + np.exp(-a)) * 25 * np.tanh(b / 25)
              if cfg.hidden_act == "situ" else np_silu(a) * b)
@@ -134,3 +137,30 @@ def test_kimi_linear_moe_matches_transformers(x64):
   got = np64(moe(jnp.asarray(x))[0])
   # transformers' router runs in fp32 even in a float64 module: fp32-level agreement
   np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_dropless_reports_no_dropped_pairs():
+  cfg = tiny_cfg()
+  _, routing = _moe(cfg)(jnp.ones((1, 4, 32)))
+  assert routing.dropped_pairs.dtype == jnp.int32 and int(routing.dropped_pairs) == 0
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0])
+def test_capacity_factor_on_one_device(factor, x64):
+  """cap = ceil(c * k * N / E) pairs per expert, the earliest tokens kept; dropped pairs add
+  nothing and are counted. Against the per-token loop with numpy's own keep mask."""
+  cfg = tiny_cfg(dtype="float64", param_dtype="float64", moe_capacity_factor=factor)
+  moe = _moe(cfg, seed=9)
+  moe.gate.bias.set_value(jnp.zeros(cfg.num_experts).at[:2].set(0.3))  # experts 0, 1 overflow
+  x = np.random.default_rng(10).standard_normal((2, 11, 32))
+  y, routing = moe(jnp.asarray(x))
+  n, k, e = 22, cfg.num_experts_per_token, cfg.num_experts
+  cap = int(np.ceil(factor * k * n / e))
+  keep, seen = np.zeros((n, k), bool), np.zeros(e, int)
+  for t, chosen in enumerate(np.asarray(routing.experts_nk)):
+    for j, ex in enumerate(chosen):
+      keep[t, j], seen[ex] = seen[ex] < cap, seen[ex] + 1
+  assert (~keep).sum() > 0
+  assert int(routing.dropped_pairs) == (~keep).sum()
+  np.testing.assert_allclose(np64(y).reshape(n, -1), np_moe(moe, cfg, x, keep=keep),
+                             atol=1e-10, rtol=0)

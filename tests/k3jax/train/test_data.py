@@ -182,4 +182,8 @@ def test_folder_bpe_encodes_with_its_merges_and_special_tokens(tmp_path):
   ids = tok.encode("def x(")
   assert list(ids) == [257, 258, ord("(")]
   assert tok.decode(ids) == "def x("
-  assert 259 not in tok.encode("<|eos|>")
+  # as transformers encodes text, special-token text is the special token; in a training
+  # document (allow_special=False, what data.tokenize uses) it stays ordinary text
+  assert tok.encode("<|eos|>").tolist() == [259]
+  assert 259 not in tok.encode("<|eos|>", allow_special=False)
+  assert 259 not in data.tokenize([data.Document("d", b"<|eos|>")], tok)[0]

@@ -1,0 +1,28 @@
+"""The k3jax model's variables as the converter sees them: a flat map from key path to the
+abstract variable (shape, dtype) of the model a config describes, computed with
+`nnx.eval_shape` (nothing allocated).
+
+Every converter module (the folder plan, the Orbax writer, the loaders, export) takes its
+shapes from here, so none of them needs another to know what the model holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flax import nnx
+
+from k3jax.config import ModelConfig
+
+Path = tuple[str, ...]
+
+
+def abstract_variables(cfg: ModelConfig) -> dict[Path, Any]:
+  """k3jax path -> abstract nnx Variable of the model `cfg` describes."""
+  from k3jax.model.transformer import K3Model  # noqa: PLC0415  (model import is heavy)
+  abstract = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
+  return {tuple(str(p) for p in path): v for path, v in nnx.to_flat_state(nnx.state(abstract))}
+
+
+def param_shapes(cfg: ModelConfig) -> dict[Path, tuple[int, ...]]:
+  return {path: tuple(v.shape) for path, v in abstract_variables(cfg).items()}

@@ -1,0 +1,320 @@
+"""`k3jax generate`: sample from a model folder (SPEC §7, §9).
+
+MODEL is an official K3 / Kimi-Linear folder, a converted k3jax checkpoint, or a `k3jax train`
+output folder (its `model/` weights and the run's tokenizer: bytes for the tiny preset). Text
+prompts use the folder's tokenizer (`tiktoken.model`; bytes for a byte-level model) and, with
+--chat, its chat template; --prompt-ids takes token ids. Several prompts (repeat --prompt /
+--prompt-ids, or one per line of --prompt-file) run as one left-padded batch.
+
+Output: one prompt streams its text (or ids) to stdout as tokens arrive; several prompts print
+`[i] text` per prompt as each finishes; --json prints one object per prompt (index,
+prompt_tokens, tokens, text, finish_reason) as each finishes. A stop token ends a row and is
+kept in `tokens` but not in `text`. Timing goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from k3jax.cli import UserError
+
+DTYPES = ("auto", "float64", "float32", "bfloat16")
+
+
+def _ids(text: str) -> list[int]:
+  try:
+    ids = [int(t) for t in text.replace(",", " ").split()]
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"not a list of token ids: {text!r}") from None
+  if not ids:
+    raise argparse.ArgumentTypeError("empty token id list")
+  return ids
+
+
+def _positive(text: str) -> int:
+  value = int(text)
+  if value <= 0:
+    raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+  return value
+
+
+def _nonneg(kind):
+  def parse(text):
+    value = kind(text)
+    if value < 0:
+      raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+  return parse
+
+
+def resolve_model(path: str) -> tuple[str, dict]:
+  """(weights folder, where its tokenizer comes from): a train output's `model/` with the run's
+  tokenizer settings, or the folder itself."""
+  if not os.path.exists(path):
+    raise UserError(f"{path}: no such model folder")
+  run_file = os.path.join(path, "run.json")
+  if os.path.isfile(run_file) and os.path.isdir(os.path.join(path, "model")):
+    with open(run_file) as f:
+      opts = json.load(f).get("options", {})
+    return os.path.join(path, "model"), {"kind": opts.get("tokenizer", "auto"),
+                                         "folder": opts.get("init_from")}
+  return path, {"kind": "auto", "folder": path}
+
+
+def load_text_tokenizer(source: dict, vocab_size: int):
+  """The folder's tokenizer, or None when text cannot be encoded for this model."""
+  from k3jax.train.tokenizer import ByteTokenizer, load_tokenizer  # noqa: PLC0415
+  tok = load_tokenizer(source["kind"], source["folder"])
+  if isinstance(tok, ByteTokenizer) and vocab_size != ByteTokenizer.vocab_size:
+    return None  # no tokenizer file and not a byte-level model
+  return tok
+
+
+def parse_mesh(spec: str):
+  """A device mesh over sharding.rules.MESH_AXES from `data=2,tensor=4` (absent axes are 1,
+  one axis may be -1: the devices left). Local stand-in until the sharding package's builder."""
+  import jax  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+
+  from sharding.rules import MESH_AXES  # noqa: PLC0415
+  sizes = dict.fromkeys(MESH_AXES, 1)
+  for part in filter(None, spec.split(",")):
+    name, _, value = part.partition("=")
+    if name.strip() not in sizes or not value.strip().lstrip("-").isdigit():
+      raise UserError(f"--mesh {spec!r}: expected AXIS=N,... with axes {', '.join(MESH_AXES)}")
+    sizes[name.strip()] = int(value)
+  n = len(jax.devices())
+  free = [a for a, s in sizes.items() if s == -1]
+  if len(free) > 1 or any(s == 0 or s < -1 for s in sizes.values()):
+    raise UserError(f"--mesh {spec!r}: sizes must be >= 1, and at most one axis -1")
+  if free:
+    rest = int(np.prod([s for s in sizes.values() if s > 0]))
+    sizes[free[0]] = n // rest if n % rest == 0 else 0
+  if int(np.prod(list(sizes.values()))) != n:
+    raise UserError(f"--mesh {spec!r}: {sizes} does not use the {n} devices here")
+  return jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES,
+                       axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
+def place(model, mesh) -> None:
+  """Put every variable where the rules table says (a dimension its mesh axes do not divide
+  stays replicated)."""
+  import jax  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+  from flax import nnx  # noqa: PLC0415
+
+  from sharding.rules import logical_to_spec  # noqa: PLC0415
+  for _, var in nnx.to_flat_state(nnx.state(model)):
+    value, names = var.get_value(), var.get_metadata().get("out_sharding")
+    spec = [None] * value.ndim
+    if names:
+      for d, axes in enumerate(logical_to_spec(names, mesh=mesh)):
+        group = (axes,) if isinstance(axes, str) else (axes or ())
+        if value.shape[d] % int(np.prod([mesh.shape[a] for a in group])) == 0:
+          spec[d] = axes
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+    var.set_value(jax.device_put(value, sharding))
+
+
+def _prompts(args, tokenizer, chat_config) -> list[list[int]]:
+  if args.prompt_ids:
+    if args.chat:
+      raise UserError("--chat renders text prompts; it does not apply to --prompt-ids")
+    return [list(p) for p in args.prompt_ids]
+  if args.prompt_file:
+    try:
+      with open(args.prompt_file, encoding="utf-8") as f:
+        texts = [line.rstrip("\n") for line in f if line.strip()]
+    except OSError as e:
+      raise UserError(f"--prompt-file: {e}") from None
+    if not texts:
+      raise UserError(f"--prompt-file {args.prompt_file}: no prompts (one per line)")
+  else:
+    texts = args.prompt
+  if tokenizer is None:
+    raise UserError("this model folder has no tokenizer (tiktoken.model) and is not "
+                    "byte-level: pass --prompt-ids")
+  from k3jax.generate import chat  # noqa: PLC0415
+  if args.chat:
+    return [chat.encode(tokenizer, chat.render(chat_config, [{"role": "user", "content": t}]))
+            for t in texts]
+  out = [[int(i) for i in tokenizer.encode(t)] for t in texts]
+  if any(not p for p in out):
+    raise UserError("an empty prompt: give at least one token")
+  return out
+
+
+def _stop_ids(args, cfg, tokenizer) -> list[int]:
+  stops = [] if args.ignore_eos or cfg.eos_token_id is None else [int(cfg.eos_token_id)]
+  from k3jax.generate import chat  # noqa: PLC0415
+  for s in args.stop or ():
+    if s.lstrip("-").isdigit():
+      stops.append(int(s))
+      continue
+    ids = chat.encode(tokenizer, s) if tokenizer is not None else []
+    if len(ids) != 1:
+      raise UserError(f"--stop {s!r}: not a token id, nor text of exactly one token")
+    stops.append(ids[0])
+  return stops
+
+
+class _Printer:
+  """Streams one prompt's text, or prints each finished prompt (text or JSON)."""
+
+  def __init__(self, args, prompts, tokenizer, stops):
+    self.args, self.prompts, self.tok, self.stops = args, prompts, tokenizer, set(stops)
+    self.rows = [[] for _ in prompts]
+    self.done = [False] * len(prompts)
+    self.shown = 0  # characters (or ids) of row 0 already streamed
+    self.stream = len(prompts) == 1 and not args.json
+
+  def text(self, ids) -> str | None:
+    if self.tok is None:
+      return None
+    return self.tok.decode([t for t in ids if t not in self.stops])
+
+  def add(self, block) -> None:
+    for b, row in enumerate(block):
+      new = [int(t) for t in row if t >= 0]
+      self.rows[b].extend(new)
+      finished = not self.done[b] and (len(new) < len(row) or self._ended(b))
+      if self.stream:
+        self._stream(final=finished)
+      if finished:
+        self.done[b] = True
+        self._finish(b)
+
+  def _ended(self, b) -> bool:
+    row = self.rows[b]
+    return len(row) >= self.args.max_new_tokens or bool(row and row[-1] in self.stops)
+
+  def _stream(self, final: bool) -> None:
+    if self.tok is None:
+      new = self.rows[0][self.shown:]
+      piece = (" " if self.shown and new else "") + " ".join(map(str, new))
+      self.shown += len(new)
+    else:
+      text = self.text(self.rows[0])
+      if not final and text.endswith("\ufffd"):  # a character split across tokens: wait
+        text = text[:-1]
+      piece, self.shown = text[self.shown:], max(self.shown, len(text))
+    sys.stdout.write(piece + ("\n" if final else ""))
+    sys.stdout.flush()
+
+  def close(self) -> None:
+    """Rows that ended exactly at a block boundary without a visible end (max_new 0)."""
+    for b in range(len(self.rows)):
+      if not self.done[b]:
+        self.done[b] = True
+        if self.stream:
+          self._stream(final=True)
+        self._finish(b)
+
+  def _finish(self, b) -> None:
+    row = self.rows[b]
+    reason = "stop" if row and row[-1] in self.stops else "length"
+    if self.args.json:
+      obj = {"index": b, "prompt_tokens": len(self.prompts[b]), "tokens": row,
+             "finish_reason": reason}
+      if self.tok is not None:
+        obj["text"] = self.text(row)
+      print(json.dumps(obj), flush=True)
+    elif not self.stream:
+      text = self.text(row)
+      print(f"[{b}] " + (text if text is not None else " ".join(map(str, row))), flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+  import jax  # noqa: PLC0415
+
+  from convert.errors import CheckpointError  # noqa: PLC0415
+  from convert.load import load_any  # noqa: PLC0415
+  from k3jax.generate.chat import find_tokenizer_config  # noqa: PLC0415
+  from k3jax.parity import NUMERICS  # noqa: PLC0415
+
+  if not 0 < args.top_p <= 1:
+    raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
+  if args.compile_cache.lower() != "none":
+    jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+  dtype = args.dtype
+  if dtype == "auto":
+    dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+  weights, source = resolve_model(args.model)
+  mesh = parse_mesh(args.mesh) if args.mesh else None
+  with jax.enable_x64(dtype == "float64"):
+    t0 = time.perf_counter()
+    try:  # outside the mesh: the variables' logical names are not mesh axes
+      model, cfg = load_any(weights, **NUMERICS[dtype])
+    except CheckpointError as e:
+      raise UserError(str(e)) from None
+    tokenizer = load_text_tokenizer(source, cfg.vocab_size)
+    prompts = _prompts(args, tokenizer, find_tokenizer_config([source["folder"], weights]))
+    bad = [t for p in prompts for t in p if not 0 <= t < cfg.vocab_size]
+    if bad:
+      raise UserError(f"token id {bad[0]} outside the vocabulary [0, {cfg.vocab_size})")
+    stops = _stop_ids(args, cfg, tokenizer)
+    print(f"{args.model}: {cfg.num_layers} layers, {dtype}, loaded in "
+          f"{time.perf_counter() - t0:.1f}s; {len(prompts)} prompt(s) of "
+          f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens", file=sys.stderr)
+    if mesh is None:
+      _generate(args, model, cfg, prompts, tokenizer, stops)
+    else:
+      place(model, mesh)
+      with jax.set_mesh(mesh):
+        _generate(args, model, cfg, prompts, tokenizer, stops)
+  return 0
+
+
+def _generate(args, model, cfg, prompts, tokenizer, stops) -> None:
+  from k3jax.generate.engine import Generator  # noqa: PLC0415
+  from k3jax.generate.sampling import Sampling  # noqa: PLC0415
+  gen = Generator(model, prefill_chunk=args.prefill_chunk, block=args.block)
+  printer = _Printer(args, prompts, tokenizer, stops)
+  sampling = Sampling.make(args.temperature, args.top_k, args.top_p)
+  t0, n_new = time.perf_counter(), 0
+  for block in gen.stream(prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                          seed=args.seed, stop_ids=stops, pad_id=cfg.pad_token_id or 0):
+    printer.add(block)
+    n_new += int((block >= 0).sum())
+  printer.close()
+  print(f"{n_new} new tokens in {time.perf_counter() - t0:.2f}s (compilation included)",
+        file=sys.stderr)
+
+
+def register(sub) -> None:
+  from k3jax.train.cli import _Formatter, default_compile_cache  # noqa: PLC0415
+  p = sub.add_parser("generate", help="sample from a model (greedy, temperature, top-k/p)",
+                     description=__doc__, formatter_class=_Formatter)
+  p.add_argument("model", metavar="MODEL",
+                 help="official folder, converted checkpoint, or `k3jax train` output folder")
+  src = p.add_mutually_exclusive_group(required=True)
+  src.add_argument("--prompt", action="append", metavar="TEXT", help="a text prompt (repeatable)")
+  src.add_argument("--prompt-file", metavar="F", help="text prompts, one per line")
+  src.add_argument("--prompt-ids", action="append", type=_ids, metavar="1,2,3",
+                   help="a prompt as token ids (repeatable)")
+  p.add_argument("--chat", action="store_true",
+                 help="wrap each text prompt as a user turn of the folder's chat template")
+  p.add_argument("--max-new-tokens", type=_nonneg(int), default=64)
+  p.add_argument("--temperature", type=_nonneg(float), default=0.0, help="0: greedy")
+  p.add_argument("--top-k", type=_nonneg(int), default=0, help="0: off")
+  p.add_argument("--top-p", type=float, default=1.0, help="1: off")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--stop", nargs="+", metavar="TOKEN",
+                 help="extra stop tokens: ids, or text of exactly one token")
+  p.add_argument("--ignore-eos", action="store_true",
+                 help="do not stop at the config's eos_token_id")
+  p.add_argument("--dtype", choices=DTYPES, default="auto",
+                 help="auto: float32 on CPU, bfloat16 on TPU/GPU")
+  p.add_argument("--mesh", metavar="SPEC", help="device mesh, e.g. data=2,tensor=4")
+  p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+  p.add_argument("--prefill-chunk", type=_positive, default=512,
+                 help="prompt tokens per prefill call")
+  p.add_argument("--block", type=_positive, default=8,
+                 help="decode steps per jitted call (the streaming granularity)")
+  p.add_argument("--compile-cache", default=default_compile_cache(),
+                 help="persistent XLA compilation cache folder (none: off)")
+  p.set_defaults(func=run)
