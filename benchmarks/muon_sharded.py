@@ -50,7 +50,6 @@ def main() -> None:
   from sharding.hlo import collectives, summary  # noqa: PLC0415
   from sharding.mesh import make_mesh  # noqa: PLC0415
   from sharding.placement import like_params, variable_spec  # noqa: PLC0415
-  from sharding.rules import logical_to_spec  # noqa: PLC0415
 
   cfg = configs.resolve(args.config)
   mesh = make_mesh(args.mesh)
@@ -68,8 +67,8 @@ def main() -> None:
     dn = dimension_numbers(names)
     if dn is None or (only and not any(o in name for o in only)):
       continue
-    sharding = jax.sharding.NamedSharding(mesh, variable_spec(var))
-    home = logical_to_spec(names, mesh=mesh)  # without the axes of size 1
+    home = variable_spec(var, mesh)  # without the axes of size 1
+    sharding = jax.sharding.NamedSharding(mesh, home)
     sds = jax.ShapeDtypeStruct(var.shape, var.get_value().dtype)
     row = {}
     for whole in (False, True):

@@ -68,37 +68,6 @@ def load_reference(path: str) -> dict[str, np.ndarray]:
   return ref
 
 
-def _load_on_mesh(model_dir: str, dtype: str, mesh):
-  """(model, cfg) with every array in its sharding on `mesh` (sharding/rules.py): a k3jax
-  checkpoint is restored by Orbax straight into the shards; an official-layout folder is read
-  into host memory and then placed (convert it first for a model that does not fit one host)."""
-  import jax  # noqa: PLC0415
-  from flax import nnx  # noqa: PLC0415
-  from jax.sharding import NamedSharding  # noqa: PLC0415
-
-  import configs  # noqa: PLC0415
-  from convert.load import is_checkpoint, load_any, load_checkpoint  # noqa: PLC0415
-  from convert.variables import abstract_variables  # noqa: PLC0415
-  from sharding.placement import check_model_fits, variable_spec  # noqa: PLC0415
-
-  cfg = configs.resolve(model_dir, **NUMERICS[dtype])
-  variables = abstract_variables(cfg)
-  check_model_fits(nnx.from_flat_state(variables), mesh)  # before reading anything
-  shardings = {path: NamedSharding(mesh, variable_spec(var)) for path, var in variables.items()}
-  if is_checkpoint(model_dir):
-    model, cfg = load_checkpoint(model_dir, allow_partial=True, shardings=shardings,
-                                 **NUMERICS[dtype])
-  else:
-    model, cfg = load_any(model_dir, **NUMERICS[dtype])
-  graphdef, state = nnx.split(model)
-  flat = [(path, var) for path, var in nnx.to_flat_state(state)]
-  placed = [jax.device_put(var.get_value(), shardings[tuple(str(p) for p in path)])
-            for path, var in flat]
-  for (_, var), value in zip(flat, placed):
-    var.set_value(value)
-  return nnx.merge(graphdef, state), cfg
-
-
 def run_model(model_dir: str, ids: np.ndarray, dtype: str, layers: bool = False,
               decode_prefill: int | None = None, mesh: str | None = None) -> dict:
   """The model's outputs on `ids` in `dtype` (float64 arrays): logits, layer_out, hidden, and
@@ -112,18 +81,17 @@ def run_model(model_dir: str, ids: np.ndarray, dtype: str, layers: bool = False,
   from convert.load import load_any, read_manifest  # noqa: PLC0415
 
   with jax.enable_x64(dtype == "float64"):
+    device_mesh = None
     if mesh is not None:
       from sharding.mesh import make_mesh  # noqa: PLC0415
       device_mesh = make_mesh(mesh)
-      model, cfg = _load_on_mesh(model_dir, dtype, device_mesh)
-    else:
-      model, cfg = load_any(model_dir, **NUMERICS[dtype])
+    model, cfg = load_any(model_dir, mesh=device_mesh, **NUMERICS[dtype])
     partial = (read_manifest(model_dir) or {}).get("layers") if os.path.isdir(model_dir) else None
     ids = jnp.asarray(ids, jnp.int32)
     if int(ids.max()) >= cfg.vocab_size or int(ids.min()) < 0:
       raise UserError(f"input_ids outside the vocabulary [0, {cfg.vocab_size})")
     want_layers = layers or partial is not None
-    with jax.set_mesh(device_mesh) if mesh is not None else contextlib.nullcontext():
+    with jax.set_mesh(device_mesh) if device_mesh is not None else contextlib.nullcontext():
       out = _forward(model, ids, want_layers)
       result = {"model": model_dir, "dtype": dtype, "num_layers": cfg.num_layers,
                 "partial_layers": partial,

@@ -1,7 +1,7 @@
 """Collectives of a compiled program, read from its HLO text (for tests and benchmarks).
 
 `collectives(compiled.as_text())` lists every all-gather / all-reduce / all-to-all /
-collective-permute / reduce-scatter (async `-start` forms included) with the bytes of its
+ragged-all-to-all / collective-permute / reduce-scatter (async `-start` forms included) with the bytes of its
 result on one device: the buffer the collective fills, a per-device measure that does not
 depend on how the runtime routes it.
 """
@@ -12,7 +12,8 @@ import math
 import re
 from typing import NamedTuple
 
-OPS = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
+OPS = ("all-gather", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute",
+       "reduce-scatter")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
           "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
 _LINE = re.compile(r"=\s*(.*?)\s+(%s)(-start)?\(" % "|".join(OPS))

@@ -40,22 +40,22 @@ def parse_mesh_spec(spec: str) -> dict[str, int]:
   """'data=2,tensor=2' -> {'data': 2, 'tensor': 2} (sizes as written; -1 allowed once)."""
   sizes: dict[str, int] = {}
   if not spec or not spec.strip():
-    raise MeshError("empty mesh spec (expected e.g. data=2,expert=2,tensor=2)")
+    raise MeshError("--mesh: empty spec (expected e.g. data=2,expert=2,tensor=2)")
   for part in spec.split(","):
     m = _ENTRY.match(part)
     if not m:
-      raise MeshError(f"mesh spec {spec!r}: {part.strip()!r} is not AXIS=SIZE "
+      raise MeshError(f"--mesh {spec!r}: {part.strip()!r} is not AXIS=SIZE "
                       f"(axes {', '.join(MESH_AXES)})")
     name, size = m.group(1), int(m.group(2))
     if name not in MESH_AXES:
-      raise MeshError(f"mesh spec {spec!r}: unknown axis {name!r} (axes {', '.join(MESH_AXES)})")
+      raise MeshError(f"--mesh {spec!r}: unknown axis {name!r} (axes {', '.join(MESH_AXES)})")
     if name in sizes:
-      raise MeshError(f"mesh spec {spec!r}: axis {name!r} given twice")
+      raise MeshError(f"--mesh {spec!r}: axis {name!r} given twice")
     if size == 0 or size < -1:
-      raise MeshError(f"mesh spec {spec!r}: {name}={size} (a size is >= 1, or -1 for the rest)")
+      raise MeshError(f"--mesh {spec!r}: {name}={size} (a size is >= 1, or -1 for the rest)")
     sizes[name] = size
   if sum(1 for s in sizes.values() if s == -1) > 1:
-    raise MeshError(f"mesh spec {spec!r}: at most one axis may be -1")
+    raise MeshError(f"--mesh {spec!r}: at most one axis may be -1")
   return sizes
 
 
@@ -67,11 +67,11 @@ def axis_sizes(spec: str | Mapping[str, int], num_devices: int) -> dict[str, int
   text = format_sizes(given) if not isinstance(spec, str) else spec
   if -1 in sizes.values():
     if num_devices % fixed:
-      raise MeshError(f"mesh {text}: {num_devices} devices are not a multiple of {fixed}, "
+      raise MeshError(f"--mesh {text}: {num_devices} devices are not a multiple of {fixed}, "
                       "so -1 has no size")
     sizes = {ax: num_devices // fixed if s == -1 else s for ax, s in sizes.items()}
   elif fixed != num_devices:
-    raise MeshError(f"mesh {text} has {fixed} devices, but there are {num_devices}")
+    raise MeshError(f"--mesh {text} has {fixed} devices, but there are {num_devices}")
   return sizes
 
 

@@ -1,13 +1,18 @@
 """Where the model's arrays live on a mesh: parameters, router biases, optimizer state, batches.
 
-Parameters: each variable's logical names (`out_sharding` metadata) go through Flax's
-`linen.logical_to_mesh_axes` with the table's parameter column. (`nnx.get_partition_spec`
-under `nnx.logical_axis_rules` would map names one by one and give LatentMoE's routed_down
+Parameters: each variable's logical names (`out_sharding` metadata) and shape go through
+`rules.logical_to_spec` (Flax's `linen.logical_to_mesh_axes` on the table's parameter column,
+with the shape-dependent fallback rows). (`nnx.get_partition_spec` under
+`nnx.logical_axis_rules` would map names one by one and give LatentMoE's routed_down
 [embed, latent] the spec (fsdp, fsdp), which no sharding accepts; the linen rules engine uses
-a mesh axis at most once per array, by rule priority.) Optimizer state: every leaf that mirrors a parameter (Muon momentum, AdamW
-moments: same key path suffix and shape) lives exactly where that parameter lives, so the
-update of a block never moves it; counters and other scalars are replicated. Batches
-[A, b, T]: rows over data x fsdp x expert (the activation column of `batch`).
+a mesh axis at most once per array, by rule priority.) Every "rules table -> NamedSharding" of
+the code base is made here: the train state (`variable_shardings`), Orbax restore targets by
+path (`path_shardings`, which `convert.load.named_shardings` returns), and models read into
+host memory then placed (`place_model`: parity, generate). Optimizer state: every leaf that
+mirrors a parameter (Muon momentum, AdamW moments: same key path suffix and shape) lives
+exactly where that parameter lives, so the update of a block never moves it; counters and
+other scalars are replicated. Batches [A, b, T]: rows over data x fsdp x expert (the
+activation column of `batch`).
 
 `check_model_fits` refuses, before anything compiles, a mesh whose axes do not divide the
 dimensions they would split (heads on `tensor`, experts on `expert`, widths on `fsdp`), naming
@@ -37,17 +42,38 @@ def _plain(tree: Any) -> Any:
   return tree
 
 
-def variable_spec(var: nnx.Variable) -> PartitionSpec:
-  """The parameter-column PartitionSpec of one variable (replicated without names)."""
+def variable_spec(var: nnx.Variable, mesh) -> PartitionSpec:
+  """The parameter-column PartitionSpec of one variable on `mesh` (replicated without names;
+  axes of size 1 dropped)."""
   names = var.get_metadata().get("out_sharding")
-  return logical_to_spec(tuple(names)) if names else PartitionSpec()
+  if not names:
+    return PartitionSpec()
+  return logical_to_spec(tuple(names), mesh=mesh, shape=tuple(var.shape))
 
 
 def variable_shardings(state: Any, mesh: jax.sharding.Mesh) -> Any:
   """nnx.State of (abstract) Variables carrying logical names -> nested dict of NamedSharding
   (the plain-dict layout of `nnx.as_pure(state)`)."""
-  shardings = jax.tree.map(lambda v: NamedSharding(mesh, variable_spec(v)), state, is_leaf=_is_var)
+  shardings = jax.tree.map(lambda v: NamedSharding(mesh, variable_spec(v, mesh)), state,
+                           is_leaf=_is_var)
   return _plain(shardings)
+
+
+def path_shardings(variables: Mapping[tuple[str, ...], nnx.Variable],
+                   mesh: jax.sharding.Mesh) -> dict[tuple[str, ...], NamedSharding]:
+  """{path: (abstract) Variable} -> {path: NamedSharding}, e.g. the restore targets of
+  `convert.load.load_checkpoint` (refuses first a mesh that cannot split the model)."""
+  check_model_fits(nnx.from_flat_state(dict(variables)), mesh)
+  return {path: NamedSharding(mesh, variable_spec(var, mesh)) for path, var in variables.items()}
+
+
+def place_model(model: nnx.Module, mesh: jax.sharding.Mesh) -> None:
+  """Move every variable of `model` (e.g. read into host memory from an official-layout
+  folder) into its sharding on `mesh`, in place; refuses first a mesh that cannot split it."""
+  state = nnx.state(model)
+  check_model_fits(state, mesh)
+  for _, var in nnx.to_flat_state(state):
+    var.set_value(jax.device_put(var.get_value(), NamedSharding(mesh, variable_spec(var, mesh))))
 
 
 def check_model_fits(state: Any, mesh: jax.sharding.Mesh) -> None:
@@ -55,12 +81,12 @@ def check_model_fits(state: Any, mesh: jax.sharding.Mesh) -> None:
   mesh_shape = dict(mesh.shape)
   for path, var in nnx.to_flat_state(state):
     names = var.get_metadata().get("out_sharding") or ()
-    for dim, (size, entry) in enumerate(zip(var.shape, tuple(variable_spec(var)))):
+    for dim, (size, entry) in enumerate(zip(var.shape, tuple(variable_spec(var, mesh)))):
       ways = axes_size(entry, mesh_shape)
       if size % ways:
         axes = entry if isinstance(entry, str) else "x".join(entry)
         raise MeshError(
-            f"mesh {describe(mesh)}: {axes}={ways} does not divide "
+            f"--mesh {describe(mesh)}: {axes}={ways} does not divide "
             f"{names[dim] if dim < len(names) else 'dim ' + str(dim)}={size} of "
             f"{'.'.join(map(str, path))} {tuple(var.shape)}")
 
@@ -100,7 +126,7 @@ def batch_rows_ways(mesh: jax.sharding.Mesh) -> int:
 def check_batch(rows: int, mesh: jax.sharding.Mesh, what: str = "rows per micro-batch") -> None:
   ways = batch_rows_ways(mesh)
   if rows % ways:
-    raise MeshError(f"mesh {describe(mesh)}: {what} = {rows} is not a multiple of "
+    raise MeshError(f"--mesh {describe(mesh)}: {what} = {rows} is not a multiple of "
                     f"data x fsdp x expert = {ways}")
 
 

@@ -32,10 +32,24 @@ Names and what they mean:
 Per-Head Muon reads the same names: `layers`, `experts`, `q_heads`, `kv_heads` are batch axes
 of a weight (one orthogonalisation per entry); `heads` is part of the matrix.
 
-Flax's own machinery applies the table: `nnx.logical_axis_rules(LOGICAL_AXIS_RULES)` around
-`nnx.get_partition_spec` / `nnx.get_named_sharding` for parameter trees (placement.py), and
-`flax.linen.logical_to_mesh_axes` (priority rules, each mesh axis used at most once per array)
-for one tuple of names.
+Expert weights [E, h, F] take `fsdp` as more expert parallelism: `experts` -> expert x fsdp
+when E divides over both, else `expert` alone (a second, fallback row) and then `latent`/`embed`
+take `fsdp` as in every other weight. Either way a device holds E h F / (expert fsdp tensor)
+of each stack; on the first the weights never move (the expert-parallel layer exchanges tokens
+over expert x fsdp; Newton-Schulz runs on whole blocks), on the fallback every layer
+all-gathers its local experts over fsdp inside the layer (462 MB bf16 per layer at K3 with
+EP = 128) and Muon moves the blocks once per step (k3jax/optim/ns_layout.py). K3's 896
+experts take expert x fsdp up to 128 (or 7 x 2^k) devices.
+
+Rows are tried in order: a row applies when its mesh axes are free in the array (Flax's
+priority rule, each mesh axis at most once per array) and, given the array's shape, when they
+divide the dimension and a later row for the same name exists (the fallback); the last row of
+a name always applies, so a mesh that cannot split an array is refused by placement.py.
+
+Flax's own machinery applies the table: `flax.linen.logical_to_mesh_axes` (priority rules in
+table order, each mesh axis used at most once per array) for one tuple of names, here in
+`logical_to_spec`; placement.py makes every NamedSharding from it. (`nnx.get_partition_spec`
+maps names one by one, so [embed, latent] would get (fsdp, fsdp); and neither knows shapes.)
 """
 
 from __future__ import annotations
@@ -58,6 +72,9 @@ TABLE: tuple[tuple[str, Target, Target], ...] = (
     ("length", None, None),
     ("layers", None, None),
     ("vocab", "tensor", "tensor"),
+    # before embed/latent: an expert stack's experts take fsdp first (module docstring)
+    ("experts", ("expert", "fsdp"), ("expert", "fsdp")),
+    ("experts", "expert", "expert"),  # when E does not split over expert x fsdp
     ("embed", "fsdp", None),
     ("q_heads", "tensor", "tensor"),
     ("kv_heads", "tensor", "tensor"),
@@ -70,7 +87,6 @@ TABLE: tuple[tuple[str, Target, Target], ...] = (
     ("gate_rank", None, None),
     ("conv", None, None),
     ("mlp", "tensor", "tensor"),
-    ("experts", "expert", "expert"),
     ("expert_scores", None, None),
     ("latent", "fsdp", None),
     ("moe_mlp", "tensor", "tensor"),
@@ -93,14 +109,34 @@ def logical_to_spec(
     names: Sequence[str | None],
     rules: Sequence[tuple[str, Target]] = LOGICAL_AXIS_RULES,
     mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+    shape: Sequence[int] | None = None,
 ) -> PartitionSpec:
   """PartitionSpec for a tuple of logical names (Flax's `logical_to_mesh_axes`: a mesh axis is
-  used at most once per array). With `mesh`, axes it lacks or has at size 1 are dropped."""
+  used at most once per array). With `mesh`, axes it lacks or has at size 1 are dropped; with
+  `mesh` and `shape`, a row whose axes do not divide its dimension gives way to the next row
+  for that name (module docstring)."""
   _check_names(names)
+  if mesh is not None and shape is not None:
+    rules = _fitting_rules(names, shape, rules, dict(mesh.shape))
   spec = linen.logical_to_mesh_axes(tuple(names), tuple(rules))
   if mesh is None:
     return spec
   return PartitionSpec(*(_keep(entry, lambda ax: mesh.shape.get(ax, 1) > 1) for entry in spec))
+
+
+def _fitting_rules(names, shape, rules, mesh_shape):
+  """`rules` without the rows that do not divide their dimension of `shape` when a later row
+  for the same name remains to fall back on."""
+  if len(names) != len(shape):
+    raise ValueError(f"logical names {tuple(names)} for an array of shape {tuple(shape)}")
+  dims = {name: size for name, size in zip(names, shape) if name is not None}
+  out = []
+  for i, (name, target) in enumerate(rules):
+    later = any(n == name for n, _ in rules[i + 1:])
+    if name in dims and later and dims[name] % axes_size(target, mesh_shape):
+      continue
+    out.append((name, target))
+  return tuple(out)
 
 
 def _keep(entry, pred):

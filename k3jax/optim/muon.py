@@ -139,7 +139,7 @@ def _orthogonalize_placed(m_hat: jax.Array, names, dn: MuonDimensionNumbers,
   mesh = _context_mesh() if whole_blocks else None
   if mesh is None:
     return orthogonalize(m_hat, dn, **ns)
-  home = logical_to_spec(names, mesh=mesh)
+  home = logical_to_spec(names, mesh=mesh, shape=m_hat.shape)
   there = ns_layout(home, m_hat.shape, dn, dict(mesh.shape))
   if there == home:
     return orthogonalize(m_hat, dn, **ns)

@@ -44,14 +44,15 @@ def flat(tree):
 def test_parameters_follow_the_table(mesh):
   abstract = nnx.eval_shape(lambda: K3Model(configs.get("tiny"), rngs=nnx.Rngs(0)))
   specs = {k: s.spec for k, s in flat(variable_shardings(nnx.state(abstract), mesh)).items()}
-  want = {  # heads on tensor, experts on expert, model width on fsdp; layer stacks whole
+  want = {  # heads on tensor, experts on expert x fsdp, model width on fsdp; stacks whole
       ("kda", "q_proj", "kernel"): P(None, "fsdp", "tensor", None),
       ("kda", "o_proj", "kernel"): P(None, "tensor", None, "fsdp"),
       ("kda", "A_log"): P(None, "tensor"),
       ("mla", "q_b_proj", "kernel"): P(None, None, "tensor", None),
       ("mla", "k_b_proj", "kernel"): P(None, None, "tensor", None),
-      ("moe", "experts", "w1"): P(None, "expert", "fsdp", "tensor"),
-      ("moe", "experts", "w2"): P(None, "expert", "tensor", "fsdp"),
+      # fsdp as more expert parallelism: the latent width stays whole, no weight moves
+      ("moe", "experts", "w1"): P(None, ("expert", "fsdp"), None, "tensor"),
+      ("moe", "experts", "w2"): P(None, ("expert", "fsdp"), "tensor", None),
       # [embed, latent]: each mesh axis once per array, by rule priority (embed first)
       ("moe", "routed_down", "kernel"): P(None, "fsdp", None),
       ("moe", "routed_up", "kernel"): P(None, None, "fsdp"),
@@ -63,6 +64,12 @@ def test_parameters_follow_the_table(mesh):
   for path, spec in want.items():
     assert specs[path] == spec, (path, specs[path])
   assert len(specs) == len(jax.tree.leaves(nnx.state(abstract)))
+  # 6 experts do not split over expert x fsdp = 4: the fallback row, experts on expert and
+  # the latent width on fsdp
+  six = nnx.eval_shape(lambda: K3Model(configs.get("tiny", num_experts=6), rngs=nnx.Rngs(0)))
+  specs = {k: s.spec for k, s in flat(variable_shardings(nnx.state(six), mesh)).items()}
+  assert specs["moe", "experts", "w1"] == P(None, "expert", "fsdp", "tensor")
+  assert specs["moe", "experts", "w2"] == P(None, "expert", "tensor", "fsdp")
   # activations: rows over data x fsdp x expert (data has size 1 here), the model width
   # whole, vocab on tensor
   assert activation_spec(("batch", "length", "embed"), (8, 16, 128), mesh) == P(

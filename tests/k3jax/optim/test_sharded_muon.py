@@ -1,8 +1,9 @@
 """Per-Head Muon on a mesh: where each Newton-Schulz block runs, read from the compiled
 optimizer update (the update alone, jitted with the parameters' shardings; SPEC §5, §6).
 
-  * blocks split only over heads (`tensor`) or experts (`expert`) are whole on their devices:
-    the update has no collective at all;
+  * blocks split only over heads (`tensor`) or experts (`expert`, and `fsdp` where the rules
+    table gives the experts expert x fsdp) are whole on their devices: the update has no
+    collective at all;
   * a block split over `fsdp` (or `tensor` inside the block): XLA's partitioner would run
     Newton-Schulz distributed, a collective every iteration (all-reduced Gram matrices or
     all-gathered blocks); the default layout (k3jax/optim/ns_layout.py) moves the mesh axes
@@ -69,16 +70,26 @@ def test_per_head_blocks_need_no_communication(tiny_tree):
 
 
 def test_per_expert_blocks_need_no_communication(tiny_tree):
-  mesh = make_mesh("data=4,expert=2")
-  assert update_collectives(pick(tiny_tree, EXPERTS), mesh) == []
+  """Experts over expert (data=4,expert=2) or over expert x fsdp (fsdp=2,expert=4): whole
+  blocks, no collective."""
+  for spec, experts_on in (("data=4,expert=2", "expert"), ("fsdp=2,expert=4", ("expert", "fsdp"))):
+    mesh = make_mesh(spec)
+    params = pick(tiny_tree, EXPERTS)
+    for sh in jax.tree.leaves(variable_shardings(params, mesh)):
+      assert sh.spec[1] == experts_on and "fsdp" not in str(sh.spec[2:]), (spec, sh.spec)
+    assert update_collectives(params, mesh) == [], spec
 
 
-def test_fsdp_split_blocks(tiny_tree):
-  """Expert and latent matrices with the model width on fsdp (and moe_mlp on tensor). Left to
-  the partitioner, each parameter's Newton-Schulz communicates every iteration (>= 5
-  collectives); in the whole-block layout the blocks only move there and back (all-to-alls,
-  one per mesh axis moved) and the iteration communicates nothing, with fewer bytes moved."""
+def test_fsdp_split_blocks():
+  """Expert and latent matrices with the model width on fsdp (and moe_mlp on tensor; 6
+  experts do not split over expert x fsdp = 4, so the experts' latent width takes fsdp, the
+  rules table's fallback). Left to the partitioner, each parameter's Newton-Schulz
+  communicates every iteration (>= 5 collectives); in the whole-block layout the blocks only
+  move there and back (all-to-alls, one per mesh axis moved) and the iteration communicates
+  nothing, with fewer bytes moved."""
   mesh = make_mesh("fsdp=2,expert=2,tensor=2")
+  model = nnx.eval_shape(lambda: K3Model(configs.get("tiny", num_experts=6), rngs=nnx.Rngs(0)))
+  _, tiny_tree, _, _ = nnx.split(model, nnx.Param, RouterBias, ...)
   paths = EXPERTS[:1] + [("moe", "routed_down")]
   params = pick(tiny_tree, paths)
   for path, var in nnx.to_flat_state(params):
@@ -86,6 +97,7 @@ def test_fsdp_split_blocks(tiny_tree):
     home = jax.tree.leaves(variable_shardings(nnx.from_flat_state({path: var}),
                                               mesh))[0].spec
     there = ns_layout(home, var.shape, dimension_numbers(names), dict(mesh.shape))
+    assert "fsdp" in str(home), (path, home)  # really split over fsdp at home
     assert all(e is None for e in tuple(there)[2:]), (path, there)  # whole blocks
   for path in paths:
     one = pick(tiny_tree, [path])
