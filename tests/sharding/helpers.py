@@ -1,6 +1,6 @@
 """Shared set-up of the sharding tests: the smallest model with every part (layer 0: KDA and
 the dense MLP; layer 1: MLA and the LatentMoE with shared experts and QB; AttnRes), whose
-dimensions the test meshes divide (2 heads, 8 experts, widths 32), trained in float64 so that a
+dimensions the test meshes divide (2 heads, 8 experts, even widths), trained in float64 so that a
 sharded run and the one-device run differ only by float64 summation order."""
 
 import dataclasses
@@ -11,7 +11,11 @@ from k3jax.train import data
 from k3jax.train.loop import RunOptions, _numerics, step_config
 from tests.k3jax.train.helpers import MICRO
 
-TWO_LAYERS = MICRO.replace(num_layers=2, mla_layers=(1,))
+# latent 24 and expert width 22 (11 per tensor rank) appear side by side in no other array of
+# this model (nor in its activations): an expert weight in a compiled program is recognisable
+# by its shape (test_train_mesh.py reads the step's all-gathers for them)
+TWO_LAYERS = MICRO.replace(num_layers=2, mla_layers=(1,), latent_size=24,
+                           moe_intermediate_size=22)
 ROWS, T = 8, 32
 
 # float64 relative tolerance of a sharded run against the one-device run after a few steps:
