@@ -42,7 +42,7 @@ from optax.contrib import MuonDimensionNumbers
 
 from k3jax.optim.groups import (ADAM, MUON, LogicalAxes, block_shape, dimension_numbers,
                                 is_names, param_labels, resolve_logical_axes)
-from k3jax.optim.ns_layout import moves, ns_layout
+from k3jax.optim.ns_layout import moves, ns_plan
 from sharding.rules import logical_to_spec
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
@@ -139,16 +139,22 @@ def _orthogonalize_placed(m_hat: jax.Array, names, dn: MuonDimensionNumbers,
   mesh = _context_mesh() if whole_blocks else None
   if mesh is None:
     return orthogonalize(m_hat, dn, **ns)
-  home = logical_to_spec(names, mesh=mesh, shape=m_hat.shape)
-  there = ns_layout(home, m_hat.shape, dn, dict(mesh.shape))
+  shape = m_hat.shape
+  home = logical_to_spec(names, mesh=mesh, shape=shape)
+  there, padded = ns_plan(home, shape, dn, dict(mesh.shape))
   if there == home:
     return orthogonalize(m_hat, dn, **ns)
+  if padded != shape:  # zero blocks (a local pad where that axis is whole at home: layers)
+    m_hat = jax.lax.with_sharding_constraint(
+        jnp.pad(m_hat, [(0, p - s) for p, s in zip(padded, shape)]), home)
   path = moves(home, there, m_hat.ndim)
   for spec in path:
     m_hat = jax.lax.with_sharding_constraint(m_hat, spec)
   o = orthogonalize(m_hat, dn, **ns)
   for spec in reversed([home] + path):  # pinned where it was computed, then back
     o = jax.lax.with_sharding_constraint(o, spec)
+  if padded != shape:
+    o = jax.lax.with_sharding_constraint(o[tuple(slice(0, s) for s in shape)], home)
   return o
 
 

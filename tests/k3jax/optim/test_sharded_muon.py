@@ -19,7 +19,7 @@ from k3jax.model.moe import RouterBias
 from k3jax.model.transformer import K3Model
 from k3jax.optim import logical_axes_from_state, per_head_muon
 from k3jax.optim.groups import dimension_numbers
-from k3jax.optim.ns_layout import ns_layout
+from k3jax.optim.ns_layout import ns_plan
 from k3jax.train.step import plain
 from sharding.hlo import collectives, summary
 from sharding.mesh import make_mesh
@@ -86,17 +86,19 @@ def test_fsdp_split_blocks():
   rules table's fallback). Left to the partitioner, each parameter's Newton-Schulz
   communicates every iteration (>= 5 collectives); in the whole-block layout the blocks only
   move there and back (all-to-alls, one per mesh axis moved) and the iteration communicates
-  nothing, with fewer bytes moved."""
+  nothing, with fewer bytes moved. MLA g_proj (3 layers, a whole-matrix block per layer) has
+  no batch axis fsdp x tensor divides: its layer axis is padded to 4 with zero blocks."""
   mesh = make_mesh("fsdp=2,expert=2,tensor=2")
   model = nnx.eval_shape(lambda: K3Model(configs.get("tiny", num_experts=6), rngs=nnx.Rngs(0)))
   _, tiny_tree, _, _ = nnx.split(model, nnx.Param, RouterBias, ...)
-  paths = EXPERTS[:1] + [("moe", "routed_down")]
+  paths = EXPERTS[:1] + [("moe", "routed_down"), ("mla", "g_proj")]
   params = pick(tiny_tree, paths)
   for path, var in nnx.to_flat_state(params):
     names = tuple(var.get_metadata()["out_sharding"])
     home = jax.tree.leaves(variable_shardings(nnx.from_flat_state({path: var}),
                                               mesh))[0].spec
-    there = ns_layout(home, var.shape, dimension_numbers(names), dict(mesh.shape))
+    there, padded = ns_plan(home, var.shape, dimension_numbers(names), dict(mesh.shape))
+    assert padded == ((4,) + var.shape[1:] if path[0] == "mla" else var.shape), (path, padded)
     assert "fsdp" in str(home), (path, home)  # really split over fsdp at home
     assert all(e is None for e in tuple(there)[2:]), (path, there)  # whole blocks
   for path in paths:
