@@ -51,11 +51,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
 
 import configs  # noqa: E402
 from k3jax.model.moe import MoE  # noqa: E402
-from sharding import expert_parallel, rules  # noqa: E402
+from sharding import expert_parallel  # noqa: E402
+from sharding.activations import activation_spec  # noqa: E402
+from sharding.mesh import make_mesh  # noqa: E402
+from sharding.placement import variable_spec  # noqa: E402
 
 COLLECTIVE = re.compile(r"= (\S+|\(.*?\)) (all-to-all|ragged-all-to-all|all-gather|all-reduce|"
                         r"reduce-scatter|collective-permute)(?:-start)?\((.*)$")
@@ -84,20 +87,10 @@ def layer_config(args, **kw):
                      dtype=args.dtype, param_dtype="float32", **kw)
 
 
-def make_mesh(spec: str):
-  size = dict.fromkeys(rules.MESH_AXES, 1)
-  for part in spec.split(","):
-    name, n = part.split("=")
-    size[name] = int(n)
-  return jax.make_mesh(tuple(size[a] for a in rules.MESH_AXES), rules.MESH_AXES,
-                       axis_types=(jax.sharding.AxisType.Auto,) * len(rules.MESH_AXES))
-
-
 def placed(state, mesh):
+  """The layer's variables in their shardings (sharding/placement.py, the train step's)."""
   def put(v):
-    names = v.get_metadata().get("out_sharding")
-    spec = rules.logical_to_spec(names, mesh=mesh) if names else P()
-    return v.replace(jax.device_put(v.get_value(), NamedSharding(mesh, spec)))
+    return v.replace(jax.device_put(v.get_value(), NamedSharding(mesh, variable_spec(v, mesh))))
   return jax.tree.map(put, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
 
 
@@ -171,8 +164,8 @@ def main(argv=None):
   mesh = make_mesh(args.mesh)
   rows = args.tokens // args.seq
   x = jax.random.normal(jax.random.key(1), (rows, args.seq, 1024), jnp.float32)
-  x_sharded = jax.device_put(x, NamedSharding(mesh, rules.logical_to_spec(
-      ("batch", None, None), mesh=mesh)))
+  x_sharded = jax.device_put(x, NamedSharding(mesh, activation_spec(
+      ("batch", None, None), x.shape, mesh)))
   print(f"# MoE layer d=1024 l=512 E=64 k=8 F=448 (+2 shared), {args.tokens} tokens, "
         f"{args.dtype}, mesh {args.mesh}, {jax.device_count()} fake CPU devices, "
         f"median of {args.reps}")

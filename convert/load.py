@@ -56,18 +56,12 @@ def prefix_config(cfg: ModelConfig, n_layers: int) -> ModelConfig:
                                                           if l < n_layers))
 
 
-def named_shardings(cfg: ModelConfig, mesh, rules=None) -> dict:
+def named_shardings(cfg: ModelConfig, mesh) -> dict:
   """k3jax path -> NamedSharding on `mesh` from each variable's logical axis names through
-  the rules table (sharding/rules.py): the targets of a sharded `load_checkpoint`."""
-  from jax.sharding import NamedSharding  # noqa: PLC0415
-
-  from sharding import rules as sharding_rules  # noqa: PLC0415
-  table = sharding_rules.LOGICAL_AXIS_RULES if rules is None else rules
-  out = {}
-  for path, var in abstract_variables(cfg).items():
-    names = var.get_metadata().get("out_sharding") or (None,) * len(var.shape)
-    out[path] = NamedSharding(mesh, sharding_rules.logical_to_spec(names, table, mesh))
-  return out
+  the rules table (sharding/placement.py): the targets of a sharded `load_checkpoint`. Refuses
+  (sharding.mesh.MeshError, one line) a mesh that cannot split the model."""
+  from sharding.placement import path_shardings  # noqa: PLC0415
+  return path_shardings(abstract_variables(cfg), mesh)
 
 
 def load_checkpoint(directory: str, *, allow_partial: bool = False, shardings=None,
@@ -187,8 +181,22 @@ def _load_prefix(directory, cfg, n_layers, target, codes):
   return build_model(small, arrays), small
 
 
-def load_any(path: str, **overrides: Any):
-  """(model, cfg) from a converted checkpoint or an official-layout folder."""
+def load_any(path: str, *, mesh=None, **overrides: Any):
+  """(model, cfg) from a converted checkpoint or an official-layout folder. With `mesh`, every
+  array in its sharding from the rules table (a mesh that cannot split the model is refused
+  before anything is read): a checkpoint is restored by Orbax straight into its shards; an
+  official-layout folder is read into host memory and then placed (convert it first for a
+  model that does not fit one host)."""
+  if mesh is None:
+    if is_checkpoint(path):
+      return load_checkpoint(path, allow_partial=True, **overrides)
+    return load_model(path, **overrides)
+  import configs  # noqa: PLC0415
+  from sharding.placement import place_model  # noqa: PLC0415
+  shardings = named_shardings(configs.resolve(path, **overrides), mesh)
   if is_checkpoint(path):
-    return load_checkpoint(path, allow_partial=True, **overrides)
-  return load_model(path, **overrides)
+    model, cfg = load_checkpoint(path, allow_partial=True, shardings=shardings, **overrides)
+  else:
+    model, cfg = load_model(path, **overrides)
+  place_model(model, mesh)  # a no-op for arrays already in their shardings
+  return model, cfg

@@ -27,6 +27,10 @@ rest one token per step, and judges those logits by the same rule for the dtype 
 bf16 the yardstick stays the official bf16 forward (the reference has no official bf16
 decode): decode KL from the decode truth <= 2x the official forward's KL from its truth.
 Both must pass. --save-logits writes what was computed (float64 arrays) to an .npz.
+
+--mesh SPEC runs the model sharded (SPEC §6): a converted checkpoint is restored by Orbax
+straight into its shards, and the forward (and decode) run under that mesh, the routed experts
+expert-parallel; the verdict is the same rule.
 """
 
 from __future__ import annotations
@@ -65,32 +69,40 @@ def load_reference(path: str) -> dict[str, np.ndarray]:
 
 
 def run_model(model_dir: str, ids: np.ndarray, dtype: str, layers: bool = False,
-              decode_prefill: int | None = None) -> dict:
+              decode_prefill: int | None = None, mesh: str | None = None) -> dict:
   """The model's outputs on `ids` in `dtype` (float64 arrays): logits, layer_out, hidden, and
-  with `decode_prefill` P the decode logits (prefill P tokens, then one token per step)."""
+  with `decode_prefill` P the decode logits (prefill P tokens, then one token per step).
+  `mesh` (a spec such as "data=2,expert=2,tensor=2") runs it sharded (SPEC §6)."""
+  import contextlib  # noqa: PLC0415
+
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
 
   from convert.load import load_any, read_manifest  # noqa: PLC0415
 
   with jax.enable_x64(dtype == "float64"):
-    model, cfg = load_any(model_dir, **NUMERICS[dtype])
+    device_mesh = None
+    if mesh is not None:
+      from sharding.mesh import make_mesh  # noqa: PLC0415
+      device_mesh = make_mesh(mesh)
+    model, cfg = load_any(model_dir, mesh=device_mesh, **NUMERICS[dtype])
     partial = (read_manifest(model_dir) or {}).get("layers") if os.path.isdir(model_dir) else None
     ids = jnp.asarray(ids, jnp.int32)
     if int(ids.max()) >= cfg.vocab_size or int(ids.min()) < 0:
       raise UserError(f"input_ids outside the vocabulary [0, {cfg.vocab_size})")
     want_layers = layers or partial is not None
-    out = _forward(model, ids, want_layers)
-    result = {"model": model_dir, "dtype": dtype, "num_layers": cfg.num_layers,
-              "partial_layers": partial,
-              "logits": np.asarray(out.logits, np.float64),
-              "layer_out": [np.asarray(a, np.float64) for a in out.layer_out],
-              "hidden": np.asarray(out.hidden, np.float64)}
-    if decode_prefill is not None:
-      if partial is not None:
-        raise UserError(f"{model_dir} holds layers {partial[0]}-{partial[1]} only: --decode "
-                        "needs the whole model")
-      result["decode_logits"] = decode_logits(model, ids, decode_prefill)
+    with jax.set_mesh(device_mesh) if device_mesh is not None else contextlib.nullcontext():
+      out = _forward(model, ids, want_layers)
+      result = {"model": model_dir, "dtype": dtype, "num_layers": cfg.num_layers,
+                "partial_layers": partial,
+                "logits": np.asarray(out.logits, np.float64),
+                "layer_out": [np.asarray(a, np.float64) for a in out.layer_out],
+                "hidden": np.asarray(out.hidden, np.float64)}
+      if decode_prefill is not None:
+        if partial is not None:
+          raise UserError(f"{model_dir} holds layers {partial[0]}-{partial[1]} only: --decode "
+                          "needs the whole model")
+        result["decode_logits"] = decode_logits(model, ids, decode_prefill)
     return result
 
 
@@ -197,17 +209,20 @@ def verdict(logits: np.ndarray, ref: dict[str, np.ndarray], key: str, dtype: str
 
 
 def compare(model_dir: str, ref: dict[str, np.ndarray], dtype: str, decode: bool = False,
-            save_logits: str | None = None) -> dict:
+            save_logits: str | None = None, mesh: str | None = None) -> dict:
   """Run the model in `dtype` on ref["input_ids"]; every number of the report, and the verdict.
-  `decode` adds the cache path; `save_logits` writes the computed logits to an .npz."""
+  `decode` adds the cache path; `save_logits` writes the computed logits to an .npz; `mesh`
+  runs it sharded on that device mesh."""
   layers = any(k.startswith("layer_out_") for k in ref)
   prefill = None
   if decode:
     if "decode_prefill_len" not in ref:
       raise UserError("--decode: the reference has no decode_prefill_len")
     prefill = int(ref["decode_prefill_len"])
-  out = run_model(model_dir, ref["input_ids"], dtype, layers, prefill)
+  out = run_model(model_dir, ref["input_ids"], dtype, layers, prefill, mesh)
   report = judge(out, ref)
+  if mesh is not None:
+    report["mesh"] = mesh
   if save_logits:
     arrays = {"input_ids": np.asarray(ref["input_ids"]), "logits": out["logits"]}
     if "decode_logits" in out:
@@ -244,7 +259,8 @@ def _format_numbers(r: dict, what: str) -> list[str]:
 
 
 def format_report(r: dict) -> str:
-  lines = [f"model {r['model']} ({r['num_layers']} layers), {r['dtype']}"]
+  lines = [f"model {r['model']} ({r['num_layers']} layers), {r['dtype']}"
+           + (f", mesh {r['mesh']}" if r.get("mesh") else "")]
   if r.get("partial_layers") is not None:
     lines.append(f"partial checkpoint: layers {r['partial_layers'][0]}-{r['partial_layers'][1]}; "
                  f"logits not compared")
@@ -266,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
     raise UserError(f"{args.model_dir}: no such folder")
   ref = load_reference(args.reference)
   report = compare(args.model_dir, ref, args.dtype, decode=args.decode,
-                   save_logits=args.save_logits)
+                   save_logits=args.save_logits, mesh=args.mesh)
   report["reference"] = args.reference
   if args.json:
     print(json.dumps(report))
@@ -284,6 +300,8 @@ def register(sub) -> None:
   p.add_argument("--reference", required=True, metavar="NPZ",
                  help=".npz with input_ids and logits (and logits_fp64, layer_out_i)")
   p.add_argument("--dtype", choices=tuple(NUMERICS), default="float32")
+  p.add_argument("--mesh", default=None, metavar="SPEC",
+                 help="run sharded on a device mesh, e.g. data=2,expert=2,tensor=2 (SPEC 6)")
   p.add_argument("--json", action="store_true", help="print one JSON object")
   p.add_argument("--decode", action="store_true",
                  help="also prefill decode_prefill_len tokens and decode the rest one by one "

@@ -25,21 +25,22 @@ tokens): under plain jit the partitioner would gather every token to sort the pa
 Without a mesh (or with a mesh of other axes) `moe.RoutedExperts` runs its one-device code,
 unchanged; with a capacity factor that code is this function's body on one device.
 
-The other axes of the expert weights [E, h, F] follow the one rules table:
-  experts -> EP: the exchange above, no weight ever leaves its device.
+The axes of the expert weights [E, h, F] follow the one rules table:
+  experts -> EP (expert x fsdp when E divides over both, else expert): the exchange above, no
+    weight ever leaves its device.
   moe_mlp (F) -> tensor: tensor-parallel experts. Tokens are replicated over `tensor`, each
     tensor rank computes its F slice of every local expert (the gated activation is
     elementwise in F) and its partial down-projection; one psum of u [n, h] (fp32) over
     `tensor` after the return trip, the cheapest place: n rows, not n*k (the backward's psum
     is of dz [n, h] likewise). Every tensor rank sends the same rows over the expert axes.
-  latent (h) -> fsdp: FSDP inside the shard_map: each layer all-gathers its E/EP local experts
-    over fsdp before use and its backward reduce-scatters their gradient (the transpose of
-    all_gather). It moves E/EP * 3hF weights per layer where tensor parallelism moves n*h
-    activations: at K3 (h = 3584, F = 3072) with EP = 128 (7 local experts), 462 MB (bf16)
-    per layer against 59 MB (fp32 u) for n = 4096 tokens. At that scale the experts should
-    take the fsdp axis as more expert parallelism instead (one rules-table change: experts ->
-    (expert, fsdp); latent then stays whole and no weight moves at all). This code follows
-    whatever axes the table gives (see `layout`).
+  latent (h) -> fsdp, only when E does not divide over expert x fsdp (the table's fallback
+    row): FSDP inside the shard_map: each layer all-gathers its E/EP local experts over fsdp
+    before use and its backward reduce-scatters their gradient (the transpose of all_gather).
+    It moves E/EP * 3hF weights per layer where tensor parallelism moves n*h activations: at
+    K3 (h = 3584, F = 3072) with EP = 128 (7 local experts), 462 MB (bf16) per layer against
+    59 MB (fp32 u) for n = 4096 tokens. Hence the table's first row, experts -> expert x fsdp:
+    the same weight bytes per device, latent stays whole and no weight moves at all. This code
+    follows whatever axes the table gives (see `layout`).
 
 Buffers are static. Dropless, a device may receive every pair of its group that can reach it:
 EP * n * min(k, E/EP) rows (K3, EP = 128, n = 4096: 3.7M rows of 3584, 26 GB bf16; the mean is
@@ -61,7 +62,7 @@ from jax.sharding import PartitionSpec as P
 from k3jax.model.grouped_matmul import grouped_matmul
 from k3jax.model.layers import wide_dtype
 from k3jax.model.mlp import glu
-from sharding.rules import MESH_AXES, logical_to_spec
+from sharding.rules import ACTIVATION_RULES, MESH_AXES, logical_to_spec
 
 DISPATCHES = ("ragged", "padded")
 
@@ -98,10 +99,12 @@ def layout(cfg, n_tokens: int, in_name: str, mesh=None) -> Layout:
   e, k = cfg.num_experts, cfg.num_experts_per_token
   if mesh is None:
     ep_axes = gather_axes = psum_axes = token_axes = ()
-  else:
-    w_spec = logical_to_spec(("experts", in_name, "moe_mlp"), mesh=mesh)
+  else:  # the expert weights' placement (sharding/placement.py: names and shape)
+    h = cfg.hidden_size if in_name == "embed" else cfg.latent_size
+    w_spec = logical_to_spec(("experts", in_name, "moe_mlp"), mesh=mesh,
+                             shape=(e, h, cfg.moe_intermediate_size))
     ep_axes, gather_axes, psum_axes = (_axes(s) for s in w_spec)
-    token_axes = _axes(logical_to_spec(("batch",), mesh=mesh)[0])
+    token_axes = _axes(logical_to_spec(("batch",), ACTIVATION_RULES, mesh=mesh)[0])
   size = lambda axes: math.prod(mesh.shape[a] for a in axes) if axes else 1  # noqa: E731
   ep, shards = size(ep_axes), size(token_axes)
   if e % ep:

@@ -1,7 +1,15 @@
 """The one table that maps logical axis names to mesh axes (SPEC §6).
 
-Layers annotate every parameter with logical names only (nnx metadata `out_sharding`); this
-table decides placement. Names and what they mean:
+Layers annotate every parameter with logical names only (nnx metadata `out_sharding`) and call
+`sharding.constrain(x, names)` on activations at layer boundaries; this table decides where
+both go. It has two columns: where a parameter axis of that name lives (optimizer state lives
+exactly where its parameter does), and where an activation axis of that name lives. They
+differ for `batch` (activations split over data x fsdp x expert, the expert axis doubling as
+data parallelism as in MaxText), and for the weight-only fsdp axes (`embed`, `latent`): FSDP
+splits a weight's model width and gathers it for use, while activations keep their width
+whole and are split by batch instead.
+
+Names and what they mean:
 
   layers        stacking axis of the per-kind layer stacks (one entry per layer of that kind)
   vocab, embed  vocabulary and model width d
@@ -19,68 +27,142 @@ table decides placement. Names and what they mean:
   expert_scores router output axis (one score per expert; the router is one whole matrix)
   latent        LatentMoE width l
   moe_mlp       routed-expert intermediate width
-  batch, length activations
+  batch, length activations (rows and positions)
 
 Per-Head Muon reads the same names: `layers`, `experts`, `q_heads`, `kv_heads` are batch axes
 of a weight (one orthogonalisation per entry); `heads` is part of the matrix.
+
+Expert weights [E, h, F] take `fsdp` as more expert parallelism: `experts` -> expert x fsdp
+when E divides over both, else `expert` alone (a second, fallback row) and then `latent`/`embed`
+take `fsdp` as in every other weight. Either way a device holds E h F / (expert fsdp tensor)
+of each stack; on the first the weights never move (the expert-parallel layer exchanges tokens
+over expert x fsdp; Newton-Schulz runs on whole blocks), on the fallback every layer
+all-gathers its local experts over fsdp inside the layer (462 MB bf16 per layer at K3 with
+EP = 128) and Muon moves the blocks once per step (k3jax/optim/ns_layout.py). K3's 896
+experts take expert x fsdp up to 128 (or 7 x 2^k) devices.
+
+Rows are tried in order: a row applies when its mesh axes are free in the array (Flax's
+priority rule, each mesh axis at most once per array) and, given the array's shape, when they
+divide the dimension and a later row for the same name exists (the fallback); the last row of
+a name always applies, so a mesh that cannot split an array is refused by placement.py.
+
+Flax's own machinery applies the table: `flax.linen.logical_to_mesh_axes` (priority rules in
+table order, each mesh axis used at most once per array) for one tuple of names, here in
+`logical_to_spec`; placement.py makes every NamedSharding from it. (`nnx.get_partition_spec`
+maps names one by one, so [embed, latent] would get (fsdp, fsdp); and neither knows shapes.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 
 import jax
+from flax import linen
 from jax.sharding import PartitionSpec
 
 MESH_AXES: tuple[str, ...] = ("data", "fsdp", "expert", "tensor")
+BATCH_MESH_AXES: tuple[str, ...] = ("data", "fsdp", "expert")  # what splits the batch
 
-# (logical name, mesh axis or tuple of mesh axes or None)
-LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    ("batch", ("data", "fsdp", "expert")),
-    ("length", None),
-    ("layers", None),
-    ("vocab", "tensor"),
-    ("embed", "fsdp"),
-    ("q_heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("heads", "tensor"),
-    ("head_dim", None),
-    ("qk_head_dim", None),
-    ("qk_nope_dim", None),
-    ("q_lora", None),
-    ("kv_lora", None),
-    ("gate_rank", None),
-    ("conv", None),
-    ("mlp", "tensor"),
-    ("experts", "expert"),
-    ("expert_scores", None),
-    ("latent", "fsdp"),
-    ("moe_mlp", "tensor"),
+Target = str | tuple[str, ...] | None
+
+# logical name, placement of a parameter axis, placement of an activation axis
+TABLE: tuple[tuple[str, Target, Target], ...] = (
+    ("batch", None, BATCH_MESH_AXES),
+    ("length", None, None),
+    ("layers", None, None),
+    ("vocab", "tensor", "tensor"),
+    # before embed/latent: an expert stack's experts take fsdp first (module docstring)
+    ("experts", ("expert", "fsdp"), ("expert", "fsdp")),
+    ("experts", "expert", "expert"),  # when E does not split over expert x fsdp
+    ("embed", "fsdp", None),
+    ("q_heads", "tensor", "tensor"),
+    ("kv_heads", "tensor", "tensor"),
+    ("heads", "tensor", "tensor"),
+    ("head_dim", None, None),
+    ("qk_head_dim", None, None),
+    ("qk_nope_dim", None, None),
+    ("q_lora", None, None),
+    ("kv_lora", None, None),
+    ("gate_rank", None, None),
+    ("conv", None, None),
+    ("mlp", "tensor", "tensor"),
+    ("expert_scores", None, None),
+    ("latent", "fsdp", None),
+    ("moe_mlp", "tensor", "tensor"),
 )
 
-KNOWN_AXES = frozenset(name for name, _ in LOGICAL_AXIS_RULES)
+# (logical name, mesh axis or tuple of mesh axes or None), Flax's LogicalRules format
+LOGICAL_AXIS_RULES: tuple[tuple[str, Target], ...] = tuple((n, p) for n, p, _ in TABLE)
+ACTIVATION_RULES: tuple[tuple[str, Target], ...] = tuple((n, a) for n, _, a in TABLE)
+
+KNOWN_AXES = frozenset(name for name, _, _ in TABLE)
+
+
+def _check_names(names: Sequence[str | None]) -> None:
+  for name in names:
+    if name is not None and name not in KNOWN_AXES:
+      raise KeyError(f"logical axis {name!r} has no sharding rule")
 
 
 def logical_to_spec(
     names: Sequence[str | None],
-    rules: Sequence[tuple[str, str | tuple[str, ...] | None]] = LOGICAL_AXIS_RULES,
-    mesh: jax.sharding.Mesh | None = None,
+    rules: Sequence[tuple[str, Target]] = LOGICAL_AXIS_RULES,
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+    shape: Sequence[int] | None = None,
 ) -> PartitionSpec:
-  """PartitionSpec for a tuple of logical names. A mesh axis is used at most once per array;
-  axes the mesh lacks (or of size 1 when `mesh` is given) are dropped."""
-  table = dict(rules)
-  used: set[str] = set()
+  """PartitionSpec for a tuple of logical names (Flax's `logical_to_mesh_axes`: a mesh axis is
+  used at most once per array). With `mesh`, axes it lacks or has at size 1 are dropped; with
+  `mesh` and `shape`, a row whose axes do not divide its dimension gives way to the next row
+  for that name (module docstring)."""
+  _check_names(names)
+  if mesh is not None and shape is not None:
+    rules = _fitting_rules(names, shape, rules, dict(mesh.shape))
+  spec = linen.logical_to_mesh_axes(tuple(names), tuple(rules))
+  if mesh is None:
+    return spec
+  return PartitionSpec(*(_keep(entry, lambda ax: mesh.shape.get(ax, 1) > 1) for entry in spec))
+
+
+def _fitting_rules(names, shape, rules, mesh_shape):
+  """`rules` without the rows that do not divide their dimension of `shape` when a later row
+  for the same name remains to fall back on."""
+  if len(names) != len(shape):
+    raise ValueError(f"logical names {tuple(names)} for an array of shape {tuple(shape)}")
+  dims = {name: size for name, size in zip(names, shape) if name is not None}
   out = []
-  for name in names:
-    if name is not None and name not in table:
-      raise KeyError(f"logical axis {name!r} has no sharding rule")
-    target = table.get(name) if name is not None else None
-    axes = (target,) if isinstance(target, str) else (target or ())
-    keep = []
+  for i, (name, target) in enumerate(rules):
+    later = any(n == name for n, _ in rules[i + 1:])
+    if name in dims and later and dims[name] % axes_size(target, mesh_shape):
+      continue
+    out.append((name, target))
+  return tuple(out)
+
+
+def _keep(entry, pred):
+  axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+  kept = tuple(ax for ax in axes if pred(ax))
+  return None if not kept else kept[0] if len(kept) == 1 else kept
+
+
+def axes_size(entry, mesh_shape: Mapping[str, int]) -> int:
+  """How many ways one PartitionSpec entry splits its dimension."""
+  axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+  return math.prod(mesh_shape.get(ax, 1) for ax in axes)
+
+
+def fit_spec(spec: PartitionSpec, shape: Sequence[int],
+             mesh_shape: Mapping[str, int]) -> PartitionSpec:
+  """`spec` with each entry cut to the longest prefix of its mesh axes whose product divides
+  the dimension (activations of a shape the mesh does not divide, e.g. a 2-row reference batch
+  on 4 data-parallel devices, are split as far as they can be instead of failing)."""
+  out = []
+  for entry, size in zip(tuple(spec) + (None,) * (len(shape) - len(spec)), shape):
+    axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    kept: list[str] = []
     for ax in axes:
-      if ax in used or (mesh is not None and (ax not in mesh.shape or mesh.shape[ax] == 1)):
-        continue
-      keep.append(ax)
-      used.add(ax)
-    out.append(None if not keep else keep[0] if len(keep) == 1 else tuple(keep))
+      if size % (axes_size(tuple(kept) + (ax,), mesh_shape)) != 0:
+        break
+      kept.append(ax)
+    out.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
   return PartitionSpec(*out)

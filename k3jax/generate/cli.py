@@ -74,52 +74,6 @@ def load_text_tokenizer(source: dict, vocab_size: int):
   return tok
 
 
-def parse_mesh(spec: str):
-  """A device mesh over sharding.rules.MESH_AXES from `data=2,tensor=4` (absent axes are 1,
-  one axis may be -1: the devices left). Local stand-in until the sharding package's builder."""
-  import jax  # noqa: PLC0415
-  import numpy as np  # noqa: PLC0415
-
-  from sharding.rules import MESH_AXES  # noqa: PLC0415
-  sizes = dict.fromkeys(MESH_AXES, 1)
-  for part in filter(None, spec.split(",")):
-    name, _, value = part.partition("=")
-    if name.strip() not in sizes or not value.strip().lstrip("-").isdigit():
-      raise UserError(f"--mesh {spec!r}: expected AXIS=N,... with axes {', '.join(MESH_AXES)}")
-    sizes[name.strip()] = int(value)
-  n = len(jax.devices())
-  free = [a for a, s in sizes.items() if s == -1]
-  if len(free) > 1 or any(s == 0 or s < -1 for s in sizes.values()):
-    raise UserError(f"--mesh {spec!r}: sizes must be >= 1, and at most one axis -1")
-  if free:
-    rest = int(np.prod([s for s in sizes.values() if s > 0]))
-    sizes[free[0]] = n // rest if n % rest == 0 else 0
-  if int(np.prod(list(sizes.values()))) != n:
-    raise UserError(f"--mesh {spec!r}: {sizes} does not use the {n} devices here")
-  return jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES,
-                       axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
-
-
-def place(model, mesh) -> None:
-  """Put every variable where the rules table says (a dimension its mesh axes do not divide
-  stays replicated)."""
-  import jax  # noqa: PLC0415
-  import numpy as np  # noqa: PLC0415
-  from flax import nnx  # noqa: PLC0415
-
-  from sharding.rules import logical_to_spec  # noqa: PLC0415
-  for _, var in nnx.to_flat_state(nnx.state(model)):
-    value, names = var.get_value(), var.get_metadata().get("out_sharding")
-    spec = [None] * value.ndim
-    if names:
-      for d, axes in enumerate(logical_to_spec(names, mesh=mesh)):
-        group = (axes,) if isinstance(axes, str) else (axes or ())
-        if value.shape[d] % int(np.prod([mesh.shape[a] for a in group])) == 0:
-          spec[d] = axes
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
-    var.set_value(jax.device_put(value, sharding))
-
-
 def _prompts(args, tokenizer, chat_config) -> list[list[int]]:
   if args.prompt_ids:
     if args.chat:
@@ -235,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
   from convert.load import load_any  # noqa: PLC0415
   from k3jax.generate.chat import find_tokenizer_config  # noqa: PLC0415
   from k3jax.parity import NUMERICS  # noqa: PLC0415
+  from sharding.mesh import make_mesh  # noqa: PLC0415
 
   if not 0 < args.top_p <= 1:
     raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
@@ -244,11 +199,11 @@ def run(args: argparse.Namespace) -> int:
   if dtype == "auto":
     dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
   weights, source = resolve_model(args.model)
-  mesh = parse_mesh(args.mesh) if args.mesh else None
+  mesh = make_mesh(args.mesh) if args.mesh else None
   with jax.enable_x64(dtype == "float64"):
     t0 = time.perf_counter()
-    try:  # outside the mesh: the variables' logical names are not mesh axes
-      model, cfg = load_any(weights, **NUMERICS[dtype])
+    try:  # placed on the mesh as loaded (a converted checkpoint straight into its shards)
+      model, cfg = load_any(weights, mesh=mesh, **NUMERICS[dtype])
     except CheckpointError as e:
       raise UserError(str(e)) from None
     tokenizer = load_text_tokenizer(source, cfg.vocab_size)
@@ -263,7 +218,6 @@ def run(args: argparse.Namespace) -> int:
     if mesh is None:
       _generate(args, model, cfg, prompts, tokenizer, stops)
     else:
-      place(model, mesh)
       with jax.set_mesh(mesh):
         _generate(args, model, cfg, prompts, tokenizer, stops)
   return 0

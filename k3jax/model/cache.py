@@ -40,7 +40,7 @@ import numpy as np
 from k3jax.config import ModelConfig
 from k3jax.model.kda import KDAState
 from k3jax.model.kda import initial_state as kda_initial_state
-from sharding.rules import logical_to_spec
+from sharding.activations import activation_spec
 
 
 class MLACache(NamedTuple):
@@ -120,19 +120,16 @@ def bytes_per_request(cache: Cache) -> dict[str, int]:
 
 
 def constrain(cache: Cache) -> Cache:
-  """Sharding constraints from the logical names when a mesh is set; unchanged otherwise. A
-  dimension the named mesh axes do not divide (e.g. 3 prompts over data=2) stays replicated."""
+  """Sharding constraints from the logical names (the activation column of the rules table)
+  when a mesh is set; unchanged otherwise. A dimension the named mesh axes do not divide
+  (e.g. 3 prompts over data=2) is split over the longest prefix of them that does."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return cache
   explicit = all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
 
   def place(x, names):
-    spec = []
-    for size, axes in zip(x.shape, logical_to_spec(names, mesh=mesh)):
-      group = (axes,) if isinstance(axes, str) else (axes or ())
-      spec.append(axes if size % int(np.prod([mesh.shape[a] for a in group])) == 0 else None)
-    spec = jax.sharding.PartitionSpec(*spec)
+    spec = activation_spec(names, x.shape, mesh)
     if explicit:  # sharding is part of the type there: move, do not assert
       return jax.sharding.reshard(x, spec)
     return jax.lax.with_sharding_constraint(x, spec)

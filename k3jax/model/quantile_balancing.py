@@ -15,13 +15,14 @@ b_new is used from the next step on: a batch is never routed with a bias derived
 The direction: raising b_j lowers every r-comparison's bar, so an overloaded expert (more than
 c of its r below b_j) gets b_hat_j < b_j and an underloaded one b_hat_j > b_j.
 
-"b_j > r_ij" is exact for the pairs selected now (j stays in the top-k iff it stays above the
-(k+1)-th). For an unselected pair the bias j really needs is set by the k-th score it would
-displace, not the (k+1)-th; `thresholds="per_expert"` uses that exact per-pair threshold
-(see `quantile_bias_targets`). That exact form is the default, because it is the one for
-which "one update brings every expert to N k / E tokens" holds (the K3 formula's atom at the
-old bias can keep an expert's bias unchanged for a step); `thresholds="shared"` is the K3
-formula as written. Both agree on every pair that is selected now.
+Two threshold rules (`thresholds=`, SPEC §2.6), agreeing on every pair selected now:
+  * "k3" (the default: the recipe as written): alpha_i, the (k+1)-th biased score, is every
+    pair's threshold. "b_j > r_ij" is exact for the pairs selected now (j stays in the top-k
+    iff it stays above the (k+1)-th).
+  * "per_expert": for an unselected pair the bias j really needs is set by the k-th score it
+    would displace, not the (k+1)-th; this exact per-pair threshold is the one for which "one
+    update brings every expert to N k / E tokens (+-1)" holds (the K3 formula's atom at the
+    old bias can keep an expert's bias unchanged for a step).
 
 Two estimators of b_hat:
   * "exact": sort each expert's column of r; b_hat_j is the midpoint of its c-th and
@@ -39,9 +40,10 @@ Padding rows (`mask` False) take no part: they neither count towards N nor towar
 
 In the train step (after the optimizer update, with the scores the forward returned): the
 scanned model stacks scores [layers, N, E] and biases [layers, E], so one
-`jax.vmap(lambda s, b: quantile_balancing_bias(s, b, k, method="histogram", axis_name="data"))`
-inside the data-parallel shard_map (or `axis_name=None` under plain jit, where the global
-batch is one logical array) updates every MoE layer; `expert_load_stats` vmaps the same way.
+`jax.vmap(lambda s, b: quantile_balancing_bias(s, b, k, method="histogram", axis_name=AXES))`
+inside a shard_map over the batch mesh axes (AXES = ("data", "fsdp", "expert"); the vmapped
+psum is one all-reduce of [layers, E, bins]), or `axis_name=None` without a mesh, where the
+global batch is one array, updates every MoE layer; `expert_load_stats` vmaps the same way.
 Everything is fp32 and jit-able (`top_k`, `method`, `bins`, `axis_name`, `thresholds` static).
 """
 
@@ -51,6 +53,8 @@ from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+THRESHOLD_RULES = ("k3", "per_expert")
 
 
 def _thresholds(scores_ne: jax.Array, bias_e: jax.Array, top_k: int,
@@ -62,14 +66,14 @@ def _thresholds(scores_ne: jax.Array, bias_e: jax.Array, top_k: int,
   biased_ne = scores_ne + bias_e.astype(jnp.float32)
   top_nk1 = jax.lax.top_k(biased_ne, top_k + 1)[0]
   alpha_n1 = top_nk1[:, top_k:]  # (k+1)-th largest
-  if thresholds == "shared":
+  if thresholds == "k3":
     return alpha_n1 - scores_ne
   if thresholds == "per_expert":
     # k-th largest among the *other* experts: alpha for a selected pair, the current k-th
     # score for an unselected one (it must displace that expert to enter)
     kth_n1 = top_nk1[:, top_k - 1:top_k]
     return jnp.where(biased_ne > alpha_n1, alpha_n1, kth_n1) - scores_ne
-  raise ValueError(f"unknown thresholds {thresholds!r} (shared | per_expert)")
+  raise ValueError(f"unknown thresholds {thresholds!r} ({' | '.join(THRESHOLD_RULES)})")
 
 
 def _target_count(n: jax.Array, top_k: int, num_experts: int) -> jax.Array:
@@ -85,7 +89,8 @@ def _gather_rows(x: jax.Array, axis_name) -> jax.Array:
   n = x.shape[0]
   dtype = jnp.int32 if x.dtype == bool else x.dtype  # psum needs numbers
   full = jnp.zeros((jax.lax.axis_size(axis_name) * n,) + x.shape[1:], dtype)
-  start = (jax.lax.axis_index(axis_name) * n,) + (0,) * (x.ndim - 1)
+  # int32 indices throughout (a bare 0 would be int64 under jax_enable_x64)
+  start = ((jax.lax.axis_index(axis_name) * n).astype(jnp.int32),) + (jnp.int32(0),) * (x.ndim - 1)
   return jax.lax.psum(jax.lax.dynamic_update_slice(full, x.astype(full.dtype), start), axis_name)
 
 
@@ -130,7 +135,7 @@ def _histogram(r_ne: jax.Array, valid_n: jax.Array, top_k: int, bins: int,
 def quantile_bias_targets(scores: jax.Array, bias: jax.Array, top_k: int, *,
                           method: Literal["exact", "histogram"] = "exact", bins: int = 1000,
                           axis_name=None, mask: jax.Array | None = None,
-                          thresholds: Literal["shared", "per_expert"] = "per_expert"
+                          thresholds: Literal["k3", "per_expert"] = "k3"
                           ) -> jax.Array:
   """b_hat [E] (not centred): the k/E quantile of each expert's r = threshold - s, fp32.
 
@@ -142,12 +147,12 @@ def quantile_bias_targets(scores: jax.Array, bias: jax.Array, top_k: int, *,
     bins: histogram bins B.
     axis_name: mapped axis (shard_map / pmap) the rows are split over; None for one device.
     mask: optional [N] bool, False for padding rows.
-    thresholds: "shared" (K3, SPEC §2.6): one threshold per token, alpha_i = (k+1)-th largest
-      of s_i + b. Exact for the pairs selected now (j stays iff b_j > r_ij), but for the
+    thresholds: "k3" (default; K3, SPEC §2.6): one threshold per token, alpha_i = (k+1)-th
+      largest of s_i + b. Exact for the pairs selected now (j stays iff b_j > r_ij), but for the
       unselected ones it is below the k-th score they would have to displace; in particular
       every token whose (k+1)-th choice is j puts r_ij = b_j exactly, an atom at the old bias,
       so an expert whose quantile falls in it keeps its bias for that step.
-      "per_expert" (default): threshold_ij = k-th largest of s_i + b over the experts other
+      "per_expert": threshold_ij = k-th largest of s_i + b over the experts other
       than j, the exact bias j needs to be in token i's top-k when only b_j changes: #{r_ij < b_hat_j} is
       then the number of tokens that pick j if j alone moves to b_hat_j.
   """
@@ -166,7 +171,7 @@ def quantile_bias_targets(scores: jax.Array, bias: jax.Array, top_k: int, *,
 def quantile_balancing_bias(scores: jax.Array, bias: jax.Array, top_k: int, *,
                             method: Literal["exact", "histogram"] = "exact", bins: int = 1000,
                             axis_name=None, mask: jax.Array | None = None,
-                            thresholds: Literal["shared", "per_expert"] = "per_expert"
+                            thresholds: Literal["k3", "per_expert"] = "k3"
                             ) -> jax.Array:
   """The next router bias b_new = b_hat - mean(b_hat) [E], fp32, from scores [N, E] routed with
   `bias` [E]. Arguments as `quantile_bias_targets`; `top_k`, `method`, `bins`, `axis_name`,

@@ -38,6 +38,7 @@ from k3jax.model.layers import RMSNorm, fan_in_normal, make_param
 from k3jax.model.mla import MLA
 from k3jax.model.mlp import MLP
 from k3jax.model.moe import MoE, Routing
+from sharding import constrain
 
 
 class LayerNorms(nnx.Module):
@@ -113,7 +114,7 @@ class K3Model(nnx.Module):
     cfg = self.cfg
     if inputs_embeds is None:
       inputs_embeds = self.embed[...][input_ids]
-    x = inputs_embeds.astype(cfg.jnp_dtype)
+    x = constrain(inputs_embeds.astype(cfg.jnp_dtype), ("batch", "length", "embed"))
     stacks = {name: nnx.split(getattr(self, name))
               for name in schedule.STACKS
               if getattr(self, name) is not None}
@@ -134,6 +135,7 @@ class K3Model(nnx.Module):
     head = self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]
     logits = jnp.einsum("btd,dv->btv", self.final_norm(h), head.astype(cfg.jnp_dtype),
                         precision=cfg.precision)
+    logits = constrain(logits, ("batch", "length", "vocab"))
     return ModelOutput(logits, tuple(routings), jnp.stack(max_logits) if max_logits else None,
                        tuple(layer_out), h)
 
@@ -143,6 +145,14 @@ def initial_carry(cfg: ModelConfig, x: jax.Array) -> Carry:
     return Carry(None, jnp.zeros((), jnp.int32), x)
   n_seals = schedule.num_seals(cfg)
   return Carry(jnp.zeros((n_seals, *x.shape), x.dtype), jnp.zeros((), jnp.int32), x)
+
+
+def constrain_carry(carry: Carry) -> Carry:
+  """Pin the carry at a layer boundary to its activation placement (rows over the batch mesh
+  axes; a no-op without a context mesh, see sharding/activations.py)."""
+  blocks = None if carry.blocks is None else constrain(carry.blocks,
+                                                       (None, "batch", "length", "embed"))
+  return Carry(blocks, carry.n_sealed, constrain(carry.partial, ("batch", "length", "embed")))
 
 
 def _valid(carry: Carry) -> jax.Array:
@@ -222,7 +232,7 @@ def layer_step(cfg: ModelConfig, l, norms: LayerNorms, mixer, mlp, carry: Carry,
   if cfg.attn_res_block_size is None:  # ordinary pre-norm residual stream
     h = carry.partial + attend(carry.partial)
     m, routing = feed_forward(h)
-    return carry._replace(partial=h + m), routing, max_logits
+    return constrain_carry(carry._replace(partial=h + m)), routing, max_logits
 
   blocks, n, partial = carry
   h = norms.attn_res(blocks, partial, _valid(carry))
@@ -238,4 +248,4 @@ def layer_step(cfg: ModelConfig, l, norms: LayerNorms, mixer, mlp, carry: Carry,
   partial = partial + attend(h)
   carry = Carry(blocks, n, partial)
   m, routing = feed_forward(norms.mlp_res(blocks, partial, _valid(carry)))
-  return carry._replace(partial=partial + m), routing, max_logits
+  return constrain_carry(carry._replace(partial=partial + m)), routing, max_logits

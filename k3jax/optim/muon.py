@@ -42,6 +42,8 @@ from optax.contrib import MuonDimensionNumbers
 
 from k3jax.optim.groups import (ADAM, MUON, LogicalAxes, block_shape, dimension_numbers,
                                 is_names, param_labels, resolve_logical_axes)
+from k3jax.optim.ns_layout import moves, ns_plan
+from sharding.rules import logical_to_spec
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 
@@ -122,13 +124,52 @@ class ScaleByPerHeadMuonState(NamedTuple):
   mu: optax.Updates
 
 
+def _context_mesh():
+  """The context mesh (`jax.set_mesh`) when it has Auto axes to place with, else None."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.manual_axes or not mesh.are_all_axes_auto:
+    return None
+  return mesh
+
+
+def _orthogonalize_placed(m_hat: jax.Array, names, dn: MuonDimensionNumbers,
+                          whole_blocks: bool, **ns) -> jax.Array:
+  """orthogonalize, on a context mesh first moved to whole blocks per device (ns_layout.py)
+  and back to the parameter's placement after."""
+  mesh = _context_mesh() if whole_blocks else None
+  if mesh is None:
+    return orthogonalize(m_hat, dn, **ns)
+  shape = m_hat.shape
+  home = logical_to_spec(names, mesh=mesh, shape=shape)
+  there, padded = ns_plan(home, shape, dn, dict(mesh.shape))
+  if there == home:
+    return orthogonalize(m_hat, dn, **ns)
+  if padded != shape:  # zero blocks (a local pad where that axis is whole at home: layers)
+    m_hat = jax.lax.with_sharding_constraint(
+        jnp.pad(m_hat, [(0, p - s) for p, s in zip(padded, shape)]), home)
+  path = moves(home, there, m_hat.ndim)
+  for spec in path:
+    m_hat = jax.lax.with_sharding_constraint(m_hat, spec)
+  o = orthogonalize(m_hat, dn, **ns)
+  for spec in reversed([home] + path):  # pinned where it was computed, then back
+    o = jax.lax.with_sharding_constraint(o, spec)
+  if padded != shape:
+    o = jax.lax.with_sharding_constraint(o[tuple(slice(0, s) for s in shape)], home)
+  return o
+
+
 def scale_by_per_head_muon(logical_axes: LogicalAxes, *, beta: float = 0.95,
                            nesterov: bool = True, ns_steps: int = 5,
                            ns_coeffs: tuple[float, float, float] = NS_COEFFS, eps: float = 1e-7,
                            consistent_rms: float = 0.2, mu_dtype: Any = None,
-                           precision: jax.lax.Precision | None = jax.lax.Precision.HIGHEST
-                           ) -> optax.GradientTransformation:
+                           precision: jax.lax.Precision | None = jax.lax.Precision.HIGHEST,
+                           whole_blocks: bool = True) -> optax.GradientTransformation:
   """Momentum -> per-block Newton-Schulz -> `consistent_rms * sqrt(max(fan_in, fan_out))`.
+
+  `whole_blocks`: traced under a context mesh (`jax.set_mesh`, Auto axes), orthogonalise in
+  the placement of k3jax/optim/ns_layout.py (mesh axes moved off the block axes onto a batch
+  axis, so every device holds whole blocks) instead of leaving split blocks to the
+  partitioner. No effect without a mesh.
 
   Expects to see Muon matrices only (it is the "muon" branch of `per_head_muon`'s
   `optax.partition`; other leaves arrive as `optax.MaskedNode` and pass through). The momentum
@@ -136,10 +177,8 @@ def scale_by_per_head_muon(logical_axes: LogicalAxes, *, beta: float = 0.95,
   the same update as optax's Muon; the differences are the per-block layout from logical names,
   Newton-Schulz in float32 whatever the parameter dtype, and the Moonlight RMS scale.
   """
-  def dims_tree(tree):
-    # dimension numbers (or None: not a Muon matrix) aligned with the logical-axes tree
-    axes = resolve_logical_axes(logical_axes, tree)
-    return jax.tree.map(dimension_numbers, axes, is_leaf=is_names)
+  def names_tree(tree):
+    return resolve_logical_axes(logical_axes, tree)
 
   def init_fn(params):
     return ScaleByPerHeadMuonState(count=jnp.zeros([], jnp.int32),
@@ -156,18 +195,18 @@ def scale_by_per_head_muon(logical_axes: LogicalAxes, *, beta: float = 0.95,
     else:
       mu_hat = optax.tree.bias_correction(mu, beta, count)
 
-    def one(dn, m_hat, g):
+    def one(names, m_hat, g):
+      dn = dimension_numbers(names)
       if dn is None:  # not a Muon matrix: masked out by the partition
         return g
-      o = orthogonalize(m_hat, dn, steps=ns_steps, coeffs=ns_coeffs, eps=eps,
-                        precision=precision)
+      o = _orthogonalize_placed(m_hat, names, dn, whole_blocks, steps=ns_steps,
+                                coeffs=ns_coeffs, eps=eps, precision=precision)
       _, fan_in, fan_out = block_shape(m_hat.shape, dn)
       # the momentum's dtype (promote(grad, mu_dtype)), as optax's AdamW does: with fp32
       # moments the update reaches optax.apply_updates in fp32 even for bf16 parameters
       return (consistent_rms * max(fan_in, fan_out) ** 0.5 * o).astype(m_hat.dtype)
 
-    is_dn = lambda x: x is None or isinstance(x, MuonDimensionNumbers)
-    new_updates = jax.tree.map(one, dims_tree(updates), mu_hat, updates, is_leaf=is_dn)
+    new_updates = jax.tree.map(one, names_tree(updates), mu_hat, updates, is_leaf=is_names)
     # the state keeps the dtype it was created with (mu_dtype or the parameter's), whatever
     # the gradient dtype, so it is a fixed point of jit / scan carries
     return new_updates, ScaleByPerHeadMuonState(count=count,
@@ -191,8 +230,8 @@ def per_head_muon(learning_rate: optax.ScalarOrSchedule, *, logical_axes: Logica
                   adam_learning_rate: optax.ScalarOrSchedule | None = None,
                   adam_weight_decay: float | None = None, adam_weight_decay_mask: Any = None,
                   mu_dtype: Any = None,
-                  ns_precision: jax.lax.Precision | None = jax.lax.Precision.HIGHEST
-                  ) -> optax.GradientTransformation:
+                  ns_precision: jax.lax.Precision | None = jax.lax.Precision.HIGHEST,
+                  whole_blocks: bool = True) -> optax.GradientTransformation:
   """Per-Head Muon for weight matrices, AdamW for everything else (K3 recipe, SPEC §5).
 
   Args:
@@ -216,6 +255,8 @@ def per_head_muon(learning_rate: optax.ScalarOrSchedule, *, logical_axes: Logica
     mu_dtype: dtype of both first moments; None keeps each parameter's dtype (fp32 with fp32
       master weights, the recipe). AdamW's second moment follows optax (parameter dtype).
     ns_precision: matmul precision inside Newton-Schulz (HIGHEST: fp32 on TPU as well).
+    whole_blocks: on a context mesh, orthogonalise whole blocks per device (see
+      `scale_by_per_head_muon` and k3jax/optim/ns_layout.py).
 
   Returns:
     An `optax.GradientTransformation` whose state is an `optax.PartitionState` with groups
@@ -235,7 +276,8 @@ def per_head_muon(learning_rate: optax.ScalarOrSchedule, *, logical_axes: Logica
   muon_chain = optax.chain(
       scale_by_per_head_muon(logical_axes, beta=momentum, nesterov=nesterov, ns_steps=ns_steps,
                              ns_coeffs=ns_coeffs, eps=eps, consistent_rms=consistent_rms,
-                             mu_dtype=mu_dtype, precision=ns_precision),
+                             mu_dtype=mu_dtype, precision=ns_precision,
+                             whole_blocks=whole_blocks),
       optax.add_decayed_weights(weight_decay),
       optax.scale_by_learning_rate(learning_rate),
   )

@@ -118,8 +118,10 @@ def read_chat(path: str, tokenizer, seq_len: int) -> ChatCorpus:
   return corpus
 
 
-def check_bad_rows(corpus: ChatCorpus, path: str, *, skip: bool, out: str) -> str | None:
-  """Refuse (UserError) or report the bad rows; returns the bad-rows file written, if any."""
+def check_bad_rows(corpus: ChatCorpus, path: str, *, skip: bool,
+                   out: str | None) -> str | None:
+  """Refuse (UserError) or report the bad rows; returns the bad-rows file written, if any
+  (`out` None: listed on stdout only, as processes other than 0 of a multi-process run do)."""
   total = len(corpus.tokens) + len(corpus.bad)
   if corpus.special_text:
     print(f"--data {path}: {len(corpus.special_text)} rows have special-token text inside "
@@ -135,11 +137,12 @@ def check_bad_rows(corpus: ChatCorpus, path: str, *, skip: bool, out: str) -> st
   if not corpus.tokens:
     raise UserError(f"--data {path}: all {total} rows are bad (first: {corpus.bad[0][0]}: "
                     f"{corpus.bad[0][1]})")
-  report = os.path.join(out, BAD_ROWS_FILE)
-  with open(report, "w") as f:
-    f.writelines(json.dumps({"line": w, "reason": r}) + "\n" for w, r in corpus.bad)
-  print(f"--data {path}: skipping {len(corpus.bad)} of {total} bad rows (--skip-bad-rows; all "
-        f"listed in {report}):", flush=True)
+  report = None if out is None else os.path.join(out, BAD_ROWS_FILE)
+  if report is not None:
+    with open(report, "w") as f:
+      f.writelines(json.dumps({"line": w, "reason": r}) + "\n" for w, r in corpus.bad)
+  print(f"--data {path}: skipping {len(corpus.bad)} of {total} bad rows (--skip-bad-rows"
+        + (f"; all listed in {report}" if report else "") + "):", flush=True)
   for where, reason in corpus.bad[:20]:
     print(f"  {where}: {reason}", flush=True)
   if len(corpus.bad) > 20:

@@ -2,9 +2,13 @@
 
 A checkpoint `OUT/checkpoints/<step>/` holds three items:
   state  the TrainState (params, router biases, optimizer state, step, RNG key), Orbax
-         StandardSave (TensorStore arrays)
-  data   the grain iterator state of the training stream (JSON): the exact data position
-  meta   small JSON (tokens seen, wall time so far)
+         StandardSave (TensorStore arrays). On a mesh every process writes and reads only its
+         own shards, and a restore target of ShapeDtypeStructs carrying NamedShardings puts
+         each array straight into its shards (another mesh than the one saved works too)
+  data   the grain iterator state of each data shard, `data/shard_<s>.json`: the exact data
+         position. Each shard's state is written by the lowest process that reads that shard,
+         and read by every process that reads it (data.py: shards are a property of the run)
+  meta   small JSON (tokens seen, wall time so far), written by process 0
 Orbax writes a checkpoint into a temporary folder and renames it only once every item is
 committed, so a run killed mid-save leaves no checkpoint for that step: `latest_step()` is the
 last complete one, and the leftover temporary folder is removed when the next run opens the
@@ -22,6 +26,7 @@ the process while a save is provably in flight.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import threading
 import time
@@ -78,12 +83,43 @@ class _HoldRestore(ocp.args.JsonRestore):
   """Restore args of the held item (never restored; Orbax wants the pair registered)."""
 
 
+class _ShardStatesHandler(ocp.JsonCheckpointHandler):
+  """The data item: {shard: grain state} -> one `shard_<s>.json` per shard, written by
+  whichever process is handed it (not only the primary host, unlike plain JSON items)."""
+
+  async def _save_fn(self, x, directory):
+    # awaited by Orbax's commit future once the (temporary) item folder exists
+    for shard, state in x.items():
+      (directory / f"shard_{shard}.json").write_text(json.dumps(state))
+
+  def restore(self, directory, item=None, args=None):
+    out = {}
+    for shard in args.item:
+      path = directory / f"shard_{shard}.json"
+      if not path.exists():
+        raise FileNotFoundError(f"{path} not found (a checkpoint of another --data-shards?)")
+      out[str(shard)] = json.loads(path.read_text())
+    return out
+
+
+@ocp.args.register_with_handler(_ShardStatesHandler, for_save=True)
+@dataclasses.dataclass
+class _DataSave(ocp.args.JsonSave):
+  """item: {shard: grain state} of the shards this process writes."""
+
+
+@ocp.args.register_with_handler(_ShardStatesHandler, for_restore=True)
+@dataclasses.dataclass
+class _DataRestore(ocp.args.JsonRestore):
+  """item: the shards to read."""
+
+
 class Checkpointer:
   """Save / find / restore the checkpoints of one run directory."""
 
   def __init__(self, directory: str, *, keep: int, async_save: bool = True):
     directory = os.path.abspath(directory)
-    handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
+    handlers = {"state": ocp.StandardCheckpointHandler(), "data": _ShardStatesHandler(),
                 "meta": ocp.JsonCheckpointHandler()}
     delay = os.environ.get(SAVE_DELAY_ENV)
     self._hold = bool(delay)
@@ -101,16 +137,18 @@ class Checkpointer:
   def all_steps(self) -> list[int]:
     return list(self.manager.all_steps())
 
-  def save(self, step: int, state: Any, data_state: dict, meta: dict) -> None:
-    items = {"state": ocp.args.StandardSave(state), "data": ocp.args.JsonSave(data_state),
+  def save(self, step: int, state: Any, data_states: dict, meta: dict) -> None:
+    """data_states: {shard: grain state} of the data shards this process writes."""
+    items = {"state": ocp.args.StandardSave(state), "data": _DataSave(data_states),
              "meta": ocp.args.JsonSave(meta)}
     if self._hold:
       items["hold"] = _HoldSave({"step": step})
     self.manager.save(step, args=ocp.args.Composite(**items), force=True)
 
-  def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict, dict]:
+  def restore(self, step: int, abstract_state: Any, shards=(0,)) -> tuple[Any, dict, dict]:
+    """(state, {shard: grain state} of `shards`, meta)."""
     out = self.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
+        state=ocp.args.StandardRestore(abstract_state), data=_DataRestore(list(shards)),
         meta=ocp.args.JsonRestore()))
     return out.state, out.data, out.meta
 
@@ -129,13 +167,14 @@ MODEL_CONFIG = "k3jax_config.json"  # the name `k3jax convert` gives it (convert
 def save_model(directory: str, graphdef: Any, params: Any, router_bias: Any, cfg) -> None:
   """The trained weights as a k3jax model checkpoint: `nnx.state(model)` saved by Orbax plus
   `k3jax_config.json`, the layout `k3jax export` turns into the official format and
-  `--init-from` fine-tunes from. Written synchronously, replacing an older one."""
-  import json  # noqa: PLC0415
-
+  `--init-from` fine-tunes from. Written synchronously, replacing an older one. Every
+  process saves its shards of the arrays; process 0 alone writes the config file."""
+  import jax  # noqa: PLC0415
   from flax import nnx  # noqa: PLC0415
   model = nnx.merge(graphdef, nnx.State(params), nnx.State(router_bias))
   checkpointer = ocp.StandardCheckpointer()
   checkpointer.save(os.path.abspath(directory), nnx.state(model), force=True)
   checkpointer.wait_until_finished()
-  with open(os.path.join(directory, MODEL_CONFIG), "w") as f:
-    json.dump({"format": "k3jax", "config": cfg.replace(remat=False).to_dict()}, f, indent=2)
+  if jax.process_index() == 0:
+    with open(os.path.join(directory, MODEL_CONFIG), "w") as f:
+      json.dump({"format": "k3jax", "config": cfg.replace(remat=False).to_dict()}, f, indent=2)

@@ -7,6 +7,13 @@ converted checkpoint (`k3jax convert`) or an official-layout model folder, with 
 tiktoken tokenizer when it has one. `--format chat --data FILE.jsonl` is chat SFT: rows of
 {"messages": [...], "tools": [...]} rendered with the folder's chat template, the loss on
 assistant tokens only (`k3jax tokenize MODEL_DIR --chat ROW.json` shows what is trained).
+
+Scale-out (SPEC §6): --mesh data=2,fsdp=1,expert=2,tensor=2 runs the step sharded over the
+devices (axes left out have size 1; one axis may be -1: the devices left over; the sizes must
+multiply to the device count). Several processes (hosts): start the same command on each with
+--coordinator HOST:PORT --num-processes N --process-id I (on Cloud TPU the environment
+provides them: nothing to add, or --coordinator auto); each process reads only its data
+shards, saves and restores its own checkpoint shards, and process 0 writes the metrics.
 """
 
 from __future__ import annotations
@@ -48,7 +55,10 @@ def options_from_args(args: argparse.Namespace):
       grad_accum=args.grad_accum, seq_len=args.seq_len, learning_rate=args.lr,
       adam_learning_rate=args.adam_lr, warmup_steps=args.warmup, decay_steps=args.decay_steps,
       end_lr_ratio=args.end_lr_ratio, weight_decay=args.weight_decay, clip_norm=args.clip,
-      qb=not args.no_qb, qb_method=args.qb_method, qk_clip=args.qk_clip, remat=args.remat,
+      qb=not args.no_qb, qb_method=args.qb_method, qb_rule=args.qb_rule,
+      qk_clip=args.qk_clip, remat=args.remat, mesh=args.mesh, data_shards=args.data_shards,
+      coordinator=args.coordinator, num_processes=args.num_processes,
+      process_id=args.process_id,
       dtype=args.dtype, eval_every=args.eval_every, eval_batches=args.eval_batches,
       save_every=args.save_every, keep=args.keep, log_every=args.log_every, seed=args.seed,
       peak_tflops=args.peak_tflops, progress=not args.no_progress,
@@ -58,6 +68,9 @@ def options_from_args(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
   from k3jax.train.loop import run as run_training  # noqa: PLC0415  (jax, flax, grain)
   summary = run_training(options_from_args(args))
+  import jax  # noqa: PLC0415  (initialised by the run)
+  if jax.process_index() != 0:  # one report per run, from process 0
+    return 0
   if summary["first_loss"] is None:
     print(f"nothing to do: {summary['out']} is already at step {summary['start_step']} "
           f"(raise --steps to train on)")
@@ -128,16 +141,33 @@ def register(sub) -> None:
   g.add_argument("--qk-clip", type=_optional_float, default=None, metavar="TAU",
                  help="MuonClip QK-clip threshold for MLA (K2: 100; default off)")
   g.add_argument("--no-qb", action="store_true", help="freeze the router bias (no QB)")
-  g.add_argument("--qb-method", choices=("exact", "histogram"), default="exact")
+  g.add_argument("--qb-method", choices=("exact", "histogram"), default="exact",
+                 help="Quantile Balancing estimator: exact (sort; gathers the rows on a mesh) "
+                      "or histogram (one psum of [E, bins] counts)")
+  g.add_argument("--qb-rule", choices=("k3", "per_expert"), default="k3",
+                 help="QB threshold: k3 (SPEC 2.6 as written: the (k+1)-th biased score for "
+                      "every pair) or per_expert (the exact per-pair threshold)")
   g = p.add_argument_group("numerics and speed")
-  g.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+  g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float64"), default="auto",
                  help="compute dtype over fp32 master weights (auto: bf16 on TPU/GPU, fp32 "
-                      "on CPU)")
+                      "on CPU); float64: fp64 weights and compute, for exactness checks")
   g.add_argument("--remat", action="store_true", help="rematerialise each layer")
   g.add_argument("--peak-tflops", type=_positive(float), default=None,
                  help="peak for MFU (none given: a dense matmul measured at start-up)")
   g.add_argument("--compile-cache", default=default_compile_cache(),
                  help="persistent XLA compilation cache folder (none: off)")
+  g = p.add_argument_group("scale-out (devices and hosts)")
+  g.add_argument("--mesh", default=None, metavar="SPEC",
+                 help="device mesh, e.g. data=2,expert=2,tensor=2 (axes data, fsdp, expert, "
+                      "tensor; omitted axes 1; one may be -1); none given: one device")
+  g.add_argument("--data-shards", type=_positive(int), default=None,
+                 help="data pipelines per step, a property of the run (none given: the "
+                      "process count); a resume keeps it")
+  g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                 help="multi-process: process 0's address (auto: jax.distributed's own "
+                      "detection, e.g. Cloud TPU)")
+  g.add_argument("--num-processes", type=_positive(int), default=None)
+  g.add_argument("--process-id", type=int, default=None)
   g = p.add_argument_group("eval, logging, checkpoints")
   g.add_argument("--eval-every", type=_positive(int), default=50)
   g.add_argument("--eval-batches", type=_positive(int), default=4)

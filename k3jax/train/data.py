@@ -14,6 +14,13 @@ given `segment_ids`, keeps packed pieces apart (MLA mask, KDA state and conv res
 A step's batch has shape [A, b, T]: A micro-batches of b rows (gradient accumulation).
 The iterator is resumable: its grain state (a small JSON dict) goes into every checkpoint.
 
+Data shards (many processes, SPEC §6): with `num_shards` S the pieces are dealt out
+round-robin to S independent pipelines (piece i to shard i mod S, each shuffled and packed on
+its own), shard s supplies rows [s b/S, (s+1) b/S) of every micro-batch, and a process reads
+only the shards whose rows its devices hold (`shards_for_rows`, `ShardIterator`). S is a property of the run, not
+of the process count: one process reading all S shards produces exactly the batches that S
+processes produce together. S = 1 is the single pipeline above.
+
 Default corpus: the running interpreter's standard-library `*.py` files (top level of the
 stdlib folder, sorted by name), so the embedded default needs no download.
 
@@ -138,12 +145,25 @@ class PipelineConfig:
   batch_rows: int       # rows per optimizer step (A * b)
   micro_batches: int    # A
   seed: int
+  num_shards: int = 1   # S independent pipelines, each supplying b / S rows per micro-batch
+
+  def __post_init__(self):
+    if (self.batch_rows // self.micro_batches) % self.num_shards:
+      raise UserError(f"{self.batch_rows // self.micro_batches} rows per micro-batch do not "
+                      f"split into {self.num_shards} data shards")
+
+  @property
+  def shard_rows(self) -> int:
+    """Rows per step that one shard supplies (A * b / S)."""
+    return self.batch_rows // self.num_shards
 
 
 def _packed(docs_tokens: Sequence[np.ndarray], piece_table: np.ndarray, cfg: PipelineConfig,
-            *, shuffle: bool, repeat: bool, weights: Sequence[np.ndarray] | None = None,
+            *, shuffle: bool, repeat: bool, rows: int | None = None,
+            weights: Sequence[np.ndarray] | None = None,
             keep_remainder: bool = False) -> grain.IterDataset:
   t = cfg.seq_len
+  rows = cfg.batch_rows if rows is None else rows
   fields = ("tokens",) if weights is None else ("tokens", "weights")
 
   def load(row) -> dict[str, np.ndarray]:
@@ -162,10 +182,10 @@ def _packed(docs_tokens: Sequence[np.ndarray], piece_table: np.ndarray, cfg: Pip
   # first fit into as many bins as a step has rows: full pieces fill a bin alone, the short
   # tails of documents share bins; bins are emitted together as one step's rows
   ds = grain.experimental.FirstFitPackIterDataset(
-      ds, length_struct=dict.fromkeys(fields, t + 1), num_packing_bins=cfg.batch_rows,
-      seed=cfg.seed, shuffle_bins=shuffle)
-  ds = ds.batch(cfg.batch_rows, drop_remainder=not keep_remainder)
-  a, rows = cfg.micro_batches, cfg.batch_rows
+      ds, length_struct=dict.fromkeys(fields, t + 1), num_packing_bins=rows, seed=cfg.seed,
+      shuffle_bins=shuffle)
+  ds = ds.batch(rows, drop_remainder=not keep_remainder)
+  a = cfg.micro_batches
 
   def to_batch(r):
     if len(r["tokens"]) < rows:  # the last, partial eval batch: padding rows (segment 0)
@@ -176,13 +196,62 @@ def _packed(docs_tokens: Sequence[np.ndarray], piece_table: np.ndarray, cfg: Pip
 
 
 def train_dataset(docs_tokens: Sequence[np.ndarray], cfg: PipelineConfig,
-                  weights: Sequence[np.ndarray] | None = None) -> grain.IterDataset:
-  """Endless, shuffled, packed batches; prefetched on a thread so packing overlaps the step.
-  (The prefetch does not disturb resumption: grain's state counts consumed batches only.)
-  `weights`: per-token training weights of each sequence (chat SFT), packed alongside."""
-  ds = _packed(docs_tokens, pieces([len(d) for d in docs_tokens], cfg.seq_len), cfg,
-               shuffle=True, repeat=True, weights=weights)
+                  weights: Sequence[np.ndarray] | None = None, *,
+                  shard: int = 0) -> grain.IterDataset:
+  """Endless, shuffled, packed batches of data shard `shard` ([A, b/S, T]); prefetched on a
+  thread so packing overlaps the step. (The prefetch does not disturb resumption: grain's state
+  counts consumed batches only.) `weights`: per-token training weights of each sequence (chat
+  SFT), packed alongside."""
+  if not 0 <= shard < cfg.num_shards:
+    raise ValueError(f"shard {shard} of {cfg.num_shards}")
+  table = pieces([len(d) for d in docs_tokens], cfg.seq_len)[shard::cfg.num_shards]
+  if not len(table):
+    raise UserError(f"data shard {shard} of {cfg.num_shards} has no piece; use fewer shards "
+                    "or more data")
+  ds = _packed(docs_tokens, table, cfg, shuffle=True, repeat=True, rows=cfg.shard_rows,
+               weights=weights)
   return grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=2)
+
+
+class ShardIterator:
+  """The batches of the data shards one process reads, rows concatenated in shard order:
+  [A, b/S * len(shards), T]. State: {shard: grain state} (resumable per shard)."""
+
+  def __init__(self, docs_tokens: Sequence[np.ndarray], cfg: PipelineConfig,
+               shards: Sequence[int], state: dict | None = None,
+               weights: Sequence[np.ndarray] | None = None):
+    self.shards = list(shards)
+    self._its = {s: iterate(train_dataset(docs_tokens, cfg, weights, shard=s),
+                            None if state is None else state[str(s)]) for s in self.shards}
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    parts = [next(self._its[s]) for s in self.shards]
+    if len(parts) == 1:
+      return parts[0]
+    return {k: np.concatenate([p[k] for p in parts], axis=1) for k in parts[0]}
+
+  def get_state(self) -> dict[str, dict]:
+    return {str(s): it.get_state() for s, it in self._its.items()}
+
+  def close(self) -> None:
+    for it in self._its.values():
+      close = getattr(it, "close", None)
+      if close is not None:
+        close()
+
+
+def shards_for_rows(cfg: PipelineConfig, rows: tuple[int, int]) -> list[int]:
+  """The data shards that supply micro-batch rows [start, stop) (of b per micro-batch)."""
+  per = cfg.batch_rows // cfg.micro_batches // cfg.num_shards
+  start, stop = rows
+  if start % per or stop % per:
+    raise UserError(f"this process holds rows [{start}, {stop}) of each micro-batch, which is "
+                    f"not a whole number of data shards of {per} rows; choose --data-shards "
+                    "so that every process's rows are whole shards")
+  return list(range(start // per, stop // per))
 
 
 def eval_batches(docs_tokens: Sequence[np.ndarray], cfg: PipelineConfig, max_batches: int,
@@ -222,9 +291,10 @@ class TrainingData:
 
 def load_training_data(path: str | None, data_format: str, tokenizer, cfg: PipelineConfig,
                        max_eval_batches: int, *, skip_bad_rows: bool = False,
-                       out: str = ".") -> TrainingData:
+                       out: str | None = ".") -> TrainingData:
   """`--format text`: documents (a file, a folder, or the stdlib sources when `path` is None),
-  split into pieces; `--format chat`: JSONL conversations (chat_data.py)."""
+  split into pieces; `--format chat`: JSONL conversations (chat_data.py). `out`: the folder
+  for the bad-rows list (None: not written, e.g. on processes other than 0)."""
   if data_format == "text":
     docs = stdlib_documents() if path is None else folder_documents(path)
     train_docs, eval_docs = split_documents(docs)

@@ -12,10 +12,18 @@ Running again with the same OUT resumes from the last complete checkpoint (param
 state, router biases, step, RNG key and data position), so `--steps` can be raised to train
 on. The cosine schedule spans `decay_steps` (default: `steps`): give it explicitly to stop and
 resume on the same schedule.
+
+On a mesh (`mesh="data=2,expert=2,tensor=2"`, SPEC §6) the state is created, restored and
+updated in its shardings (step.py), and with several processes (`coordinator`,
+`num_processes`, `process_id`, or a Cloud TPU environment) each process reads only the data
+shards whose rows its devices hold; every process saves and restores its own shards of a
+checkpoint, and process 0 alone writes run.json, metrics.jsonl, TensorBoard, the plots and
+`model/`'s config file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -33,11 +41,14 @@ from k3jax.train import step as step_lib
 from k3jax.train.checkpoint import MODEL_DIR, Checkpointer, save_model
 from k3jax.train.metrics import MetricsWriter, read_records
 from k3jax.train.tokenizer import load_tokenizer
+from sharding import distributed
+from sharding.mesh import describe, make_mesh
+from sharding.placement import check_batch
 
 RUN_FILE = "run.json"
 # options that fix what a checkpoint and its data position mean: a resume must not change them
 _RESUME_KEYS = ("data", "data_format", "tokenizer", "seq_len", "batch_size", "seed",
-                "init_from")
+                "init_from", "data_shards")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +73,16 @@ class RunOptions:
   clip_norm: float | None = 1.0
   qb: bool = True
   qb_method: str = "exact"
+  qb_rule: str = "k3"                # QB thresholds: "k3" (SPEC §2.6) | "per_expert"
   qk_clip: float | None = None       # MuonClip threshold (K2: 100); None: off
   remat: bool = False
-  dtype: str = "auto"                # compute dtype; auto: bfloat16 on TPU/GPU, float32 on CPU
+  dtype: str = "auto"                # compute dtype; auto: bfloat16 on TPU/GPU, float32 on CPU;
+                                     #   float64: float64 weights and compute (exactness checks)
+  mesh: str | None = None            # device mesh spec, e.g. "data=2,expert=2,tensor=2"
+  data_shards: int | None = None     # data pipelines per step (default: the process count)
+  coordinator: str | None = None     # multi-process: HOST:PORT of process 0, or "auto"
+  num_processes: int | None = None
+  process_id: int | None = None
   eval_every: int = 50
   eval_batches: int = 4
   save_every: int = 100
@@ -93,23 +111,30 @@ def step_config(opts: RunOptions) -> step_lib.StepConfig:
       learning_rate=opts.learning_rate, adam_learning_rate=opts.adam_learning_rate,
       warmup_steps=opts.warmup_steps, decay_steps=opts.decay_steps or opts.steps,
       end_lr_ratio=opts.end_lr_ratio, weight_decay=opts.weight_decay, clip_norm=opts.clip_norm,
-      qb=opts.qb, qb_method=opts.qb_method)
+      qb=opts.qb, qb_method=opts.qb_method, qb_rule=opts.qb_rule)
+
+
+def master_dtype(opts: RunOptions) -> str:
+  return "float64" if opts.dtype == "float64" else "float32"
 
 
 def _numerics(cfg: ModelConfig, opts: RunOptions) -> ModelConfig:
-  """bf16 (or fp32) compute over fp32 master weights; remat as asked."""
-  return cfg.replace(dtype=compute_dtype(opts.dtype), param_dtype="float32", remat=opts.remat)
+  """bf16 (or fp32) compute over fp32 master weights (fp64 over fp64 when asked); remat."""
+  return cfg.replace(dtype=compute_dtype(opts.dtype), param_dtype=master_dtype(opts),
+                     remat=opts.remat)
 
 
-def _load_init(path: str, opts: RunOptions):
-  """(model, cfg) from a converted checkpoint or an official-layout folder."""
+def _load_init(path: str, opts: RunOptions, shardings: dict | None = None):
+  """(model, cfg) from a converted checkpoint or an official-layout folder. `shardings`
+  (k3jax path -> NamedSharding) makes Orbax restore a checkpoint's arrays into their shards;
+  an official-layout folder is read into host memory (convert it first for big models)."""
   from convert import load as convert_load  # noqa: PLC0415  (pulls in tensorstore etc.)
   if not os.path.isdir(path):
     raise UserError(f"--init-from {path}: no such folder")
-  overrides = {"dtype": compute_dtype(opts.dtype), "param_dtype": "float32",
+  overrides = {"dtype": compute_dtype(opts.dtype), "param_dtype": master_dtype(opts),
                "remat": opts.remat}
   if convert_load.is_checkpoint(path):
-    return convert_load.load_checkpoint(path, **overrides)
+    return convert_load.load_checkpoint(path, shardings=shardings, **overrides)
   if os.path.exists(os.path.join(path, "config.json")):
     from convert.hf_load import load_model  # noqa: PLC0415
     return load_model(path, **overrides)
@@ -163,18 +188,72 @@ def _eval_loss(steps, state, batches) -> float:
 
 def run(opts: RunOptions, *, on_step=None) -> dict[str, Any]:
   """Train; returns a summary. `on_step(step, record)` is called after each logged step."""
+  with jax.enable_x64(True) if opts.dtype == "float64" else contextlib.nullcontext():
+    return _run(opts, on_step)
+
+
+def _path_shardings(steps: step_lib.Steps) -> dict:
+  """k3jax variable path (tuple of str) -> NamedSharding, for convert.load's restore target."""
+  out = {}
+  for tree in (steps.shardings["params"], steps.shardings["router_bias"]):
+    for path, sh in jax.tree_util.tree_flatten_with_path(tree)[0]:
+      out[tuple(str(k.key) for k in path)] = sh
+  return out
+
+
+def _shard_plan(steps: step_lib.Steps, pipe: data_lib.PipelineConfig, opts: RunOptions):
+  """(rows of each micro-batch this process supplies, the data shards it reads, those whose
+  state it writes into checkpoints: each shard by the lowest process reading it)."""
+  rows_per_micro = opts.batch_size // opts.grad_accum
+  if steps.mesh is None:
+    return (0, rows_per_micro), list(range(pipe.num_shards)), list(range(pipe.num_shards))
+  shape = (opts.grad_accum, rows_per_micro, opts.seq_len)
+  by_process = distributed.rows_by_process(steps.batch_sharding, shape)
+  readers: dict[int, int] = {}
+  for proc in sorted(by_process):
+    for shard in data_lib.shards_for_rows(pipe, by_process[proc]):
+      readers.setdefault(shard, proc)
+  me = jax.process_index()
+  mine = data_lib.shards_for_rows(pipe, by_process[me])
+  return by_process[me], mine, [s for s in mine if readers[s] == me]
+
+
+class _NoWriter:
+  """Processes other than 0 write no metrics."""
+
+  def write(self, record) -> None:
+    pass
+
+  def close(self) -> None:
+    pass
+
+
+def _run(opts: RunOptions, on_step) -> dict[str, Any]:
   from tqdm import tqdm  # noqa: PLC0415
 
   if opts.compile_cache:
     jax.config.update("jax_compilation_cache_dir", opts.compile_cache)
   if opts.steps < 1:
     raise UserError("--steps must be >= 1")
+  distributed.initialize(opts.coordinator, opts.num_processes, opts.process_id)
+  main_process = distributed.is_main_process()
+  if jax.process_count() > 1 and not opts.mesh:
+    raise UserError(f"{jax.process_count()} processes need --mesh (e.g. data=-1)")
+  if opts.data_shards is None:
+    opts = dataclasses.replace(opts, data_shards=jax.process_count())
+  mesh = make_mesh(opts.mesh) if opts.mesh else None
   out = os.path.abspath(opts.out)
   os.makedirs(out, exist_ok=True)
   cfg = _model_config(opts)
   _check_resume(out, opts, cfg)
   sc = step_config(opts)
-  steps = step_lib.build(cfg, sc)
+  if mesh is not None:
+    check_batch(opts.batch_size // opts.grad_accum, mesh)
+  steps = step_lib.build(cfg, sc, mesh)  # refuses a mesh the model cannot be split on
+  pipe = data_lib.PipelineConfig(opts.seq_len, opts.batch_size, opts.grad_accum, opts.seed,
+                                 num_shards=opts.data_shards)
+  rows, read_shards, write_shards = _shard_plan(steps, pipe, opts)
+  rows_per_micro = opts.batch_size // opts.grad_accum
 
   ckpt = Checkpointer(os.path.join(out, "checkpoints"), keep=opts.keep)
   resume_step = ckpt.latest_step()
@@ -182,46 +261,71 @@ def run(opts: RunOptions, *, on_step=None) -> dict[str, Any]:
   if tokenizer.vocab_size > cfg.vocab_size:
     raise UserError(f"the {tokenizer.name} tokenizer has {tokenizer.vocab_size} ids but the "
                     f"model only {cfg.vocab_size} embeddings")
-  pipe = data_lib.PipelineConfig(opts.seq_len, opts.batch_size, opts.grad_accum, opts.seed)
   data = data_lib.load_training_data(opts.data, opts.data_format, tokenizer, pipe,
                                      opts.eval_batches, skip_bad_rows=opts.skip_bad_rows,
-                                     out=out)
+                                     out=out if main_process else None)
   eval_batches = data.eval_batches
+
+  def to_device(batch, rows=rows):
+    if mesh is None:
+      return batch
+    return distributed.global_batch(batch, steps.batch_sharding, rows, rows_per_micro)
+
+  if mesh is not None:  # the held-out set is small and fixed: every process holds all of it
+    eval_batches = [to_device(b, (0, rows_per_micro)) for b in eval_batches]
 
   if resume_step is not None:
     params, bias = jax.eval_shape(lambda: step_lib.init_params(cfg, opts.seed))
-    state, data_state, meta = ckpt.restore(resume_step,
-                                           step_lib.abstract_state(steps, params, bias))
+    state, data_state, meta = ckpt.restore(
+        resume_step, step_lib.abstract_state(steps, params, bias), read_shards)
     start = int(state["step"])
   else:
+    rng = step_lib.new_rng(opts.seed)
     if opts.init_from:
-      _, params, bias = step_lib.split_model(_load_init(opts.init_from, opts)[0])
+      shardings = _path_shardings(steps) if mesh is not None else None
+      _, params, bias = step_lib.split_model(_load_init(opts.init_from, opts, shardings)[0])
+      if mesh is not None:  # an official-layout folder arrives in host memory
+        params = jax.device_put(params, steps.shardings["params"])
+        bias = jax.device_put(bias, steps.shardings["router_bias"])
     else:
-      params, bias = step_lib.init_params(cfg, opts.seed)
-    state = steps.init(params, bias, step_lib.new_rng(opts.seed))
+      params, bias = steps.init_params(opts.seed)  # on a mesh: created in its shardings
+    if mesh is not None:
+      rng = np.asarray(rng)  # the same value on every process: replicated by the jit
+    state = steps.init(params, bias, rng)
     data_state, meta, start = None, {"tokens_seen": 0, "train_seconds": 0.0}, 0
-  # Orbax restores committed arrays; placing a fresh state the same way makes a fresh run and
-  # a resumed one lower to the same program (one persistent-cache entry, not two)
-  state = step_lib.place(state)
-  _write_run_file(out, opts, cfg)
+  if mesh is None:
+    # Orbax restores committed arrays; placing a fresh state the same way makes a fresh run
+    # and a resumed one lower to the same program (one persistent-cache entry, not two)
+    state = step_lib.place(state)
+  if main_process:
+    _write_run_file(out, opts, cfg)
 
   flop_count = flops_lib.count(cfg, opts.seq_len)
   tokens_per_step = opts.batch_size * opts.seq_len
-  peak = (opts.peak_tflops * 1e12 if opts.peak_tflops
-          else flops_lib.measure_matmul_peak(cfg.jnp_dtype))
+  devices = 1 if mesh is None else mesh.size
+  peak = devices * (opts.peak_tflops * 1e12 if opts.peak_tflops
+                    else flops_lib.measure_matmul_peak(cfg.jnp_dtype))
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
-  print(f"k3jax train: {n_params / 1e6:.2f}M params ({flop_count.active_matmul_params / 1e6:.2f}M"
-        f" active matmul), {cfg.dtype} compute / fp32 master; {data.description} "
-        f"({tokenizer.name}); batch {opts.batch_size} x {opts.seq_len}"
-        f"{f' ({opts.grad_accum} micro-batches)' if opts.grad_accum > 1 else ''}; "
-        + (f"resuming from step {start}" if resume_step is not None else "from scratch"
-           if not opts.init_from else f"from {opts.init_from}"), flush=True)
+  if main_process:
+    print(f"k3jax train: {n_params / 1e6:.2f}M params ({flop_count.active_matmul_params / 1e6:.2f}"
+          f"M active matmul), {cfg.dtype} compute / {cfg.param_dtype} master; "
+          f"{data.description} ({tokenizer.name}); batch {opts.batch_size} x {opts.seq_len}"
+          f"{f' ({opts.grad_accum} micro-batches)' if opts.grad_accum > 1 else ''}; "
+          + (f"mesh {describe(mesh)}, {jax.process_count()} process(es), "
+             f"{opts.data_shards} data shard(s); " if mesh is not None else "")
+          + (f"resuming from step {start}" if resume_step is not None else "from scratch"
+             if not opts.init_from else f"from {opts.init_from}"), flush=True)
 
-  writer = MetricsWriter(out, resume_step=resume_step, tensorboard=opts.tensorboard)
-  iterator = data_lib.iterate(
-      data_lib.train_dataset(data.train_tokens, pipe, data.train_weights), data_state)
-  bar = tqdm(total=opts.steps, initial=start, disable=not opts.progress, unit="step",
-             dynamic_ncols=True)
+  if jax.process_count() > 1:
+    print(f"k3jax train: process {jax.process_index()}/{jax.process_count()} supplies rows "
+          f"[{rows[0]}, {rows[1]}) of each micro-batch from data shard(s) {read_shards}",
+          flush=True)
+  writer = (MetricsWriter(out, resume_step=resume_step, tensorboard=opts.tensorboard)
+            if main_process else _NoWriter())
+  iterator = data_lib.ShardIterator(data.train_tokens, pipe, read_shards, data_state,
+                                    data.train_weights)
+  bar = tqdm(total=opts.steps, initial=start, disable=not (opts.progress and main_process),
+             unit="step", dynamic_ncols=True)
   qk_threshold = step_lib.NO_QK_CLIP if opts.qk_clip is None else np.float32(opts.qk_clip)
   first_loss = last_loss = eval_loss = None
   step_times: list[float] = []
@@ -229,7 +333,7 @@ def run(opts: RunOptions, *, on_step=None) -> dict[str, Any]:
   t_prev = time.perf_counter()
   try:
     for s in range(start + 1, opts.steps + 1):
-      batch = next(iterator)
+      batch = to_device(next(iterator))
       state, metrics = steps.train(state, batch, qk_threshold)
       metrics = jax.device_get(metrics)
       now = time.perf_counter()
@@ -256,7 +360,9 @@ def run(opts: RunOptions, *, on_step=None) -> dict[str, Any]:
         if on_step is not None:
           on_step(s, record)
       if s % opts.save_every == 0 or s == opts.steps:
-        ckpt.save(s, state, iterator.get_state(), meta)
+        data_states = iterator.get_state()
+        ckpt.save(s, state, {k: v for k, v in data_states.items() if int(k) in write_shards},
+                  meta)
         t_prev = time.perf_counter()  # the blocking part of a save is not step time
       bar.update(1)
       bar.set_postfix(loss=f"{loss:.3f}", **({"eval": f"{eval_loss:.3f}"} if eval_loss else {}),
@@ -272,7 +378,7 @@ def run(opts: RunOptions, *, on_step=None) -> dict[str, Any]:
     save_model(os.path.join(out, MODEL_DIR), steps.graphdef, state["params"],
                state["router_bias"], cfg)
   plots = []
-  if opts.plots:
+  if opts.plots and main_process:
     from k3jax.train.plots import write_plots  # noqa: PLC0415  (matplotlib is slow to import)
     plots = write_plots(read_records(out), out)
   median = float(np.median(step_times)) if step_times else None

@@ -22,7 +22,17 @@ One step on a batch [A, b, T] (A micro-batches of b rows):
      Per-layer expert load (max/mean, dead fraction) is reported for the choices the batch
      made under b_t ("before") and for the choices b_{t+1} makes on the same scores ("after").
 
-The compiled functions are cached per (model config, step config): repeated runs in one
+On a mesh (`build(cfg, sc, mesh)`, SPEC §6) the same functions are jitted with explicit
+shardings and traced under `jax.set_mesh(mesh)`: the state lives where the rules table puts it
+(optimizer moments with their parameters), batches [A, b, T] split their rows over
+data x fsdp x expert, metrics come back replicated; the model is initialised by a jitted init
+whose outputs are already sharded (nothing is built whole on one device). Step 4 then runs
+inside a shard_map over the batch mesh axes: each device bins its own rows and the histogram
+method's only large reduction is one psum of the [layers, E, bins] counts (the exact method
+gathers the rows instead). Without a mesh nothing of this exists and the step is the
+one-device program it always was.
+
+The compiled functions are cached per (model config, step config, mesh): repeated runs in one
 process (tests, resume) compile once.
 """
 
@@ -39,10 +49,16 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jax.sharding import PartitionSpec as P
+
 from k3jax.config import ModelConfig
 from k3jax.model.moe import RouterBias
-from k3jax.model.quantile_balancing import expert_load_stats, quantile_balancing_bias
+from k3jax.model.quantile_balancing import (THRESHOLD_RULES, expert_load_stats,
+                                            quantile_balancing_bias)
 from k3jax.optim import logical_axes_from_state, per_head_muon, qk_clip
+from sharding.placement import (batch_sharding, check_model_fits, like_params, replicated,
+                                variable_shardings)
+from sharding.rules import BATCH_MESH_AXES
 
 MLA_PATH = ("mla",)
 NO_QK_CLIP = np.float32(np.inf)  # the train step's QK-clip threshold when the clip is off
@@ -60,7 +76,12 @@ class StepConfig:
   clip_norm: float | None = 1.0
   qb: bool = True
   qb_method: str = "exact"           # "exact" | "histogram"
+  qb_rule: str = "k3"                # QB threshold rule: "k3" (SPEC §2.6 as written) | "per_expert"
   qb_bins: int = 1000
+
+  def __post_init__(self):
+    if self.qb_rule not in THRESHOLD_RULES:
+      raise ValueError(f"qb_rule {self.qb_rule!r} is not one of {THRESHOLD_RULES}")
 
 
 def lr_schedule(sc: StepConfig, peak: float) -> optax.Schedule:
@@ -88,24 +109,62 @@ def plain(tree: Any) -> Any:
 
 
 def token_nll(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
-  """Per-position NLL [..., T] in at least fp32 (float64 for a float64 model; 0 where mask is
-  False)."""
+  """Per-position NLL [..., T] in fp32, or fp64 for a float64 model (0 where mask is False)."""
   logp = jax.nn.log_softmax(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)),
                             axis=-1)
   nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
   return jnp.where(mask, nll, 0.0)
 
 
+class OnMesh:
+  """A jitted function that is traced and run under `jax.set_mesh(mesh)` (the context mesh the
+  layers' activation constraints read); `lower` too, for compiled-program checks."""
+
+  def __init__(self, jitted, mesh: jax.sharding.Mesh):
+    self.jitted, self.mesh = jitted, mesh
+
+  def __call__(self, *args):
+    with jax.set_mesh(self.mesh):
+      return self.jitted(*args)
+
+  def lower(self, *args):
+    with jax.set_mesh(self.mesh):
+      return self.jitted.lower(*args)
+
+
+class InitParamsOnMesh:
+  """seed -> (params, router_bias) created in their shardings by one jitted init per seed;
+  `lower(seed)` gives its compiled program (e.g. for the per-device memory plan)."""
+
+  def __init__(self, cfg: ModelConfig, mesh: jax.sharding.Mesh, shardings):
+    self.cfg, self.mesh, self.shardings = cfg, mesh, shardings
+
+  @functools.cache
+  def _jitted(self, seed: int) -> OnMesh:
+    return OnMesh(jax.jit(functools.partial(_init_params, self.cfg, seed),
+                          out_shardings=self.shardings), self.mesh)
+
+  def __call__(self, seed: int):
+    return self._jitted(seed)()
+
+  def lower(self, seed: int):
+    return self._jitted(seed).lower()
+
+
 class Steps(NamedTuple):
   graphdef: Any
   logical_axes: Any
   tx: optax.GradientTransformation
+  init_params: Any   # seed -> (params, router_bias), placed (jitted with out_shardings on a mesh)
   init: Any          # (params, router_bias, rng) -> TrainState (jitted)
   train: Any         # (TrainState, batch, qk_clip_threshold) -> (TrainState, metrics)
                      #   (jitted, state donated; threshold = inf: no QK-clip)
   eval: Any          # (params, router_bias, batch) -> (nll_sum, tokens)  (jitted)
   forward: Any       # (params, router_bias, inputs, targets, segment_ids, mask)
                      #   -> (token NLL [b, T], router scores [L, b*T, E], experts [L, b*T, k])
+  mesh: jax.sharding.Mesh | None = None
+  shardings: Any = None       # TrainState of NamedShardings (None without a mesh)
+  batch_sharding: Any = None  # of every [A, b, T] batch array (None without a mesh)
 
 
 def split_model(model: nnx.Module) -> tuple[Any, dict, dict]:
@@ -117,11 +176,27 @@ def split_model(model: nnx.Module) -> tuple[Any, dict, dict]:
   return graphdef, plain(nnx.as_pure(params)), plain(nnx.as_pure(bias))
 
 
+def state_shardings(tx: optax.GradientTransformation, params_abs: nnx.State,
+                    bias_abs: nnx.State, mesh: jax.sharding.Mesh) -> dict:
+  """TrainState of NamedShardings: parameters and router biases by the rules table, every
+  optimizer-state leaf that mirrors a parameter with that parameter, scalars replicated."""
+  param_sh = variable_shardings(params_abs, mesh)
+  params_sds = plain(nnx.as_pure(params_abs))
+  opt_abs = jax.eval_shape(tx.init, params_sds)
+  return {"params": param_sh, "router_bias": variable_shardings(bias_abs, mesh),
+          "opt_state": like_params(opt_abs, params_sds, param_sh, mesh),
+          "step": replicated(mesh), "rng": replicated(mesh)}
+
+
 @functools.lru_cache(maxsize=8)
-def build(cfg: ModelConfig, sc: StepConfig) -> Steps:
+def build(cfg: ModelConfig, sc: StepConfig, mesh: jax.sharding.Mesh | None = None) -> Steps:
+  """The step functions; on `mesh` with shardings (raises sharding.mesh.MeshError, before any
+  compile, when the mesh cannot split the model)."""
   from k3jax.model.transformer import K3Model  # noqa: PLC0415  (heavy import)
   abstract = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
-  graphdef, params_abs, _, _ = nnx.split(abstract, nnx.Param, RouterBias, ...)
+  if mesh is not None:
+    check_model_fits(nnx.state(abstract), mesh)
+  graphdef, params_abs, bias_abs, _ = nnx.split(abstract, nnx.Param, RouterBias, ...)
   axes = plain(logical_axes_from_state(params_abs))
   tx = optimizer(sc, axes)
   lr_of = lr_schedule(sc, sc.learning_rate)
@@ -192,23 +267,37 @@ def build(cfg: ModelConfig, sc: StepConfig) -> Steps:
                  "step": state["step"] + 1, "rng": jax.random.key_data(rng)}
     return new_state, metrics
 
-  def balance(bias, scores, experts, segment_ids):
-    """QB of every MoE layer from this step's rows; load before and after."""
+  def balance_rows(b_t, scores, experts, segment_ids, axis_name):
+    """QB of every MoE layer from the rows at hand (all of them, or this device's with
+    `axis_name` the mapped batch axes); load before and after."""
     # [A, L, n, .] -> [L, A*n, .], rows in the same (micro-batch, row, position) order as mask
     rows = lambda x: jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, x.shape[-1])  # noqa: E731
     scores, experts = rows(scores), rows(experts)
     mask = segment_ids.reshape(-1) != 0
-    (path, b_t), = _leaves_with_path(bias)
-    before = jax.vmap(lambda e: expert_load_stats(e, n_experts, mask=mask))(experts)
+    stats = lambda e: expert_load_stats(e, n_experts, mask=mask, axis_name=axis_name)  # noqa: E731
+    before = jax.vmap(stats)(experts)
     if sc.qb:
       b_next = jax.vmap(lambda s, b: quantile_balancing_bias(
-          s, b, k, method=sc.qb_method, bins=sc.qb_bins, mask=mask))(scores, b_t)
+          s, b, k, method=sc.qb_method, bins=sc.qb_bins, mask=mask, axis_name=axis_name,
+          thresholds=sc.qb_rule))(scores, b_t)
     else:
       b_next = b_t
     chosen = jax.vmap(lambda s, b: jax.lax.top_k(s + b, k)[1])(scores, b_next)
-    after = jax.vmap(lambda e: expert_load_stats(e, n_experts, mask=mask))(chosen)
+    after = jax.vmap(stats)(chosen)
     load = {"load_max_mean_before": before.max_over_mean, "dead_before": before.dead_fraction,
             "load_max_mean_after": after.max_over_mean, "dead_after": after.dead_fraction}
+    return b_next, load
+
+  def balance(bias, scores, experts, segment_ids):
+    (path, b_t), = _leaves_with_path(bias)
+    if mesh is None:
+      b_next, load = balance_rows(b_t, scores, experts, segment_ids, None)
+    else:  # each device its own rows; reductions over the batch axes inside
+      rows_spec = P(None, None, BATCH_MESH_AXES, None)
+      b_next, load = jax.shard_map(
+          functools.partial(balance_rows, axis_name=BATCH_MESH_AXES), mesh=mesh,
+          in_specs=(P(), rows_spec, rows_spec, P(None, BATCH_MESH_AXES, None)),
+          out_specs=P())(b_t, scores, experts, segment_ids)
     return _set_path(bias, path, b_next.astype(b_t.dtype)), load
 
   def init(params, bias, rng):
@@ -216,17 +305,37 @@ def build(cfg: ModelConfig, sc: StepConfig) -> Steps:
             "step": jnp.zeros((), jnp.int32), "rng": rng}
 
   def evaluate(params, bias, batch):
+    wide = jnp.promote_types(cfg.jnp_dtype, jnp.float32)  # the NLL's dtype (token_nll)
+
     def one(acc, mb):
       nll_ = nll(params, bias, mb["inputs"], mb["targets"], mb["segment_ids"], mb["loss_mask"])
-      return (acc[0] + jnp.sum(nll_), acc[1] + jnp.sum(mb["loss_mask"].astype(jnp.int32))), None
-    wide = jnp.promote_types(cfg.jnp_dtype, jnp.float32)  # token_nll's dtype
-    (total, tokens), _ = jax.lax.scan(one, (jnp.zeros((), wide),
-                                            jnp.zeros((), jnp.int32)), batch)
+      return (acc[0] + jnp.sum(nll_),
+              acc[1] + jnp.sum(mb["loss_mask"], dtype=jnp.int32)), None
+    (total, tokens), _ = jax.lax.scan(one, (jnp.zeros((), wide), jnp.zeros((), jnp.int32)),
+                                      batch)
     return total, tokens
 
-  return Steps(graphdef=graphdef, logical_axes=axes, tx=tx, init=jax.jit(init),
-               train=jax.jit(train, donate_argnums=0), eval=jax.jit(evaluate),
-               forward=jax.jit(forward_with_routing))
+  if mesh is None:
+    return Steps(graphdef=graphdef, logical_axes=axes, tx=tx,
+                 init_params=lambda seed: init_params(cfg, seed), init=jax.jit(init),
+                 train=jax.jit(train, donate_argnums=0), eval=jax.jit(evaluate),
+                 forward=jax.jit(forward_with_routing))
+
+  state_sh = state_shardings(tx, params_abs, bias_abs, mesh)
+  batch_sh, rep = batch_sharding(mesh), replicated(mesh)
+  param_sh, bias_sh = state_sh["params"], state_sh["router_bias"]
+
+  return Steps(
+      graphdef=graphdef, logical_axes=axes, tx=tx,
+      init_params=InitParamsOnMesh(cfg, mesh, (param_sh, bias_sh)),
+      init=OnMesh(jax.jit(init, in_shardings=(param_sh, bias_sh, rep),
+                          out_shardings=state_sh), mesh),
+      train=OnMesh(jax.jit(train, donate_argnums=0, in_shardings=(state_sh, batch_sh, rep),
+                           out_shardings=(state_sh, rep)), mesh),
+      eval=OnMesh(jax.jit(evaluate, in_shardings=(param_sh, bias_sh, batch_sh),
+                          out_shardings=rep), mesh),
+      forward=OnMesh(jax.jit(forward_with_routing), mesh),
+      mesh=mesh, shardings=state_sh, batch_sharding=batch_sh)
 
 
 def _leaves_with_path(tree):
@@ -244,19 +353,30 @@ def _set_path(tree: dict, path, value) -> dict:
   return out
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def init_params(cfg: ModelConfig, seed: int) -> tuple[dict, dict]:
-  """(params, router_bias) of a freshly initialised model, built under jit: creating the
-  stacked modules eagerly runs thousands of tiny ops one by one (a minute on a CPU)."""
+def _init_params(cfg: ModelConfig, seed: int) -> tuple[dict, dict]:
   from k3jax.model.transformer import K3Model  # noqa: PLC0415
   _, params, bias = split_model(K3Model(cfg, rngs=nnx.Rngs(seed)))
   return params, bias
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def init_params(cfg: ModelConfig, seed: int) -> tuple[dict, dict]:
+  """(params, router_bias) of a freshly initialised model, built under jit: creating the
+  stacked modules eagerly runs thousands of tiny ops one by one (a minute on a CPU). On a mesh
+  use `build(...).init_params(seed)`: the same values, created in their shardings."""
+  return _init_params(cfg, seed)
+
+
 def abstract_state(steps: Steps, params: Any, bias: Any) -> Any:
-  """Shapes and dtypes of the TrainState for `params` (for an Orbax restore target)."""
+  """Shapes and dtypes of the TrainState for `params` (for an Orbax restore target); on a mesh
+  each leaf carries its NamedSharding, so Orbax restores every array straight into its shards."""
   rng = jax.ShapeDtypeStruct((2,), jnp.uint32)
-  return jax.eval_shape(steps.init, params, bias, rng)
+  shapes = jax.eval_shape(steps.init.jitted if isinstance(steps.init, OnMesh) else steps.init,
+                          params, bias, rng)
+  if steps.shardings is None:
+    return shapes
+  return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                      shapes, steps.shardings)
 
 
 def place(tree: Any) -> Any:

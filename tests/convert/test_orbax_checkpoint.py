@@ -92,9 +92,9 @@ def ckpt_mxfp4(hf_dir, tmp_path_factory):
 def test_sharded_restore_on_8_devices(ckpt, ckpt_mxfp4, direct, experts):
   """NamedSharding targets from the rules table on a (data 1, fsdp 2, expert 2, tensor 2)
   mesh: every array arrives with its sharding, and every device's shard is the one-device
-  value at that shard's index. The expert stacks are split 8 ways (experts x latent x
-  moe_mlp), so each device holds (and Orbax reads) an eighth of them; kept MXFP4 codes are
-  restored sharded the same way and dequantised where they lie."""
+  value at that shard's index. The expert stacks are split 8 ways (experts over expert x fsdp,
+  moe_mlp over tensor), so each device holds (and Orbax reads) an eighth of them; kept MXFP4
+  codes are restored sharded the same way and dequantised where they lie."""
   assert jax.device_count() == 8
   path = ckpt if experts == "bf16" else ckpt_mxfp4
   mesh = jax.make_mesh((1, 2, 2, 2), MESH_AXES)

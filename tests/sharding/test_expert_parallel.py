@@ -25,7 +25,10 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from k3jax.model.moe import MoE
-from sharding import expert_parallel, rules
+from sharding import expert_parallel
+from sharding.activations import activation_spec
+from sharding.mesh import make_mesh
+from sharding.placement import variable_spec
 from tests.k3jax.model.helpers import kimi_linear_cfg, np64, randomize, tiny_cfg
 from tests.k3jax.model.test_moe import np_moe
 
@@ -34,22 +37,8 @@ COLLECTIVE = re.compile(r"= (\S+|\(.*?\)) (all-to-all|ragged-all-to-all|all-gath
                         r"reduce-scatter|collective-permute)(?:-start)?\(")
 
 
-def make_mesh(spec: str, devices=None):
-  size = dict.fromkeys(rules.MESH_AXES, 1)
-  for part in spec.split(","):
-    name, n = part.split("=")
-    size[name] = int(n)
-  shape = tuple(size[a] for a in rules.MESH_AXES)
-  types = (jax.sharding.AxisType.Auto,) * len(shape)
-  if devices is not None:
-    return jax.sharding.Mesh(np.asarray(devices).reshape(shape), rules.MESH_AXES,
-                             axis_types=types)
-  return jax.make_mesh(shape, rules.MESH_AXES, axis_types=types)
-
-
 def spec_of(var, mesh):
-  names = var.get_metadata().get("out_sharding")
-  return rules.logical_to_spec(names, mesh=mesh) if names else P()
+  return variable_spec(var, mesh)  # the train step's placement (names and shape)
 
 
 def placed(state, mesh):
@@ -89,8 +78,8 @@ def run(moe, x, mesh=None, grads=True):
   if mesh is None:
     return (*jax.jit(fwd_bwd)(state, x), None)
   state = placed(state, mesh)
-  x = jax.device_put(x, NamedSharding(mesh, rules.logical_to_spec(("batch", None, None),
-                                                                  mesh=mesh)))
+  x = jax.device_put(x, NamedSharding(mesh, activation_spec(("batch", None, None), x.shape,
+                                                            mesh)))
   with jax.set_mesh(mesh):
     compiled = jax.jit(fwd_bwd).lower(state, x).compile()
     return (*compiled(state, x), compiled.as_text())
@@ -143,23 +132,26 @@ def ragged_on_cpu(monkeypatch):
   monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
 
 
-CASES = {  # mesh, model, dispatch (None: by platform, the padded all_to_all on CPU)
-    "expert8": ("expert=8", "k3", None),
-    "kimi_linear_data2_expert2_tensor2": ("data=2,expert=2,tensor=2", "kimi_linear", None),
-    "fsdp2_expert4": ("fsdp=2,expert=4", "k3", None),
-    "ragged_emulated_fsdp2_expert2_tensor2": ("fsdp=2,expert=2,tensor=2", "k3", "ragged"),
+CASES = {  # mesh, model, dispatch (None: by platform, the padded all_to_all on CPU), overrides
+    "expert8": ("expert=8", "k3", None, {}),
+    "kimi_linear_data2_expert2_tensor2": ("data=2,expert=2,tensor=2", "kimi_linear", None, {}),
+    # 12 experts do not split over expert x fsdp = 8: experts on expert, latent on fsdp (the
+    # table's fallback row: FSDP gathers of the local experts inside the layer)
+    "fsdp2_expert4_12_experts": ("fsdp=2,expert=4", "k3", None, {"num_experts": 12}),
+    # 8 experts over expert x fsdp = 4 (2 per device), F over tensor
+    "ragged_emulated_fsdp2_expert2_tensor2": ("fsdp=2,expert=2,tensor=2", "k3", "ragged", {}),
 }
 
 
 @functools.cache
 def case_runs(case):
   """(one-device run, expert-parallel run) in float64; cached: the HLO test reads them too."""
-  mesh_spec, model, dispatch = CASES[case]
+  mesh_spec, model, dispatch, overrides = CASES[case]
   with jax.enable_x64(True), pytest.MonkeyPatch.context() as patch:
     if dispatch == "ragged":
       patch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
     make = tiny_cfg if model == "k3" else kimi_linear_cfg
-    cfg = make(dtype="float64", param_dtype="float64", moe_dispatch=dispatch)
+    cfg = make(dtype="float64", param_dtype="float64", moe_dispatch=dispatch, **overrides)
     moe = make_moe(cfg)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((8, 5, cfg.hidden_size)))
     return run(moe, x), run(moe, x, make_mesh(mesh_spec))
@@ -243,8 +235,9 @@ def test_no_all_gather_of_expert_weights():
   and their transposes), the [EP, E] counts (one s32 all-gather), the dropped count and the
   data-parallel gradients of the replicated weights (router, down/up, norm, shared: one
   combined all-reduce); no float is gathered. Plain jit of the same sharded layer gathers
-  every token's choices to every device. With fsdp=2 the only weight gathers are FSDP's,
-  of the 2 local experts."""
+  every token's choices to every device. Experts over expert x fsdp: no weight gather; with
+  fsdp on the latent width (the fallback) the only weight gathers are FSDP's, of the local
+  experts."""
   cfg = tiny_cfg()
   e, l, f, n, k = (cfg.num_experts, cfg.latent_size, cfg.moe_intermediate_size, 40,
                    cfg.num_experts_per_token)
@@ -265,11 +258,18 @@ def test_no_all_gather_of_expert_weights():
   plain = collectives(plain_fn.lower(placed(state, mesh), xs).compile().as_text())
   assert any(op == "all-gather" and f"s32[{n * k}]" in t for op, t, _ in plain), plain
 
+  # experts over expert x fsdp (8 over 4 devices): no expert weight is gathered at all
+  ragged = collectives(case_runs("ragged_emulated_fsdp2_expert2_tensor2")[1][3])
+  assert not any(op == "all-gather" and re.search(rf"f64\[\d+,({l},{f // 2}|{f // 2},{l})\]", t)
+                 for op, t, _ in ragged), ragged
+  # the fallback (12 experts do not split over expert x fsdp = 8): FSDP gathers of the 3
+  # local experts, whole width, and never of the whole stack
+  e = 12
   stack = re.compile(rf"f64\[{e},({l},{f}|{f},{l})\]")
-  fsdp = collectives(case_runs("fsdp2_expert4")[1][3])
+  fsdp = collectives(case_runs("fsdp2_expert4_12_experts")[1][3])
   expert_gathers = [t for op, t, src in fsdp if op == "all-gather" and "shard_map" in src
                     and re.search(rf"f64\[{e // 4},({l},{f}|{f},{l})\]", t)]
-  assert len(expert_gathers) == 3, fsdp  # w1, w3, w2: the 2 local experts, whole width
+  assert len(expert_gathers) == 3, fsdp  # w1, w3, w2: the 3 local experts, whole width
   assert not any(op == "all-gather" and stack.search(t) for op, t, _ in fsdp), fsdp
 
 

@@ -81,14 +81,14 @@ def load_np(topk, e=E):
 
 
 def test_one_update_gives_each_expert_nk_over_e_against_old_thresholds():
-  """K3's shared thresholds: #{i : r_ij < b_hat_j} = N k / E (+-1) for every expert, except
+  """K3 thresholds ("k3"): #{i : r_ij < b_hat_j} = N k / E (+-1) for every expert, except
   where the quantile falls on the atom r_ij = b_old_j (the tokens whose (k+1)-th choice is j
   all have exactly that r); there b_hat_j = b_old_j and the atom straddles the target."""
   router = SkewedRouter(1)
   s = router.batch()
   b_old = np.random.default_rng(2).normal(size=E).astype(np.float32) * 0.1
   b_hat = np.asarray(quantile_bias_targets(jnp.asarray(s), jnp.asarray(b_old), K,
-                                           thresholds="shared"))
+                                           thresholds="k3"))
   r = thresholds_np(s, b_old)
   c = math.ceil(N * K / E)
   assert c == N * K / E
@@ -101,7 +101,7 @@ def test_one_update_gives_each_expert_nk_over_e_against_old_thresholds():
   upto = (r <= b_hat[None, :] + 1e-6 * on_atom).sum(axis=0)
   assert np.all(np.abs(below[~on_atom] - c) <= 1), below
   assert np.all((below <= c) & (c <= upto)), (below, upto)
-  print(f"\nshared thresholds: {on_atom.sum()} of {E} experts' quantile on the b_old atom")
+  print(f"\nk3 thresholds: {on_atom.sum()} of {E} experts' quantile on the b_old atom")
   # exact = midpoint of each expert's c-th and (c+1)-th smallest r (numpy sort per column)
   want = np.array([np.mean(np.sort(r[:, j])[c - 1:c + 1]) for j in range(E)])
   # b_hat's fp32 r = fl(fl(s + b)_alpha - s) is within u (|alpha| + |r|) of the float64 r, an
@@ -128,7 +128,7 @@ def test_per_expert_thresholds_route_exactly_nk_over_e():
     assert abs(got - c) <= 1, (j, got)
 
 
-@pytest.mark.parametrize("method,thresholds", [("exact", "shared"), ("histogram", "shared"),
+@pytest.mark.parametrize("method,thresholds", [("exact", "k3"), ("histogram", "k3"),
                                                ("exact", "per_expert")])
 def test_repeated_updates_balance_fresh_batches(method, thresholds):
   router = SkewedRouter(3)
@@ -164,11 +164,11 @@ def test_exact_and_histogram_agree_within_one_bin(bins):
   router = SkewedRouter(4)
   s = router.batch()
   b = np.random.default_rng(5).normal(size=E).astype(np.float32) * 0.2
-  # the numpy r below is the shared-threshold one; compare both estimators on that r
+  # the numpy r below is the k3-threshold one; compare both estimators on that r
   exact = np.asarray(quantile_bias_targets(jnp.asarray(s), jnp.asarray(b), K,
-                                           thresholds="shared"))
+                                           thresholds="k3"))
   hist = np.asarray(quantile_bias_targets(jnp.asarray(s), jnp.asarray(b), K,
-                                          method="histogram", bins=bins, thresholds="shared"))
+                                          method="histogram", bins=bins, thresholds="k3"))
   r = thresholds_np(s, b)
   width = (r.max(axis=0) - r.min(axis=0)) / bins
   gap = np.abs(exact - hist)

@@ -530,7 +530,8 @@ def test_sharded_update_equals_one_device(small_state, one_device_two_steps, axi
   tx, grads, (want, tol) = one_device_two_steps
   params = nnx.as_pure(small_state)
   place = lambda tree: jax.tree.map(
-      lambda x, n: jax.device_put(x, NamedSharding(mesh, logical_to_spec(n, mesh=mesh))),
+      lambda x, n: jax.device_put(x, NamedSharding(mesh, logical_to_spec(n, mesh=mesh,
+                                                                        shape=x.shape))),
       tree, axes)
   assert "tensor" in str(place(params)["kda"]["q_proj"].sharding.spec)
 

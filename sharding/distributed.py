@@ -1,0 +1,129 @@
+"""Many processes (hosts): start-up, and which rows of a batch each process supplies (SPEC §6).
+
+Start-up (`initialize`): `jax.distributed.initialize(coordinator, num_processes, process_id)`
+when the three are given (`--coordinator HOST:PORT --num-processes N --process-id I`); with
+`--coordinator auto`, or when the environment names several TPU workers (Cloud TPU / GKE:
+`TPU_WORKER_HOSTNAMES`, `TPU_PROCESS_ADDRESSES` or `MEGASCALE_COORDINATOR_ADDRESS`), it calls
+`jax.distributed.initialize()` without arguments and JAX's cluster detection fills them in.
+On CPU, processes exchange collectives through gloo. Afterwards `jax.devices()` lists every
+process's devices and meshes span them all.
+
+Data: a global batch [A, b, T] is split by rows over the batch mesh axes; each process supplies
+only the rows its devices hold (`process_rows`) and `global_batch` assembles the jax.Array
+from those rows alone (`jax.make_array_from_callback`: every device's shard is cut from its own
+process's rows; nothing is sent between hosts).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from k3jax.cli import UserError
+
+TPU_MULTIHOST_ENV = ("TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES")
+_HOST_PORT = re.compile(r"^\[?[A-Za-z0-9_.:-]+\]?:\d+$")
+
+
+def _multihost_env() -> bool:
+  for name in TPU_MULTIHOST_ENV:
+    if len([h for h in os.environ.get(name, "").split(",") if h.strip()]) > 1:
+      return True
+  return bool(os.environ.get("MEGASCALE_COORDINATOR_ADDRESS"))
+
+
+def initialize(coordinator: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None) -> bool:
+  """Join the multi-process run the arguments or the environment describe; True if one was
+  joined (or already is). Validates the arguments in one line (UserError)."""
+  explicit = coordinator not in (None, "auto")
+  if explicit or num_processes is not None or process_id is not None:
+    if not (explicit and num_processes is not None and process_id is not None):
+      raise UserError("--coordinator HOST:PORT, --num-processes and --process-id go together "
+                      "(or --coordinator auto alone)")
+    if not _HOST_PORT.match(coordinator):
+      raise UserError(f"--coordinator {coordinator!r} is not HOST:PORT")
+    if num_processes < 1 or not 0 <= process_id < num_processes:
+      raise UserError(f"--process-id {process_id} is not in [0, --num-processes "
+                      f"{num_processes})")
+  auto = coordinator == "auto" or (not explicit and _multihost_env())
+  if not (explicit or auto):
+    return False
+  if jax.distributed.is_initialized():
+    return True
+  if _platforms_include_cpu():
+    # CPU devices talk through gloo; harmless where accelerators carry the collectives
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  if explicit:
+    jax.distributed.initialize(coordinator, num_processes, process_id)
+  else:
+    jax.distributed.initialize()
+  return True
+
+
+def _platforms_include_cpu() -> bool:
+  platforms = os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or ""
+  return not platforms or "cpu" in platforms.split(",")
+
+
+def is_main_process() -> bool:
+  """Process 0 writes what exists once per run (metrics, TensorBoard, plots, JSON files)."""
+  return jax.process_index() == 0
+
+
+def rows_by_process(sharding: jax.sharding.Sharding, shape: tuple[int, ...],
+                    axis: int = 1) -> dict[int, tuple[int, int]]:
+  """process index -> the [start, stop) rows (along `axis`) its devices hold. A process's rows
+  must be one contiguous range (true of every mesh `make_mesh` builds, where processes own
+  contiguous blocks of devices)."""
+  spans: dict[int, list[tuple[int, int]]] = {}
+  for device, index in sharding.devices_indices_map(shape).items():
+    sl = index[axis]
+    start, stop, _ = sl.indices(shape[axis])
+    spans.setdefault(device.process_index, []).append((start, stop))
+  out = {}
+  for proc, pieces in spans.items():
+    start, stop = min(p[0] for p in pieces), max(p[1] for p in pieces)
+    covered = np.zeros(stop - start, bool)
+    for a, b in pieces:
+      covered[a - start:b - start] = True
+    if not covered.all():
+      raise UserError(f"process {proc} holds batch rows that are not one contiguous range; "
+                      "use a mesh whose batch axes split the processes evenly")
+    out[proc] = (start, stop)
+  return out
+
+
+def process_rows(sharding: jax.sharding.Sharding, shape: tuple[int, ...],
+                 axis: int = 1) -> tuple[int, int]:
+  """The [start, stop) rows this process supplies."""
+  return rows_by_process(sharding, shape, axis)[jax.process_index()]
+
+
+def global_batch(batch: Mapping[str, np.ndarray], sharding: jax.sharding.Sharding,
+                 rows: tuple[int, int], num_rows: int, axis: int = 1) -> dict[str, Any]:
+  """This process's rows [start, stop) of every batch array -> global jax.Arrays with
+  `num_rows` rows along `axis`, placed by `sharding`."""
+  start, stop = rows
+  out = {}
+  for key, local in batch.items():
+    if local.shape[axis] != stop - start:
+      raise ValueError(f"{key}: {local.shape[axis]} local rows for the range {rows}")
+    shape = local.shape[:axis] + (num_rows,) + local.shape[axis + 1:]
+
+    def cut(index, local=local):
+      sl = index[axis]
+      a, b, _ = sl.indices(num_rows)
+      if a < start or b > stop:
+        raise ValueError(f"a device of this process needs rows [{a}, {b}) outside "
+                         f"[{start}, {stop})")
+      index = index[:axis] + (slice(a - start, b - start),) + index[axis + 1:]
+      return local[index]
+
+    out[key] = jax.make_array_from_callback(shape, sharding, cut)
+  return out

@@ -1,0 +1,111 @@
+"""Per-Head Muon on a mesh: where each Newton-Schulz block runs, read from the compiled
+optimizer update (the update alone, jitted with the parameters' shardings; SPEC §5, §6).
+
+  * blocks split only over heads (`tensor`) or experts (`expert`, and `fsdp` where the rules
+    table gives the experts expert x fsdp) are whole on their devices: the update has no
+    collective at all;
+  * a block split over `fsdp` (or `tensor` inside the block): XLA's partitioner would run
+    Newton-Schulz distributed, a collective every iteration (all-reduced Gram matrices or
+    all-gathered blocks); the default layout (k3jax/optim/ns_layout.py) moves the mesh axes
+    onto a batch axis instead (all-to-alls there and back), so the iteration runs without
+    communication and the bytes moved drop (numbers printed with -s)."""
+
+import jax
+import pytest
+from flax import nnx
+
+import configs
+from k3jax.model.moe import RouterBias
+from k3jax.model.transformer import K3Model
+from k3jax.optim import logical_axes_from_state, per_head_muon
+from k3jax.optim.groups import dimension_numbers
+from k3jax.optim.ns_layout import ns_plan
+from k3jax.train.step import plain
+from sharding.hlo import collectives, summary
+from sharding.mesh import make_mesh
+from sharding.placement import like_params, variable_shardings
+
+PER_HEAD = [("kda", "q_proj"), ("kda", "k_proj"), ("kda", "v_proj"), ("mla", "q_b_proj"),
+            ("mla", "k_b_proj"), ("mla", "v_b_proj")]
+EXPERTS = [("moe", "experts", "w1"), ("moe", "experts", "w2"), ("moe", "experts", "w3")]
+
+
+@pytest.fixture(scope="module")
+def tiny_tree():
+  model = nnx.eval_shape(lambda: K3Model(configs.get("tiny"), rngs=nnx.Rngs(0)))
+  _, params, _, _ = nnx.split(model, nnx.Param, RouterBias, ...)
+  return params
+
+
+def pick(params: nnx.State, paths) -> nnx.State:
+  flat = dict(nnx.to_flat_state(params))
+  keep = {p: v for p, v in flat.items() if any(p[:len(q)] == q for q in paths)}
+  assert len(keep) == len(paths)
+  return nnx.from_flat_state(keep)
+
+
+def update_collectives(params: nnx.State, mesh, whole_blocks=True):
+  """Collectives of one compiled Per-Head Muon update of `params` placed on `mesh`."""
+  axes = plain(logical_axes_from_state(params))
+  shardings = variable_shardings(params, mesh)
+  sds = plain(nnx.as_pure(params))
+  tx = per_head_muon(0.01, logical_axes=axes, whole_blocks=whole_blocks)
+  opt = jax.eval_shape(tx.init, sds)
+  opt_sh = like_params(opt, sds, shardings, mesh)
+  update = jax.jit(tx.update, in_shardings=(shardings, opt_sh, shardings),
+                   out_shardings=(shardings, opt_sh))
+  with jax.set_mesh(mesh):
+    return collectives(update.lower(sds, opt, sds).compile().as_text())
+
+
+def test_per_head_blocks_need_no_communication(tiny_tree):
+  """KDA q/k/v and MLA q_b/k_b/v_b with heads on tensor (and experts on expert, batch over
+  data x expert): no collective, whatever the layout option."""
+  mesh = make_mesh("data=2,expert=2,tensor=2")
+  params = pick(tiny_tree, PER_HEAD)
+  for spec in jax.tree.leaves(variable_shardings(params, mesh)):
+    assert "tensor" in str(spec.spec)  # really split over heads
+  assert update_collectives(params, mesh) == []
+  assert update_collectives(params, mesh, whole_blocks=False) == []
+
+
+def test_per_expert_blocks_need_no_communication(tiny_tree):
+  """Experts over expert (data=4,expert=2) or over expert x fsdp (fsdp=2,expert=4): whole
+  blocks, no collective."""
+  for spec, experts_on in (("data=4,expert=2", "expert"), ("fsdp=2,expert=4", ("expert", "fsdp"))):
+    mesh = make_mesh(spec)
+    params = pick(tiny_tree, EXPERTS)
+    for sh in jax.tree.leaves(variable_shardings(params, mesh)):
+      assert sh.spec[1] == experts_on and "fsdp" not in str(sh.spec[2:]), (spec, sh.spec)
+    assert update_collectives(params, mesh) == [], spec
+
+
+def test_fsdp_split_blocks():
+  """Expert and latent matrices with the model width on fsdp (and moe_mlp on tensor; 6
+  experts do not split over expert x fsdp = 4, so the experts' latent width takes fsdp, the
+  rules table's fallback). Left to the partitioner, each parameter's Newton-Schulz
+  communicates every iteration (>= 5 collectives); in the whole-block layout the blocks only
+  move there and back (all-to-alls, one per mesh axis moved) and the iteration communicates
+  nothing, with fewer bytes moved. MLA g_proj (3 layers, a whole-matrix block per layer) has
+  no batch axis fsdp x tensor divides: its layer axis is padded to 4 with zero blocks."""
+  mesh = make_mesh("fsdp=2,expert=2,tensor=2")
+  model = nnx.eval_shape(lambda: K3Model(configs.get("tiny", num_experts=6), rngs=nnx.Rngs(0)))
+  _, tiny_tree, _, _ = nnx.split(model, nnx.Param, RouterBias, ...)
+  paths = EXPERTS[:1] + [("moe", "routed_down"), ("mla", "g_proj")]
+  params = pick(tiny_tree, paths)
+  for path, var in nnx.to_flat_state(params):
+    names = tuple(var.get_metadata()["out_sharding"])
+    home = jax.tree.leaves(variable_shardings(nnx.from_flat_state({path: var}),
+                                              mesh))[0].spec
+    there, padded = ns_plan(home, var.shape, dimension_numbers(names), dict(mesh.shape))
+    assert padded == ((4,) + var.shape[1:] if path[0] == "mla" else var.shape), (path, padded)
+    assert "fsdp" in str(home), (path, home)  # really split over fsdp at home
+    assert all(e is None for e in tuple(there)[2:]), (path, there)  # whole blocks
+  for path in paths:
+    one = pick(tiny_tree, [path])
+    auto = update_collectives(one, mesh, whole_blocks=False)
+    whole = update_collectives(one, mesh, whole_blocks=True)
+    print(f"\n{'.'.join(path)}: partitioner {summary(auto)}; whole blocks {summary(whole)}")
+    assert len(auto) >= 5
+    assert {c.op for c in whole} == {"all-to-all"}  # moves only; nothing inside the loop
+    assert sum(c.bytes for c in whole) < sum(c.bytes for c in auto)
