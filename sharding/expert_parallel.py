@@ -61,7 +61,7 @@ from jax.sharding import PartitionSpec as P
 from k3jax.model.grouped_matmul import grouped_matmul
 from k3jax.model.layers import wide_dtype
 from k3jax.model.mlp import glu
-from sharding.rules import MESH_AXES, logical_to_spec
+from sharding.rules import ACTIVATION_RULES, MESH_AXES, logical_to_spec
 
 DISPATCHES = ("ragged", "padded")
 
@@ -101,7 +101,7 @@ def layout(cfg, n_tokens: int, in_name: str, mesh=None) -> Layout:
   else:
     w_spec = logical_to_spec(("experts", in_name, "moe_mlp"), mesh=mesh)
     ep_axes, gather_axes, psum_axes = (_axes(s) for s in w_spec)
-    token_axes = _axes(logical_to_spec(("batch",), mesh=mesh)[0])
+    token_axes = _axes(logical_to_spec(("batch",), ACTIVATION_RULES, mesh=mesh)[0])
   size = lambda axes: math.prod(mesh.shape[a] for a in axes) if axes else 1  # noqa: E731
   ep, shards = size(ep_axes), size(token_axes)
   if e % ep:
