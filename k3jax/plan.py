@@ -89,12 +89,18 @@ def topology_devices(topology: str):
   return list(topo.devices)
 
 
-def plan_config(cfg, remat: str | None, attention: str | None = None, loss_chunk=None):
-  """The config `k3jax train` runs on TPU: bf16 compute, fp32 master weights, ragged_dot."""
+def plan_config(cfg, remat: str | None = None, attention: str | None = None,
+                loss_chunk: int | None = None):
+  """The config `k3jax train` runs on TPU: bf16 compute, fp32 master weights, ragged_dot;
+  remat / attention / loss_chunk override the config's when given (loss_chunk 0: whole)."""
   changes = dict(dtype="bfloat16", param_dtype="float32", moe_grouped_matmul="ragged_dot",
                  kda_backend=cfg.kda_backend or "chunked")
   if remat is not None:
     changes["remat"] = remat
+  if attention is not None:
+    changes["attention"] = attention
+  if loss_chunk is not None:
+    changes["loss_chunk"] = loss_chunk or None
   return cfg.replace(**changes)
 
 
@@ -136,6 +142,8 @@ class Plan:
   seq: int
   grad_accum: int
   remat: str
+  loss_chunk: int | None
+  attention: str
   mode: str
   analytic: bool
   hbm_bytes_per_device: float
@@ -229,7 +237,8 @@ def plan_one(cfg, sc, devices, topology: str, mesh_spec, *, batch: int, seq: int
   sizes = _mesh_size(mesh)
   rows_dev = (batch // accum) // (sizes["data"] * sizes["fsdp"] * sizes["expert"])
   common = dict(topology=topology, devices=n, mesh=format_sizes(sizes), batch=batch, seq=seq,
-                grad_accum=accum, remat=str(cfg.remat), mode="train",
+                grad_accum=accum, remat=str(cfg.remat), loss_chunk=cfg.loss_chunk,
+                attention=cfg.attention, mode="train",
                 hbm_bytes_per_device=chip.hbm_bytes, model_flops=model_flops,
                 state_bytes_per_device=state_bytes, param_count=n_params)
   if analytic:
@@ -320,7 +329,7 @@ def run_plan(args) -> list[Plan]:
   from k3jax.train import step as step_lib  # noqa: PLC0415
   from sharding.mesh import MeshError  # noqa: PLC0415
 
-  cfg = plan_config(configs.resolve(args.config), args.remat)
+  cfg = plan_config(configs.resolve(args.config), args.remat, args.attention, args.loss_chunk)
   if args.mode != "train":
     raise UserError(f"--mode {args.mode}: only train is planned so far")
   if args.batch % args.grad_accum:
@@ -363,7 +372,8 @@ def report(plan: Plan) -> str:
   kind = "analytic (no compile)" if plan.analytic else "compiled (XLA memory/cost analysis)"
   lines = [
       f"plan: {plan.topology} ({plan.devices} devices), mesh {plan.mesh}, batch {plan.batch} x "
-      f"seq {plan.seq} (grad accum {plan.grad_accum}), remat {plan.remat}: {kind}",
+      f"seq {plan.seq} (grad accum {plan.grad_accum}), remat {plan.remat}, loss chunk "
+      f"{plan.loss_chunk or 'none'}, attention {plan.attention}: {kind}",
       f"  parameters      {plan.param_count / 1e9:10.3f} B; train state per device "
       f"{_gib(plan.state_bytes_per_device)}",
       f"  arguments       {_gib(plan.argument_bytes_per_device)} per device",
@@ -428,8 +438,12 @@ def register(sub) -> None:
   p.add_argument("--seq", type=_positive, default=8192, help="sequence length")
   p.add_argument("--grad-accum", type=_positive, default=1, help="micro-batches per step")
   p.add_argument("--mode", choices=("train", "decode"), default="train")
-  p.add_argument("--remat", default=None,
+  p.add_argument("--remat", default=None, choices=("none", "full", "save-dots", "offload"),
                  help="remat policy: none | full | save-dots | offload (default: the config's)")
+  p.add_argument("--loss-chunk", type=int, default=None,
+                 help="positions per loss chunk (0: whole logits; default: the config's)")
+  p.add_argument("--attention", choices=("dense", "flash"), default=None,
+                 help="MLA attention (default: the config's)")
   p.add_argument("--analytic", action="store_true", help="hand count, no compile")
   p.add_argument("--max-compiles", type=_positive, default=3,
                  help="without --mesh: compile at most this many candidates")
