@@ -78,7 +78,8 @@ def test_scanned_equals_unrolled(make):
     np.testing.assert_array_equal(np.asarray(r1.experts_nk), np.asarray(r2.experts_nk))
 
 
-def test_remat_same_gradients(model):
+@pytest.mark.parametrize("policy", ["full", "save-dots", "offload"])
+def test_remat_same_gradients(model, policy):
   ids = _ids(model.cfg, (1, 8), 5)
 
   def loss(m):
@@ -86,11 +87,11 @@ def test_remat_same_gradients(model):
 
   grad_fn = nnx.jit(nnx.grad(loss))
   g_plain = grad_fn(model)
-  model.cfg = model.cfg.replace(remat=True)
+  model.cfg = model.cfg.replace(remat=policy)
   try:
     g_remat = grad_fn(model)
   finally:
-    model.cfg = model.cfg.replace(remat=False)
+    model.cfg = model.cfg.replace(remat="none")
   # recomputation may fuse differently: equal to float32 rounding, relative to each gradient
   for (p, a), (_, b) in zip(nnx.to_flat_state(g_plain), nnx.to_flat_state(g_remat)):
     a, b = np.asarray(a[...]), np.asarray(b[...])
