@@ -179,6 +179,9 @@ def analytic_temp(cfg, rows_per_device: int, seq: int, tensor: int, state_per_de
                   params_per_device: float) -> float:
   """Per-device temporaries by hand count (bytes), with the compute dtype's width c:
     gradients           one fp32 copy of the parameters (the accumulator), as sharded;
+    optimizer           two more: the Muon / AdamW update and the Newton-Schulz layout
+                        moves (the count XLA's plan of the K3-shaped test model shows:
+                        temporaries ~3.3x the local fp32 parameters at short sequences);
     saved per layer     under remat only the layer's input carry survives the forward:
                         the partial sum [b, T, d] (c bytes) per layer; without remat every
                         activation of the layer, counted as ~30 [b, T, d]-sized tensors;
@@ -207,7 +210,7 @@ def analytic_temp(cfg, rows_per_device: int, seq: int, tensor: int, state_per_de
   loss = b * t * (cfg.vocab_size // tensor) * 4 * 3
   if getattr(cfg, "loss_chunk", None):
     loss = b * cfg.loss_chunk * (cfg.vocab_size // tensor) * 4 * 3
-  return params_per_device + saved + blocks + working + loss
+  return 3 * params_per_device + saved + blocks + working + loss
 
 
 def _mesh_size(mesh) -> dict:
