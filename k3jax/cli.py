@@ -1,4 +1,5 @@
-"""`k3jax` command line: info | convert | export | parity | train | generate | tokenize (SPEC §9).
+"""`k3jax` command line: info | convert | export | parity | train | generate | tokenize | plan
+(SPEC §9).
 
 Each subcommand lives in its own module exposing `register(subparsers)`; the parser it adds
 sets `func(args) -> int`. User mistakes raise `UserError` (or ConfigError) and are printed as
@@ -27,6 +28,7 @@ _SUBCOMMANDS = (
     "convert.cli",
     "k3jax.parity",
     "k3jax.tokenize_cli",
+    "k3jax.plan",
 )
 
 

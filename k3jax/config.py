@@ -19,6 +19,9 @@ import jax
 import jax.numpy as jnp
 
 
+REMAT_POLICIES = ("none", "full", "save-dots", "offload")
+
+
 class ConfigError(ValueError):
   """A config that k3jax cannot run exactly as the official code would."""
 
@@ -87,7 +90,19 @@ class ModelConfig:
     moe_dispatch: expert-parallel exchange, "ragged" (jax.lax.ragged_all_to_all: moves only
       the routed rows) or "padded" (all_to_all of fixed-size per-device buffers, for XLA:CPU,
       which lacks ragged_all_to_all); None picks by the platform the program is lowered for.
-    remat: rematerialise each layer in the backward pass.
+    remat: rematerialisation policy of each layer in the backward pass (REMAT_POLICIES):
+      "none" keeps every activation; "full" keeps only the layer's input and recomputes the
+      layer; "save-dots" keeps the outputs of matmuls without batch dims (the projections)
+      and recomputes the rest; "offload" keeps those in host memory (pinned_host) instead of
+      HBM. True / False (older configs) read as "full" / "none".
+    loss_chunk: None (default) computes the train loss from the whole [B, T, V] logits; an
+      int C computes it in chunks of C positions with the head matmul inside and the chunk's
+      logits recomputed in the backward (k3jax/train/loss.py): the same numbers, without
+      the [tokens, vocab] fp32 buffers.
+    attention: MLA's training attention, "dense" (the [B, H, T, T] scores; the reference) or
+      "flash" (blockwise online softmax, k3jax/model/flash.py: the same numbers, no [T, T]
+      buffer).
+    attention_block: query and key block of the flash attention (positions).
     scan_layers: run the longest stretch of identical repeating layer units under one
       lax.scan (compile time independent of depth); numerically identical to unrolling.
   """
@@ -144,7 +159,10 @@ class ModelConfig:
   moe_grouped_matmul: Literal["ragged_dot", "tiled"] | None = None
   moe_capacity_factor: float | None = None
   moe_dispatch: Literal["ragged", "padded"] | None = None
-  remat: bool = False
+  remat: str = "none"
+  loss_chunk: int | None = None
+  attention: Literal["dense", "flash"] = "dense"
+  attention_block: int = 512
   scan_layers: bool = True
 
   def __post_init__(self):
@@ -166,6 +184,17 @@ class ModelConfig:
       raise ConfigError(f"moe_capacity_factor must be > 0, got {self.moe_capacity_factor}")
     if self.moe_dispatch not in (None, "ragged", "padded"):
       raise ConfigError(f"unknown moe_dispatch {self.moe_dispatch!r}")
+    if self.loss_chunk is not None and self.loss_chunk <= 0:
+      raise ConfigError(f"loss_chunk must be > 0, got {self.loss_chunk}")
+    if self.attention not in ("dense", "flash"):
+      raise ConfigError(f"unknown attention {self.attention!r}; choose dense or flash")
+    if self.attention_block <= 0:
+      raise ConfigError(f"attention_block must be > 0, got {self.attention_block}")
+    if isinstance(self.remat, bool) or self.remat is None:
+      object.__setattr__(self, "remat", "full" if self.remat else "none")
+    if self.remat not in REMAT_POLICIES:
+      raise ConfigError(f"unknown remat policy {self.remat!r}; choose one of "
+                        f"{', '.join(REMAT_POLICIES)}")
     for name in ("dtype", "param_dtype"):
       jnp.dtype(getattr(self, name))  # raises on an unknown dtype name
 

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import ModelConfig
+from k3jax.model.flash import flash_attention
 from k3jax.model.layers import Projection, RMSNorm, wide_dtype
 
 
@@ -138,6 +139,13 @@ class MLA(nnx.Module):
     q_nope, q_rot = jnp.split(q, [cfg.qk_nope_head_dim], axis=-1)
     c, k_rot = self.latent(x)
     k_nope, v = self.k_b_proj(c), self.v_b_proj(c)
+    if cfg.attention == "flash":  # the same numbers without the [T, T] scores
+      k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot[:, :, None], (*k_nope.shape[:3],
+                                                                       k_rot.shape[-1]))], -1)
+      o, row_max = flash_attention(q, k, v, segment_ids, scale=cfg.qk_head_dim**-0.5,
+                                   block=cfg.attention_block, precision=cfg.precision)
+      max_logits_h = jax.lax.stop_gradient(jnp.max(row_max, axis=(0, 2)))
+      return self.output(x, o), max_logits_h
     scores = (jnp.einsum("bqhk,bshk->bhqs", q_nope, k_nope, precision=cfg.precision)
               + jnp.einsum("bqhr,bsr->bhqs", q_rot, k_rot, precision=cfg.precision))
     scores = scores.astype(wide_dtype(scores.dtype)) * cfg.qk_head_dim**-0.5

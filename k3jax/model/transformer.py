@@ -81,6 +81,7 @@ class ModelOutput(NamedTuple):
   mla_max_logits: jax.Array | None       # [n_mla, H] max pre-softmax logit (for QK-clip)
   layer_out: tuple[jax.Array, ...] = ()  # `partial` after each layer (return_layer_out=True)
   hidden: jax.Array | None = None        # input of the final norm
+  features: jax.Array | None = None      # final-norm output [B, T, d] (the head's input)
 
 
 class K3Model(nnx.Module):
@@ -107,10 +108,11 @@ class K3Model(nnx.Module):
   def __call__(self, input_ids: jax.Array | None = None, *,
                inputs_embeds: jax.Array | None = None,
                segment_ids: jax.Array | None = None,
-               return_layer_out: bool = False) -> ModelOutput:
+               return_layer_out: bool = False, logits: bool = True) -> ModelOutput:
     """input_ids [B, T] int (or inputs_embeds [B, T, d]); segment_ids [B, T] int marks packed
     sequences / padding: tokens interact only within equal ids (MLA mask, KDA state and conv
-    resets). `return_layer_out` disables layer scanning (per-layer outputs are for debugging)."""
+    resets). `return_layer_out` disables layer scanning (per-layer outputs are for debugging).
+    `logits=False` skips the head: `features` carries its input (for a chunked loss)."""
     cfg = self.cfg
     if inputs_embeds is None:
       inputs_embeds = self.embed[...][input_ids]
@@ -132,12 +134,18 @@ class K3Model(nnx.Module):
       h = self.output_res(carry.blocks, carry.partial, _valid(carry))
     else:
       h = carry.partial
-    head = self.embed[...].T if cfg.tie_word_embeddings else self.lm_head[...]
-    logits = jnp.einsum("btd,dv->btv", self.final_norm(h), head.astype(cfg.jnp_dtype),
-                        precision=cfg.precision)
-    logits = constrain(logits, ("batch", "length", "vocab"))
-    return ModelOutput(logits, tuple(routings), jnp.stack(max_logits) if max_logits else None,
-                       tuple(layer_out), h)
+    features = self.final_norm(h)
+    out = None
+    if logits:
+      out = jnp.einsum("btd,dv->btv", features, self.head().astype(cfg.jnp_dtype),
+                       precision=cfg.precision)
+      out = constrain(out, ("batch", "length", "vocab"))
+    return ModelOutput(out, tuple(routings), jnp.stack(max_logits) if max_logits else None,
+                       tuple(layer_out), h, features)
+
+  def head(self) -> jax.Array:
+    """The output head [d, V] (the embedding transposed when tied)."""
+    return self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
 
 
 def initial_carry(cfg: ModelConfig, x: jax.Array) -> Carry:
@@ -172,8 +180,8 @@ def run_layers(cfg: ModelConfig, run: schedule.Run, stacks, carry: Carry, segmen
     for q, (kinds, states) in enumerate(zip(run.unit, unit_states)):
       norms, mixer, mlp = (nnx.merge(graphdefs[q][k], s) for k, s in zip(kinds, states))
       step = layer_step
-      if cfg.remat:
-        step = nnx.remat(layer_step, static_argnums=(0,))
+      if cfg.remat != "none":
+        step = nnx.remat(layer_step, static_argnums=(0,), policy=remat_policy(cfg.remat))
       carry, routing, logits = step(cfg, first_layer + q, norms, mixer, mlp, carry, segment_ids)
       if routing is not None:
         routings.append(routing)
@@ -202,6 +210,21 @@ def run_layers(cfg: ModelConfig, run: schedule.Run, stacks, carry: Carry, segmen
   unstack = lambda items: [jax.tree.map(lambda a, u=u: a[u], r)  # noqa: E731
                            for u in range(run.count) for r in items]
   return carry, unstack(routings), unstack(max_logits)
+
+
+def remat_policy(name: str):
+  """jax.checkpoint policy of a config's remat name (config.REMAT_POLICIES): what a layer's
+  forward keeps for its backward. "full": nothing but the inputs (recompute everything);
+  "save-dots": the projections' outputs (matmuls without batch dims; attention's batched
+  products are recomputed); "offload": the same, moved to host memory."""
+  policies = jax.checkpoint_policies
+  if name == "full":
+    return policies.nothing_saveable
+  if name == "save-dots":
+    return policies.dots_with_no_batch_dims_saveable
+  if name == "offload":
+    return policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+  raise ValueError(f"no remat policy for {name!r}")
 
 
 def _take(state: nnx.State, i: int) -> nnx.State:

@@ -151,7 +151,10 @@ def register(sub) -> None:
   g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float64"), default="auto",
                  help="compute dtype over fp32 master weights (auto: bf16 on TPU/GPU, fp32 "
                       "on CPU); float64: fp64 weights and compute, for exactness checks")
-  g.add_argument("--remat", action="store_true", help="rematerialise each layer")
+  g.add_argument("--remat", nargs="?", const="full", default="none",
+                 choices=("none", "full", "save-dots", "offload"),
+                 help="rematerialisation policy per layer (bare --remat: full; save-dots keeps "
+                      "the projections' outputs; offload keeps them in host memory)")
   g.add_argument("--peak-tflops", type=_positive(float), default=None,
                  help="peak for MFU (none given: a dense matmul measured at start-up)")
   g.add_argument("--compile-cache", default=default_compile_cache(),

@@ -75,7 +75,7 @@ class RunOptions:
   qb_method: str = "exact"
   qb_rule: str = "k3"                # QB thresholds: "k3" (SPEC §2.6) | "per_expert"
   qk_clip: float | None = None       # MuonClip threshold (K2: 100); None: off
-  remat: bool = False
+  remat: str = "none"               # none | full | save-dots | offload (config.REMAT_POLICIES)
   dtype: str = "auto"                # compute dtype; auto: bfloat16 on TPU/GPU, float32 on CPU;
                                      #   float64: float64 weights and compute (exactness checks)
   mesh: str | None = None            # device mesh spec, e.g. "data=2,expert=2,tensor=2"
@@ -163,7 +163,7 @@ def _check_resume(out: str, opts: RunOptions, cfg: ModelConfig) -> None:
     return
   with open(path) as f:
     saved = json.load(f)
-  if saved.get("model") != cfg.to_dict():
+  if _normalised(saved.get("model")) != cfg.to_dict():
     raise UserError(f"{out} holds a run of another model config; use a new --out")
   for key in _RESUME_KEYS:
     was = saved["options"].get(key, getattr(RunOptions, key, None))  # runs before the option
@@ -171,6 +171,14 @@ def _check_resume(out: str, opts: RunOptions, cfg: ModelConfig) -> None:
       raise UserError(f"{out} holds a run with --{key.replace('_', '-')} "
                       f"{was!r} (now {getattr(opts, key)!r}); "
                       "resuming must keep it, or use a new --out")
+
+
+def _normalised(model: dict | None) -> dict | None:
+  """A saved model config as this version writes it (older runs saved remat as a bool)."""
+  try:
+    return ModelConfig.from_dict(model).to_dict()
+  except Exception:  # noqa: BLE001  (not a config this version reads: a mismatch)
+    return model
 
 
 def _write_run_file(out: str, opts: RunOptions, cfg: ModelConfig) -> None:

@@ -53,6 +53,7 @@ from jax.sharding import PartitionSpec as P
 
 from k3jax.config import ModelConfig
 from k3jax.model.moe import RouterBias
+from k3jax.train.loss import chunked_token_nll, token_nll  # noqa: F401  (token_nll re-exported)
 from k3jax.model.quantile_balancing import (THRESHOLD_RULES, expert_load_stats,
                                             quantile_balancing_bias)
 from k3jax.optim import logical_axes_from_state, per_head_muon, qk_clip
@@ -108,12 +109,6 @@ def plain(tree: Any) -> Any:
   return tree
 
 
-def token_nll(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
-  """Per-position NLL [..., T] in fp32, or fp64 for a float64 model (0 where mask is False)."""
-  logp = jax.nn.log_softmax(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)),
-                            axis=-1)
-  nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-  return jnp.where(mask, nll, 0.0)
 
 
 class OnMesh:
@@ -203,21 +198,29 @@ def build(cfg: ModelConfig, sc: StepConfig, mesh: jax.sharding.Mesh | None = Non
   k, n_experts = cfg.num_experts_per_token, cfg.num_experts
 
   def forward(params, bias, inputs, segment_ids):
+    """(ModelOutput, per-position NLL function of (out, targets, mask))."""
     model = nnx.merge(graphdef, nnx.State(params), nnx.State(bias))
-    return model(inputs, segment_ids=segment_ids)
+    if cfg.loss_chunk is None:
+      return model(inputs, segment_ids=segment_ids), lambda out, tg, m: token_nll(out.logits,
+                                                                                tg, m)
+    out = model(inputs, segment_ids=segment_ids, logits=False)
+    head = model.head()
+    return out, lambda out, tg, m: chunked_token_nll(out.features, head, tg, m,
+                                                     cfg.loss_chunk, cfg.precision)
 
   def nll(params, bias, inputs, targets, segment_ids, mask):
-    return token_nll(forward(params, bias, inputs, segment_ids).logits, targets, mask)
+    out, nll_of = forward(params, bias, inputs, segment_ids)
+    return nll_of(out, targets, mask)
 
   def forward_with_routing(params, bias, inputs, targets, segment_ids, mask):
-    out = forward(params, bias, inputs, segment_ids)
-    return (token_nll(out.logits, targets, mask),
+    out, nll_of = forward(params, bias, inputs, segment_ids)
+    return (nll_of(out, targets, mask),
             jnp.stack([r.scores_ne for r in out.routing]),
             jnp.stack([r.experts_nk for r in out.routing]))
 
   def loss_sum(params, bias, mb):
-    out = forward(params, bias, mb["inputs"], mb["segment_ids"])
-    total = jnp.sum(token_nll(out.logits, mb["targets"], mb["loss_mask"]))
+    out, nll_of = forward(params, bias, mb["inputs"], mb["segment_ids"])
+    total = jnp.sum(nll_of(out, mb["targets"], mb["loss_mask"]))
     routing = out.routing
     aux = {
         "tokens": jnp.sum(mb["loss_mask"].astype(jnp.int32)),

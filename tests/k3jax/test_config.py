@@ -115,3 +115,21 @@ def test_k3jax_dict_round_trip_and_refusal():
 def test_invalid_schedule_refused():
   with pytest.raises(ConfigError, match="mla_layers"):
     configs.get("tiny", mla_layers=(3, 9))
+
+
+def test_remat_policy_names():
+  """remat takes a policy name; the older bool reads as full / none; unknown names refused."""
+  from k3jax.config import ConfigError, REMAT_POLICIES  # noqa: PLC0415
+  import configs as presets  # noqa: PLC0415
+  cfg = presets.get("tiny")
+  assert cfg.remat == "none"
+  assert cfg.replace(remat=True).remat == "full" and cfg.replace(remat=False).remat == "none"
+  for name in REMAT_POLICIES:
+    assert cfg.replace(remat=name).remat == name
+  assert type(cfg).from_dict({**cfg.to_dict(), "remat": True}).remat == "full"
+  with pytest.raises(ConfigError, match="remat"):
+    cfg.replace(remat="sometimes")
+  with pytest.raises(ConfigError, match="loss_chunk"):
+    cfg.replace(loss_chunk=0)
+  with pytest.raises(ConfigError, match="attention"):
+    cfg.replace(attention="sparse")

@@ -102,7 +102,8 @@ def test_scanned_equals_unrolled(make, x64):
     np.testing.assert_array_equal(np.asarray(r1.experts_nk), np.asarray(r2.experts_nk))
 
 
-def test_remat_same_gradients(model64, x64):
+@pytest.mark.parametrize("policy", ["full", "save-dots", "offload"])
+def test_remat_same_gradients(model64, x64, policy):
   model = model64
   ids = _ids(model.cfg, (1, 8), 5)
 
@@ -111,11 +112,11 @@ def test_remat_same_gradients(model64, x64):
 
   grad_fn = nnx.jit(nnx.grad(loss))
   g_plain = grad_fn(model)
-  model.cfg = model.cfg.replace(remat=True)
+  model.cfg = model.cfg.replace(remat=policy)
   try:
     g_remat = grad_fn(model)
   finally:
-    model.cfg = model.cfg.replace(remat=False)
+    model.cfg = model.cfg.replace(remat="none")
   # recomputation may fuse differently: float64 summation order, relative to each gradient's
   # scale (an entry can be a sum of cancelling terms larger than itself)
   for (p, a), (_, b) in zip(nnx.to_flat_state(g_plain), nnx.to_flat_state(g_remat)):

@@ -1,0 +1,67 @@
+"""The full K3 train step planned for TPU pods: `k3jax plan` over v5p and tpu7x topologies.
+
+For each topology (smallest first) the real train step (fp32 master weights, bf16 compute,
+Per-Head Muon, the given remat policy and loss chunking) is compiled ahead of time on this CPU
+machine (libtpu) for each candidate mesh, and XLA's per-device memory plan and cost analysis
+are printed next to the chip's HBM and the model FLOPs; the first topology with a fitting mesh
+ends the search for that chip. An analytic pass (no compile) orders the meshes. Slow (minutes
+per compile at full K3 size): a script, not a test.
+
+    python benchmarks/plan_k3.py [--seq 8192] [--remat full] [--loss-chunk 2048]
+        [--topologies v5p:8x8x16,tpu7x:8x8x8] [--batch-per-device 1] [--analytic]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+DEFAULT_TOPOLOGIES = ("v5p:8x8x8", "v5p:8x8x16", "v5p:8x16x16", "tpu7x:8x8x8",
+                      "tpu7x:8x8x16")
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--config", default="k3")
+  p.add_argument("--seq", type=int, default=8192)
+  p.add_argument("--remat", default="full")
+  p.add_argument("--loss-chunk", type=int, default=2048)
+  p.add_argument("--attention", default=None)
+  p.add_argument("--batch-per-device", type=int, default=1,
+                 help="rows per device per step (global batch = this x devices)")
+  p.add_argument("--topologies", default=",".join(DEFAULT_TOPOLOGIES))
+  p.add_argument("--max-compiles", type=int, default=2)
+  p.add_argument("--analytic", action="store_true", help="no compile")
+  p.add_argument("--mesh", default=None, help="one mesh for every topology (default: search)")
+  a = p.parse_args()
+
+  from k3jax import plan  # noqa: PLC0415
+  for topology in a.topologies.split(","):
+    n = len(plan.topology_devices(topology))
+    args = argparse.Namespace(
+        config=a.config, topology=topology, mesh=a.mesh, batch=n * a.batch_per_device,
+        seq=a.seq, grad_accum=1, mode="train", remat=a.remat, loss_chunk=a.loss_chunk,
+        attention=a.attention, analytic=a.analytic, max_compiles=a.max_compiles, json=False)
+    t0 = time.perf_counter()
+    try:
+      plans = plan.run_plan(args)
+    except Exception as e:  # noqa: BLE001  (report and go on to the next topology)
+      print(f"{topology}: failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+      continue
+    for pl in plans:
+      print(plan.report(pl))
+    chosen = plan.best(plans)
+    print(f"{topology}: best mesh {chosen.mesh}, fits={chosen.fits} "
+          f"({time.perf_counter() - t0:.0f} s)")
+    print("json:", json.dumps(chosen.to_json()))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,151 @@
+"""Blockwise causal attention with an online softmax (flash attention) in jnp, for MLA training.
+
+    o[q] = sum_s softmax_s(scale * q . k[s] + mask[q, s]) v[s]
+
+computed over query blocks i and key blocks j without the [T, T] scores: per (i, j) the block
+scores S_ij, the running row max m, the running sum l = sum exp(S - m) and the running output
+acc = sum exp(S - m) V, rescaled whenever m grows; o = acc / l, lse = m + log l. Key blocks
+entirely above the causal diagonal are skipped (`lax.cond`), so the work is the causal half.
+The backward (custom VJP, as in FlashAttention-2) keeps only o and lse and recomputes each
+block's probabilities P_ij = exp(S_ij - lse_i):
+    dV_j = sum_i P_ij^T dO_i,   dS_ij = P_ij * (dO_i V_j^T - D_i),   D_i = rowsum(dO_i * O_i)
+    dQ_i = scale sum_j dS_ij K_j,   dK_j = scale sum_i dS_ij^T Q_i
+Masks: causal, and equal segment ids (packing, padding). Every query sees at least itself, so
+no row is empty. Scores and softmax statistics in fp32 (fp64 for float64 inputs), as the dense
+path (`mla.MLA`, kept as the reference) computes them. Also returns the per-row max of the
+masked scaled scores (QK-clip's max logit), not differentiated.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+def flash_attention(q_bthd, k_bthd, v_bthv, segment_ids_bt=None, *, scale: float,
+                    block: int = 512, precision=None):
+  """(o [B, T, H, Dv] in v's dtype, row max [B, H, T] fp32): see the module docstring.
+  T is padded up to a multiple of `block` (padded keys are masked, padded queries dropped)."""
+  b, t, h, _ = q_bthd.shape
+  block = min(block, t)
+  pad = -t % block
+  seg = jnp.ones((b, t), jnp.int32) if segment_ids_bt is None else segment_ids_bt
+  if pad:
+    q_bthd, k_bthd, v_bthv = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
+                              for x in (q_bthd, k_bthd, v_bthv))
+    seg = jnp.pad(seg, ((0, 0), (0, pad)), constant_values=-1)  # padded keys: no segment
+  o, row_max = _flash(q_bthd, k_bthd, v_bthv, seg.astype(jnp.int32), scale, block, precision)
+  return o[:, :t], row_max[:, :, :t]
+
+
+def _blocks(x, block):
+  """[B, T, ...] -> [T / block, B, block, ...]"""
+  b, t = x.shape[:2]
+  return jnp.moveaxis(x.reshape(b, t // block, block, *x.shape[2:]), 1, 0)
+
+
+def _unblocks(x):
+  n, b, blk = x.shape[:3]
+  return jnp.moveaxis(x, 0, 1).reshape(b, n * blk, *x.shape[3:])
+
+
+def _scores(q, k, sq, sk, i, j, block, scale, wide, precision):
+  """Masked scaled scores [B, H, bq, bk] of query block i against key block j."""
+  s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=precision,
+                 preferred_element_type=wide) * scale
+  qpos = i * block + jnp.arange(block)
+  kpos = j * block + jnp.arange(block)
+  visible = (qpos[:, None] >= kpos[None, :])[None, None] & (
+      sq[:, None, :, None] == sk[:, None, None, :])
+  return jnp.where(visible, s, -jnp.inf)
+
+
+def _forward(q, k, v, seg, scale, block, precision):
+  wide = jnp.promote_types(q.dtype, jnp.float32)
+  qb, kb, vb, sb = (_blocks(x, block) for x in (q, k, v, seg))
+  n = qb.shape[0]
+  bsz, blk, h, dv = vb.shape[1], block, q.shape[2], v.shape[-1]
+
+  def per_query_block(i):
+    q_i, s_i = qb[i], sb[i]
+    init = (jnp.full((bsz, h, blk), -jnp.inf, wide), jnp.zeros((bsz, h, blk), wide),
+            jnp.zeros((bsz, h, blk, dv), wide))
+
+    def step(carry, j):
+      def update(carry):
+        m, l, acc = carry
+        s = _scores(q_i, kb[j], s_i, sb[j], i, j, block, scale, wide, precision)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(s - m_safe[..., None])
+        alpha = jnp.exp(jnp.where(jnp.isfinite(m), m, -jnp.inf) - m_safe)
+        l = l * alpha + jnp.sum(p, axis=-1)
+        acc = acc * alpha[..., None] + jnp.einsum(
+            "bhqk,bkhv->bhqv", p.astype(v.dtype), vb[j], precision=precision,
+            preferred_element_type=wide)
+        return m_new, l, acc
+      return jax.lax.cond(j <= i, update, lambda c: c, carry), None  # causal blocks only
+
+    (m, l, acc), _ = jax.lax.scan(step, init, jnp.arange(n))
+    o = acc / l[..., None]
+    return jnp.moveaxis(o, 1, 2), m + jnp.log(l), m   # [B, blk, H, Dv], [B, H, blk] x 2
+
+  o, lse, m = jax.lax.map(per_query_block, jnp.arange(n))
+  o = _unblocks(o).astype(v.dtype)
+  lse = jnp.moveaxis(lse, 0, 2).reshape(bsz, h, n * blk)
+  m = jnp.moveaxis(m, 0, 2).reshape(bsz, h, n * blk)
+  return o, lse, m
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _flash(q, k, v, seg, scale, block, precision):
+  o, _, m = _forward(q, k, v, seg, scale, block, precision)
+  return o, m
+
+
+def _flash_fwd(q, k, v, seg, scale, block, precision):
+  o, lse, m = _forward(q, k, v, seg, scale, block, precision)
+  return (o, m), (q, k, v, seg, o, lse)
+
+
+def _flash_bwd(scale, block, precision, res, cts):
+  q, k, v, seg, o, lse = res
+  do = cts[0]
+  wide = jnp.promote_types(q.dtype, jnp.float32)
+  qb, kb, vb, sb, dob = (_blocks(x, block) for x in (q, k, v, seg, do))
+  lseb = jnp.moveaxis(lse.reshape(lse.shape[0], lse.shape[1], -1, block), 2, 0)  # [n,B,H,blk]
+  d = jnp.einsum("bthv,bthv->bht", do.astype(wide), o.astype(wide))
+  db = jnp.moveaxis(d.reshape(d.shape[0], d.shape[1], -1, block), 2, 0)
+  n = qb.shape[0]
+
+  def per_key_block(dq, j):
+    k_j, v_j, s_j = kb[j], vb[j], sb[j]
+
+    def step(carry, i):
+      def update(carry):
+        dk, dv, dq = carry
+        s = _scores(qb[i], k_j, sb[i], s_j, i, j, block, scale, wide, precision)
+        p = jnp.exp(s - lseb[i][..., None])                       # [B, H, bq, bk]
+        dv = dv + jnp.einsum("bhqk,bqhv->bkhv", p, dob[i].astype(wide), precision=precision)
+        dp = jnp.einsum("bqhv,bkhv->bhqk", dob[i].astype(wide), v_j.astype(wide),
+                        precision=precision)
+        ds = p * (dp - db[i][..., None]) * scale
+        dk = dk + jnp.einsum("bhqk,bqhd->bkhd", ds, qb[i].astype(wide), precision=precision)
+        dq_i = jnp.einsum("bhqk,bkhd->bqhd", ds, k_j.astype(wide), precision=precision)
+        dq = jax.lax.dynamic_update_index_in_dim(dq, dq[i] + dq_i, i, 0)
+        return dk, dv, dq
+      return jax.lax.cond(i >= j, update, lambda c: c, carry), None  # causal blocks only
+
+    init = (jnp.zeros(k_j.shape, wide), jnp.zeros(v_j.shape, wide), dq)
+    (dk, dv, dq), _ = jax.lax.scan(step, init, jnp.arange(n))
+    return dq, (dk, dv)
+
+  dq0 = jnp.zeros(qb.shape, wide)
+  dq, (dk, dv) = jax.lax.scan(per_key_block, dq0, jnp.arange(n))
+  return (_unblocks(dq).astype(q.dtype), _unblocks(dk).astype(k.dtype),
+          _unblocks(dv).astype(v.dtype), None)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)

@@ -1,0 +1,460 @@
+"""`k3jax plan`: will the train step fit a TPU pod, on which mesh, how fast (SPEC §6).
+
+The real jitted train step of `k3jax train` (k3jax/train/step.py: forward, loss, backward,
+clip, Per-Head Muon, QK-clip, Quantile Balancing) is lowered with abstract inputs
+(`jax.ShapeDtypeStruct` carrying the step's own `NamedSharding`s) over the devices of a TPU
+topology description (`jax.experimental.topologies.get_topology_desc`; libtpu on a CPU
+machine, no TPU needed) and compiled ahead of time. XLA's own figures are then read:
+
+  memory_analysis()  per device: arguments (the sharded train state + batch), temporaries,
+                     peak = arguments + outputs - aliased (the donated state) + temporaries,
+                     against the chip's HBM: fits or not;
+  cost_analysis()    FLOPs and bytes of the per-device program; times the device count next
+                     to the model FLOPs of the step (k3jax/train/flops.py), as a ratio;
+  step time          an ESTIMATE: max(FLOPs / peak FLOP/s, bytes / HBM bandwidth) per device,
+                     a roofline bound that ignores communication and overlap.
+
+Without `--mesh` a small set of meshes the model can be split on is tried (smallest analytic
+footprint first) and the fastest estimate that fits is reported. `--analytic` skips the
+compile: argument bytes exactly from the sharded state's shapes, temporaries from a
+hand count of what a layer keeps (see `analytic`), a cross-check, not a replacement.
+
+The plan compiles for TPU what TPU runs: bf16 compute over fp32 master weights, ragged_dot
+experts, the ragged all-to-all dispatch; KDA runs its jnp chunked backend (the Pallas kernel
+only lowers inside a shard_map, which the sharded step does not wrap it in).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+import time
+from typing import Any
+
+from k3jax.cli import UserError
+
+GIB = 1024**3
+
+# Per device (a tpu7x chip shows as 2 devices): HBM bytes, peak bf16 FLOP/s, HBM bytes/s.
+# Public spec-sheet figures; the step-time estimate is only as good as these.
+CHIPS: dict[str, tuple[float, float, float]] = {
+    "v4": (32 * GIB, 275e12, 1.2e12),
+    "v5e": (16 * GIB, 197e12, 0.82e12),
+    "v5 lite": (16 * GIB, 197e12, 0.82e12),
+    "v5p": (95 * GIB, 459e12, 2.76e12),
+    "v5": (95 * GIB, 459e12, 2.76e12),
+    "v6e": (32 * GIB, 918e12, 1.64e12),
+    "v6 lite": (32 * GIB, 918e12, 1.64e12),
+    "tpu7x": (96e9, 1153e12, 3.69e12),
+    "7x": (96e9, 1153e12, 3.69e12),
+}
+
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  kind: str
+  hbm_bytes: float
+  peak_flops: float
+  hbm_bandwidth: float
+
+
+def chip_of(topology: str, device_kind: str) -> Chip:
+  """The chip figures for a topology name ('v5p:8x8x16') or the devices' kind string."""
+  for key in (topology.split(":")[0].lower(), device_kind.lower().removeprefix("tpu ")):
+    if key in CHIPS:
+      return Chip(key, *CHIPS[key])
+  raise UserError(f"no HBM / FLOP/s figures for TPU {device_kind!r} ({topology}); known: "
+                  f"{', '.join(sorted(CHIPS))}")
+
+
+def topology_devices(topology: str):
+  """Devices of a TPU topology description (compile-only; libtpu, no TPU needed)."""
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  try:
+    import libtpu  # noqa: F401, PLC0415
+  except ImportError:
+    raise UserError("--topology needs libtpu (pip install libtpu) to compile for TPU") from None
+  from jax.experimental import topologies  # noqa: PLC0415
+  try:
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
+  except Exception as e:  # noqa: BLE001  (libtpu raises XlaRuntimeError / ValueError)
+    raise UserError(f"--topology {topology!r}: {str(e).splitlines()[0]}") from None
+  return list(topo.devices)
+
+
+def plan_config(cfg, remat: str | None = None, attention: str | None = None,
+                loss_chunk: int | None = None):
+  """The config `k3jax train` runs on TPU: bf16 compute, fp32 master weights, ragged_dot;
+  remat / attention / loss_chunk override the config's when given (loss_chunk 0: whole)."""
+  changes = dict(dtype="bfloat16", param_dtype="float32", moe_grouped_matmul="ragged_dot",
+                 kda_backend=cfg.kda_backend or "chunked")
+  if remat is not None:
+    changes["remat"] = remat
+  if attention is not None:
+    changes["attention"] = attention
+  if loss_chunk is not None:
+    changes["loss_chunk"] = loss_chunk or None
+  return cfg.replace(**changes)
+
+
+def _bytes_per_device(sds) -> int:
+  shape = sds.sharding.shard_shape(sds.shape) if sds.sharding is not None else sds.shape
+  return math.prod(shape) * sds.dtype.itemsize
+
+
+def abstract_inputs(steps, cfg, batch: int, seq: int, accum: int):
+  """(state, batch, threshold) as ShapeDtypeStructs in the step's shardings."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+  from flax import nnx  # noqa: PLC0415
+
+  from k3jax.model.moe import RouterBias  # noqa: PLC0415
+  from k3jax.model.transformer import K3Model  # noqa: PLC0415
+  from k3jax.train import step as step_lib  # noqa: PLC0415
+  abstract = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
+  _, params, bias, _ = nnx.split(abstract, nnx.Param, RouterBias, ...)
+  params, bias = step_lib.plain(nnx.as_pure(params)), step_lib.plain(nnx.as_pure(bias))
+  state = step_lib.abstract_state(steps, params, bias)
+  rows = batch // accum
+  b_sh = steps.batch_sharding
+  mk = lambda dt: jax.ShapeDtypeStruct((accum, rows, seq), dt, sharding=b_sh)  # noqa: E731
+  data = {"inputs": mk(jnp.int32), "targets": mk(jnp.int32), "segment_ids": mk(jnp.int32),
+          "loss_mask": mk(jnp.bool_)}
+  thr = jax.ShapeDtypeStruct((), np.float32, sharding=steps.shardings["step"])
+  return state, data, thr
+
+
+@dataclasses.dataclass
+class Plan:
+  """One mesh's figures (bytes per device; FLOPs of the whole step unless said)."""
+  topology: str
+  devices: int
+  mesh: str
+  batch: int
+  seq: int
+  grad_accum: int
+  remat: str
+  loss_chunk: int | None
+  attention: str
+  mode: str
+  analytic: bool
+  hbm_bytes_per_device: float
+  argument_bytes_per_device: float
+  temp_bytes_per_device: float
+  output_bytes_per_device: float
+  alias_bytes_per_device: float
+  peak_bytes_per_device: float
+  fits: bool
+  compile_seconds: float | None
+  compiled_flops: float | None          # cost_analysis, whole step (per device x devices)
+  compiled_bytes_accessed: float | None  # cost_analysis, whole step
+  model_flops: float
+  flops_ratio: float | None
+  step_seconds_estimate: float
+  state_bytes_per_device: float
+  param_count: int
+  compile_oom: bool = False  # the compiler refused it (HBM): temporaries from its message,
+                             # arguments from the shapes, no cost analysis
+
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+def _state_bytes(state) -> tuple[int, int]:
+  import jax  # noqa: PLC0415
+  leaves = jax.tree.leaves(state)
+  return sum(_bytes_per_device(x) for x in leaves), 0
+
+
+def analytic_temp(cfg, rows_per_device: int, seq: int, tensor: int, state_per_device: float,
+                  params_per_device: float) -> float:
+  """Per-device temporaries by hand count (bytes), with the compute dtype's width c:
+    gradients           one fp32 copy of the parameters (the accumulator), as sharded;
+    optimizer           two more: the Muon / AdamW update and the Newton-Schulz layout
+                        moves (the count XLA's plan of the K3-shaped test model shows:
+                        temporaries ~3.3x the local fp32 parameters at short sequences);
+    saved per layer     under remat only the layer's input carry survives the forward:
+                        the partial sum [b, T, d] (c bytes) per layer; without remat every
+                        activation of the layer, counted as ~30 [b, T, d]-sized tensors;
+    AttnRes blocks      the sealed-block buffer [n_seals, b, T, d] in fp32, one per scanned
+                        unit (scan saves the carry per iteration);
+    one layer's working set in the backward: ~12 [b, T, d] + the widest per-head tensors
+                        (MLA's [b, H/tensor, T, T] scores and probs in fp32 when the plain
+                        attention runs, KDA's [b, T, H/tensor, 128] x 8 otherwise),
+    the loss            logits [b, T, V/tensor] fp32 x 3 (logits, softmax, gradient).
+  A cross-check of the compiled figures (tests/k3jax/test_plan.py), not a replacement."""
+  from k3jax.model import schedule  # noqa: PLC0415
+  c = 2 if cfg.dtype == "bfloat16" else 4
+  d, b, t = cfg.hidden_size, rows_per_device, seq
+  btd = b * t * d
+  L = cfg.num_layers
+  remat = cfg.remat not in ("none", False)
+  saved = L * btd * (c if remat else 30 * c)
+  blocks = 0.0
+  if cfg.attn_res_block_size is not None:
+    blocks = schedule.num_seals(cfg) * btd * 4 * max(1, L // 4)
+  h = cfg.mla_num_heads // tensor
+  attn = b * h * t * t * 4 * 3 if getattr(cfg, "attention", "dense") == "dense" else (
+      b * t * h * (cfg.qk_head_dim * 2 + cfg.v_head_dim * 2) * c)
+  kda = b * t * (cfg.kda_num_heads // tensor) * cfg.kda_head_dim * 8 * 4
+  working = 12 * btd * 4 + max(attn, kda)
+  loss = b * t * (cfg.vocab_size // tensor) * 4 * 3
+  if getattr(cfg, "loss_chunk", None):
+    loss = b * cfg.loss_chunk * (cfg.vocab_size // tensor) * 4 * 3
+  return 3 * params_per_device + saved + blocks + working + loss
+
+
+def _mesh_size(mesh) -> dict:
+  return dict(mesh.shape)
+
+
+def plan_one(cfg, sc, devices, topology: str, mesh_spec, *, batch: int, seq: int,
+             accum: int, analytic: bool) -> Plan:
+  import jax  # noqa: PLC0415
+  from k3jax.train import flops as flops_lib  # noqa: PLC0415
+  from k3jax.train import step as step_lib  # noqa: PLC0415
+  from sharding.mesh import format_sizes, make_mesh  # noqa: PLC0415
+  from sharding.placement import check_batch  # noqa: PLC0415
+
+  mesh = make_mesh(mesh_spec, devices)
+  check_batch(batch // accum, mesh)
+  steps = step_lib.build(cfg, sc, mesh)
+  state, data, thr = abstract_inputs(steps, cfg, batch, seq, accum)
+  chip = chip_of(topology, devices[0].device_kind)
+  n = len(devices)
+  count = flops_lib.count(cfg, seq)
+  model_flops = count.train_per_token * batch * seq
+  state_bytes = sum(_bytes_per_device(x) for x in jax.tree.leaves(state))
+  batch_bytes = sum(_bytes_per_device(x) for x in jax.tree.leaves(data)) + 4
+  params_bytes = sum(_bytes_per_device(x) for x in jax.tree.leaves(state["params"]))
+  n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state["params"]))
+  sizes = _mesh_size(mesh)
+  rows_dev = (batch // accum) // (sizes["data"] * sizes["fsdp"] * sizes["expert"])
+  common = dict(topology=topology, devices=n, mesh=format_sizes(sizes), batch=batch, seq=seq,
+                grad_accum=accum, remat=str(cfg.remat), loss_chunk=cfg.loss_chunk,
+                attention=cfg.attention, mode="train",
+                hbm_bytes_per_device=chip.hbm_bytes, model_flops=model_flops,
+                state_bytes_per_device=state_bytes, param_count=n_params)
+  if analytic:
+    arg = state_bytes + batch_bytes
+    temp = analytic_temp(cfg, rows_dev, seq, sizes["tensor"], state_bytes, params_bytes)
+    peak = arg + temp
+    # per device: the model FLOPs share plus remat's recompute (one more forward)
+    per_dev = model_flops / n * (4 / 3 if cfg.remat not in ("none", False) else 1.0)
+    est = max(per_dev / chip.peak_flops, (state_bytes * 3 + temp) / chip.hbm_bandwidth)
+    return Plan(**common, analytic=True, argument_bytes_per_device=arg,
+                temp_bytes_per_device=temp, output_bytes_per_device=state_bytes,
+                alias_bytes_per_device=state_bytes, peak_bytes_per_device=peak,
+                fits=peak <= chip.hbm_bytes, compile_seconds=None, compiled_flops=None,
+                compiled_bytes_accessed=None, flops_ratio=None, step_seconds_estimate=est)
+
+  t0 = time.perf_counter()
+  with jax.set_mesh(mesh):
+    lowered = steps.train.jitted.trace(state, data, thr).lower(lowering_platforms=("tpu",))
+  try:
+    # (neither xla_tpu_max_hbm_size_mib above the chip's HBM nor xla_tpu_no_crash_on_oom
+    # helps: the first is ignored, the second searches for a fitting schedule for > 10 min)
+    compiled = lowered.compile()
+  except Exception as e:  # noqa: BLE001  (XLA's compile-time HBM check: JaxRuntimeError)
+    temp = oom_temporaries(str(e))
+    if temp is None:
+      raise
+    # the TPU compiler refuses a program that cannot fit and gives only its temporaries
+    seconds = time.perf_counter() - t0
+    arg = state_bytes + batch_bytes
+    return Plan(**common, analytic=False, argument_bytes_per_device=arg,
+                temp_bytes_per_device=temp, output_bytes_per_device=state_bytes,
+                alias_bytes_per_device=state_bytes, peak_bytes_per_device=arg + temp,
+                fits=False, compile_seconds=seconds, compiled_flops=None,
+                compiled_bytes_accessed=None, flops_ratio=None,
+                step_seconds_estimate=math.nan, compile_oom=True)
+  seconds = time.perf_counter() - t0
+  mem = compiled.memory_analysis()
+  arg, out = mem.argument_size_in_bytes, mem.output_size_in_bytes
+  alias, temp = mem.alias_size_in_bytes, mem.temp_size_in_bytes
+  peak = getattr(mem, "peak_memory_in_bytes", 0) or (arg + out - alias + temp)
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  dev_flops = float(cost.get("flops", 0.0))
+  dev_bytes = float(cost.get("bytes accessed", 0.0))
+  est = max(dev_flops / chip.peak_flops, dev_bytes / chip.hbm_bandwidth)
+  return Plan(**common, analytic=False, argument_bytes_per_device=arg,
+              temp_bytes_per_device=temp, output_bytes_per_device=out,
+              alias_bytes_per_device=alias, peak_bytes_per_device=peak,
+              fits=peak <= chip.hbm_bytes, compile_seconds=seconds,
+              compiled_flops=dev_flops * n, compiled_bytes_accessed=dev_bytes * n,
+              flops_ratio=dev_flops * n / model_flops if model_flops else None,
+              step_seconds_estimate=est)
+
+
+_OOM = re.compile(r"HLO temporaries \(([\d.]+)([KMGT]?)\)")
+
+
+def oom_temporaries(message: str) -> float | None:
+  """Bytes of temporaries in XLA's compile-time HBM OOM message ('... required for HLO
+  temporaries (33.54G) exceeds available HBM (15.75G)'), None for any other error."""
+  m = _OOM.search(message)
+  if not m:
+    return None
+  return float(m.group(1)) * 1024 ** " KMGT".index(m.group(2) or " ")
+
+
+def candidate_meshes(cfg, n: int, rows: int) -> list[dict]:
+  """A small set of (data, fsdp, expert, tensor) splits of n devices: experts over as many
+  devices as divide E, heads over tensor in {1, 2, 4, 8}, the rest fsdp (weights sharded)
+  or data; only splits whose batch axes divide the rows."""
+  out = []
+  heads = math.gcd(cfg.mla_num_heads, cfg.kda_num_heads)
+  for tensor in (1, 2, 4, 8):
+    if n % tensor or heads % tensor:
+      continue
+    rest = n // tensor
+    for expert in sorted({math.gcd(rest, cfg.num_experts), 1}, reverse=True):
+      for fsdp in (rest // expert, 1):
+        data = rest // expert // fsdp
+        sizes = {"data": data, "fsdp": fsdp, "expert": expert, "tensor": tensor}
+        if rows % (data * fsdp * expert) == 0 and sizes not in out:
+          out.append(sizes)
+  return out
+
+
+def run_plan(args) -> list[Plan]:
+  import configs  # noqa: PLC0415
+  from k3jax.train import step as step_lib  # noqa: PLC0415
+  from sharding.mesh import MeshError  # noqa: PLC0415
+
+  cfg = plan_config(configs.resolve(args.config), args.remat, args.attention, args.loss_chunk)
+  if args.mode != "train":
+    raise UserError(f"--mode {args.mode}: only train is planned so far")
+  if args.batch % args.grad_accum:
+    raise UserError(f"--batch {args.batch} is not a multiple of --grad-accum {args.grad_accum}")
+  devices = topology_devices(args.topology)
+  sc = step_lib.StepConfig(qb_method="histogram")  # the histogram QB scales to pods
+  kw = dict(batch=args.batch, seq=args.seq, accum=args.grad_accum)
+  if args.mesh:
+    return [plan_one(cfg, sc, devices, args.topology, args.mesh, analytic=args.analytic, **kw)]
+  cands = candidate_meshes(cfg, len(devices), args.batch // args.grad_accum)
+  ranked = []
+  for sizes in cands:  # analytic first: cheap, and orders the compiles
+    try:
+      ranked.append(plan_one(cfg, sc, devices, args.topology, sizes, analytic=True, **kw))
+    except MeshError:
+      continue
+  if not ranked:
+    raise UserError(f"no mesh of {len(devices)} devices splits this model and batch")
+  ranked.sort(key=lambda p: p.peak_bytes_per_device)
+  if args.analytic:
+    return ranked
+  plans = []
+  for p in ranked[:args.max_compiles]:
+    plans.append(plan_one(cfg, sc, devices, args.topology, p.mesh, analytic=False, **kw))
+  return plans
+
+
+def best(plans: list[Plan]) -> Plan:
+  fitting = [p for p in plans if p.fits]
+  if fitting:
+    return min(fitting, key=lambda p: p.step_seconds_estimate)
+  return min(plans, key=lambda p: p.peak_bytes_per_device)
+
+
+def _gib(x) -> str:
+  return f"{x / GIB:8.2f} GiB"
+
+
+def report(plan: Plan) -> str:
+  kind = "analytic (no compile)" if plan.analytic else "compiled (XLA memory/cost analysis)"
+  lines = [
+      f"plan: {plan.topology} ({plan.devices} devices), mesh {plan.mesh}, batch {plan.batch} x "
+      f"seq {plan.seq} (grad accum {plan.grad_accum}), remat {plan.remat}, loss chunk "
+      f"{plan.loss_chunk or 'none'}, attention {plan.attention}: {kind}",
+      f"  parameters      {plan.param_count / 1e9:10.3f} B; train state per device "
+      f"{_gib(plan.state_bytes_per_device)}",
+      f"  arguments       {_gib(plan.argument_bytes_per_device)} per device",
+      f"  temporaries     {_gib(plan.temp_bytes_per_device)} per device",
+      f"  peak            {_gib(plan.peak_bytes_per_device)} of {_gib(plan.hbm_bytes_per_device)}"
+      f" HBM: {'FITS' if plan.fits else 'does NOT fit'} "
+      f"({plan.peak_bytes_per_device / plan.hbm_bytes_per_device:.0%})",
+  ]
+  if plan.compile_oom:
+    lines.append(f"  compile         {plan.compile_seconds:8.1f} s: refused by the TPU compiler "
+                 "(HBM); temporaries from its message, no cost analysis")
+  elif plan.compile_seconds is not None:
+    lines += [
+        f"  compile         {plan.compile_seconds:8.1f} s",
+        f"  FLOPs           compiled {plan.compiled_flops:.3e} / model {plan.model_flops:.3e}"
+        f" = {plan.flops_ratio:.3f}",
+        f"  bytes accessed  {plan.compiled_bytes_accessed:.3e} (all devices)"]
+  else:
+    lines.append(f"  FLOPs           model {plan.model_flops:.3e}")
+  lines.append(f"  step time       {plan.step_seconds_estimate:.3f} s  (ESTIMATE: roofline of "
+               "peak FLOP/s and HBM bandwidth, no communication)")
+  return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+  plans = run_plan(args)
+  chosen = best(plans)
+  if args.json:
+    out = chosen.to_json()
+    if len(plans) > 1:
+      out["candidates"] = [p.to_json() for p in plans]
+    print(json.dumps(out))
+    return 0
+  if len(plans) > 1:
+    for p in plans:
+      print(report(p))
+    print(f"best: mesh {chosen.mesh} ({'fits' if chosen.fits else 'nothing fits'})")
+  else:
+    print(report(chosen))
+  sys.stdout.flush()
+  return 0
+
+
+def _positive(text: str) -> int:
+  value = int(text)
+  if value <= 0:
+    raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+  return value
+
+
+def register(sub) -> None:
+  p = sub.add_parser("plan", help="compile the train step for a TPU topology: memory, FLOPs, "
+                     "time estimate", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--config", required=True, help="preset, HF config.json or k3jax config JSON")
+  p.add_argument("--topology", required=True,
+                 help="TPU topology as get_topology_desc takes it: v5e:2x2, v5p:8x8x16, "
+                 "tpu7x:8x8x8, ...")
+  p.add_argument("--mesh", help="data=..,fsdp=..,expert=..,tensor=.. (default: search)")
+  p.add_argument("--batch", type=_positive, default=None,
+                 help="global rows per step (default: the batch-axis device count)")
+  p.add_argument("--seq", type=_positive, default=8192, help="sequence length")
+  p.add_argument("--grad-accum", type=_positive, default=1, help="micro-batches per step")
+  p.add_argument("--mode", choices=("train", "decode"), default="train")
+  p.add_argument("--remat", default=None, choices=("none", "full", "save-dots", "offload"),
+                 help="remat policy: none | full | save-dots | offload (default: the config's)")
+  p.add_argument("--loss-chunk", type=int, default=None,
+                 help="positions per loss chunk (0: whole logits; default: the config's)")
+  p.add_argument("--attention", choices=("dense", "flash"), default=None,
+                 help="MLA attention (default: the config's)")
+  p.add_argument("--analytic", action="store_true", help="hand count, no compile")
+  p.add_argument("--max-compiles", type=_positive, default=3,
+                 help="without --mesh: compile at most this many candidates")
+  p.add_argument("--json", action="store_true", help="one JSON object")
+  p.set_defaults(func=_run_with_defaults)
+
+
+def _run_with_defaults(args) -> int:
+  if args.batch is None:  # one row per device: every mesh's batch axes divide it
+    args.batch = len(topology_devices(args.topology))
+  return run(args)

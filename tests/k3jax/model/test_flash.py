@@ -1,0 +1,57 @@
+"""Flash attention equals the dense masked softmax attention (float64: outputs, the row max
+QK-clip reads, and gradients of q, k, v), with packed segments and a T that is not a multiple
+of the block; and MLA with attention="flash" equals MLA's dense path."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import configs
+from k3jax.model.flash import flash_attention
+from k3jax.model.mla import MLA, attention_mask
+
+# float64; every value is a softmax-weighted sum of O(1) terms over <= T = 11 keys
+TOL = 1e-12
+
+
+def dense(q, k, v, seg, scale):
+  s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
+  s = jnp.where(attention_mask(seg, q.shape[0], q.shape[1]), s, -jnp.inf)
+  o = jnp.einsum("bhqk,bkhv->bqhv", jax.nn.softmax(s, axis=-1), v)
+  return o, jnp.max(s, axis=-1)
+
+
+@pytest.mark.parametrize("block", [4, 11])  # 4: three blocks, T=11 padded to 12; 11: one
+def test_flash_equals_dense(x64, block):
+  b, t, h, dk, dv = 2, 11, 3, 6, 5
+  ks = jax.random.split(jax.random.key(0), 4)
+  q, k = (jax.random.normal(kk, (b, t, h, dk), jnp.float64) for kk in ks[:2])
+  v = jax.random.normal(ks[2], (b, t, h, dv), jnp.float64)
+  seg = jnp.asarray([[1] * 4 + [2] * 7, [1] * 9 + [0] * 2])  # packed; trailing padding
+  w = jax.random.normal(ks[3], (b, t, h, dv), jnp.float64)   # upstream gradient
+  scale = dk**-0.5
+  o, m = flash_attention(q, k, v, seg, scale=scale, block=block)
+  o_ref, m_ref = dense(q, k, v, seg, scale)
+  np.testing.assert_allclose(o, o_ref, rtol=0, atol=TOL)
+  np.testing.assert_allclose(m, m_ref, rtol=0, atol=TOL)
+  got = jax.grad(lambda *a: jnp.sum(w * flash_attention(*a, seg, scale=scale, block=block)[0]),
+                 argnums=(0, 1, 2))(q, k, v)
+  ref = jax.grad(lambda *a: jnp.sum(w * dense(*a, seg, scale)[0]), argnums=(0, 1, 2))(q, k, v)
+  for a, r in zip(got, ref):
+    assert float(jnp.max(jnp.abs(r))) > 1e-2
+    np.testing.assert_allclose(a, r, rtol=0, atol=TOL)
+
+
+def test_mla_flash_equals_dense(x64):
+  cfg = configs.get("tiny", dtype="float64", param_dtype="float64",
+                    matmul_precision="highest")
+  mla = MLA(cfg, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (2, 10, cfg.hidden_size), jnp.float64)
+  seg = jnp.asarray([[1] * 6 + [2] * 4, [1] * 10])
+  flash = MLA(cfg.replace(attention="flash", attention_block=4), rngs=nnx.Rngs(0))
+  y_ref, m_ref = mla(x, segment_ids=seg)
+  y, m = flash(x, segment_ids=seg)
+  np.testing.assert_allclose(y, y_ref, rtol=0, atol=TOL)
+  np.testing.assert_allclose(m, m_ref, rtol=0, atol=TOL)

@@ -1,0 +1,80 @@
+"""`k3jax plan` on a K3-shaped model (K3's widths and vocabulary, 2 layers, 32 experts)
+compiled ahead of time for a v5e 2x2 topology (libtpu on the CPU; no TPU): its JSON against
+bounds counted independently from the parameter shapes, and the analytic mode against it.
+
+At K3's widths the train state alone (fp32 weights, Muon momentum, AdamW moments: >= 8 bytes
+a parameter) of even this 2-layer model exceeds 4 x 16 GiB, so the TPU compiler refuses the
+program and reports its temporaries: the plan must say it does not fit."""
+
+import json
+import math
+import os
+
+import pytest
+
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+pytest.importorskip("libtpu", reason="libtpu is needed to compile for TPU ahead of time")
+
+from configs import k3  # noqa: E402
+from k3jax.cli import main  # noqa: E402
+
+GIB = 1024**3
+ARGS = ["--topology", "v5e:2x2", "--mesh", "fsdp=2,tensor=2", "--batch", "4", "--seq", "256",
+        "--remat", "full", "--loss-chunk", "128", "--json"]
+
+
+def _param_count(cfg) -> int:
+  """Parameters counted from the model's abstract shapes (nothing allocated)."""
+  import jax  # noqa: PLC0415
+  from flax import nnx  # noqa: PLC0415
+  from k3jax.model.transformer import K3Model  # noqa: PLC0415
+  model = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
+  return sum(math.prod(v.shape) for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+@pytest.fixture(scope="module")
+def config_file(tmp_path_factory):
+  cfg = k3.reduced(num_layers=2, num_experts=32)
+  path = tmp_path_factory.mktemp("plan") / "k3_reduced.json"
+  path.write_text(json.dumps({"format": "k3jax", "config": cfg.to_dict()}))
+  return str(path), cfg
+
+
+def _plan(capsys, path, *extra):
+  assert main(["plan", "--config", path, *ARGS, *extra]) == 0
+  return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_plan_compiled_and_analytic(config_file, capsys):
+  path, cfg = config_file
+  n_dev = 4
+  params = _param_count(cfg)
+  fp32_per_device = params * 4 / n_dev  # every large matrix is split 4 ways by this mesh
+
+  got = _plan(capsys, path)
+  assert got["hbm_bytes_per_device"] == 16 * GIB
+  assert got["param_count"] == params
+  assert got["model_flops"] > 0 and got["compile_seconds"] > 0
+  # the state: weights + Muon momentum (matrices) or two AdamW moments (embedding, norms)
+  assert 2 * fp32_per_device <= got["argument_bytes_per_device"] <= 3.05 * fp32_per_device
+  # XLA's temporaries hold at least the fp32 gradients (all live at the global-norm clip)
+  assert got["temp_bytes_per_device"] >= 0.99 * fp32_per_device
+  assert got["peak_bytes_per_device"] >= got["argument_bytes_per_device"]
+  assert got["fits"] is False and got["peak_bytes_per_device"] > 16 * GIB
+  assert got["fits"] == (got["peak_bytes_per_device"] <= got["hbm_bytes_per_device"])
+
+  ana = _plan(capsys, path, "--analytic")
+  assert ana["analytic"] is True and ana["compile_seconds"] is None
+  # arguments are the sharded state's shapes in both: equal to a byte (plus the batch)
+  assert abs(ana["argument_bytes_per_device"] - got["argument_bytes_per_device"]) <= 1 << 20
+  # the hand count of temporaries is a cross-check, within a factor of 2 of XLA's
+  ratio = ana["temp_bytes_per_device"] / got["temp_bytes_per_device"]
+  assert 0.5 <= ratio <= 2.0, ratio
+  assert ana["fits"] == got["fits"]
+  assert ana["model_flops"] == got["model_flops"]
+
+
+def test_plan_bad_topology(capsys):
+  assert main(["plan", "--config", "tiny", "--topology", "v99:2x2", "--analytic"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "--topology" in err[0]
