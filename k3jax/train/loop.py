@@ -37,7 +37,8 @@ from k3jax.train.tokenizer import load_tokenizer
 RUN_FILE = "run.json"
 # options that fix what a checkpoint and its data position mean: a resume must not change them
 _RESUME_KEYS = ("data", "data_format", "tokenizer", "seq_len", "batch_size", "seed",
-                "init_from")
+                "init_from", "lora_rank", "lora_alpha", "lora_targets", "base_experts",
+                "experts_qat")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +77,12 @@ class RunOptions:
   tensorboard: bool = True
   plots: bool = True
   compile_cache: str | None = None   # persistent XLA compilation cache folder
+  # fine-tuning (SPEC §10; model/lora.py)
+  lora_rank: int | None = None       # LoRA adapters of this rank, the base frozen; None: off
+  lora_alpha: float | None = None    # adapter update scale alpha / rank (default: rank)
+  lora_targets: tuple[str, ...] | None = None  # projection path patterns (default: lora.py)
+  base_experts: str = "float"        # float | mxfp4: routed experts held as MXFP4 codes
+  experts_qat: bool = False          # routed experts forward with MXFP4-rounded weights
 
 
 def compute_dtype(name: str) -> str:
@@ -94,6 +101,35 @@ def step_config(opts: RunOptions) -> step_lib.StepConfig:
       warmup_steps=opts.warmup_steps, decay_steps=opts.decay_steps or opts.steps,
       end_lr_ratio=opts.end_lr_ratio, weight_decay=opts.weight_decay, clip_norm=opts.clip_norm,
       qb=opts.qb, qb_method=opts.qb_method)
+
+
+def adapt_spec(opts: RunOptions, cfg: ModelConfig):
+  """The AdaptSpec of the run (None: plain training), checked against the model."""
+  from flax import nnx  # noqa: PLC0415
+
+  from k3jax.model import lora  # noqa: PLC0415
+  if opts.lora_rank is None and (opts.lora_alpha is not None or opts.lora_targets):
+    raise UserError("--lora-alpha and --lora-targets need --lora RANK")
+  if opts.lora_rank is None and opts.base_experts == "float" and not opts.experts_qat:
+    return None
+  if opts.lora_rank is not None and opts.lora_rank <= 0:
+    raise UserError(f"--lora RANK must be > 0, got {opts.lora_rank}")
+  if opts.lora_rank is not None and opts.qk_clip is not None:
+    raise UserError("--qk-clip rescales base weights, which --lora keeps frozen")
+  if opts.base_experts not in ("float", "mxfp4"):
+    raise UserError(f"--base-experts {opts.base_experts!r}: expected float or mxfp4")
+  if (opts.base_experts == "mxfp4" or opts.experts_qat) and not cfg.moe_layers:
+    raise UserError("--base-experts mxfp4 / --experts-qat: the model has no routed experts")
+  spec = lora.AdaptSpec(rank=opts.lora_rank, alpha=opts.lora_alpha,
+                        targets=tuple(opts.lora_targets or lora.DEFAULT_TARGETS),
+                        base_experts=opts.base_experts, qat=opts.experts_qat)
+  if spec.lora:
+    from k3jax.model.transformer import K3Model  # noqa: PLC0415
+    try:
+      lora.matching(spec, nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0))))
+    except ValueError as e:
+      raise UserError(str(e)) from None
+  return spec
 
 
 def _numerics(cfg: ModelConfig, opts: RunOptions) -> ModelConfig:
@@ -174,7 +210,8 @@ def run(opts: RunOptions, *, on_step=None) -> dict[str, Any]:
   cfg = _model_config(opts)
   _check_resume(out, opts, cfg)
   sc = step_config(opts)
-  steps = step_lib.build(cfg, sc)
+  spec = adapt_spec(opts, cfg)
+  steps = step_lib.build(cfg, sc, spec)
 
   ckpt = Checkpointer(os.path.join(out, "checkpoints"), keep=opts.keep)
   resume_step = ckpt.latest_step()
@@ -189,15 +226,17 @@ def run(opts: RunOptions, *, on_step=None) -> dict[str, Any]:
   eval_batches = data.eval_batches
 
   if resume_step is not None:
-    params, bias = jax.eval_shape(lambda: step_lib.init_params(cfg, opts.seed))
+    params, bias = jax.eval_shape(lambda: step_lib.init_params(cfg, opts.seed, spec))
     state, data_state, meta = ckpt.restore(resume_step,
                                            step_lib.abstract_state(steps, params, bias))
     start = int(state["step"])
   else:
     if opts.init_from:
       _, params, bias = step_lib.split_model(_load_init(opts.init_from, opts)[0])
+      if spec is not None:
+        params = step_lib.adapt_params(cfg, params, bias, spec, opts.seed)
     else:
-      params, bias = step_lib.init_params(cfg, opts.seed)
+      params, bias = step_lib.init_params(cfg, opts.seed, spec)
     state = steps.init(params, bias, step_lib.new_rng(opts.seed))
     data_state, meta, start = None, {"tokens_seen": 0, "train_seconds": 0.0}, 0
   # Orbax restores committed arrays; placing a fresh state the same way makes a fresh run and
@@ -210,6 +249,8 @@ def run(opts: RunOptions, *, on_step=None) -> dict[str, Any]:
   peak = (opts.peak_tflops * 1e12 if opts.peak_tflops
           else flops_lib.measure_matmul_peak(cfg.jnp_dtype))
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
+  n_trainable = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(
+      step_lib.partition(state["params"], steps.trainable)[0]))
   print(f"k3jax train: {n_params / 1e6:.2f}M params ({flop_count.active_matmul_params / 1e6:.2f}M"
         f" active matmul), {cfg.dtype} compute / fp32 master; {data.description} "
         f"({tokenizer.name}); batch {opts.batch_size} x {opts.seq_len}"
@@ -270,7 +311,7 @@ def run(opts: RunOptions, *, on_step=None) -> dict[str, Any]:
     writer.close()
   if first_loss is not None:  # the final weights, exportable (`k3jax export`) and fine-tunable
     save_model(os.path.join(out, MODEL_DIR), steps.graphdef, state["params"],
-               state["router_bias"], cfg)
+               state["router_bias"], cfg, adapters=None if spec is None else spec.to_dict())
   plots = []
   if opts.plots:
     from k3jax.train.plots import write_plots  # noqa: PLC0415  (matplotlib is slow to import)
@@ -283,5 +324,6 @@ def run(opts: RunOptions, *, on_step=None) -> dict[str, Any]:
       "tokens_per_s": tokens_per_step / median if median else None,
       "mfu": (flop_count.train_per_token * tokens_per_step / median / peak) if median else None,
       "peak_flops": peak, "plots": plots, "checkpoints": saved_steps, "data": data.summary,
+      "trainable_params": n_trainable, "total_params": n_params,
   }
   return summary

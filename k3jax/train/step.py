@@ -40,6 +40,7 @@ import optax
 from flax import nnx
 
 from k3jax.config import ModelConfig
+from k3jax.model.lora import AdaptSpec, PackedExperts, adapt
 from k3jax.model.moe import RouterBias
 from k3jax.model.quantile_balancing import expert_load_stats, quantile_balancing_bias
 from k3jax.optim import logical_axes_from_state, per_head_muon, qk_clip
@@ -80,6 +81,23 @@ def optimizer(sc: StepConfig, logical_axes: Any) -> optax.GradientTransformation
   return optax.chain(optax.clip_by_global_norm(sc.clip_norm), muon)
 
 
+def optimizer_for(sc: StepConfig, logical_axes: Any, spec: AdaptSpec | None
+                  ) -> optax.GradientTransformation:
+  """Per-Head Muon + AdamW (optimizer) for full fine-tuning; plain AdamW on LoRA adapters, at
+  the AdamW peak learning rate (--adam-lr, else --lr). Why not Muon there: an adapter factor is
+  a thin [in, r] / [r, out] matrix whose orthogonalised update sets all r singular values to
+  one whatever the gradient's spectrum, and B starts at zero, so the first Muon steps move
+  B A by a full-rank-r unit step; the alpha / r scaling LoRA recipes tune assumes Adam, and
+  Adam's two moments cost nothing next to the frozen base."""
+  if spec is None or not spec.lora:
+    return optimizer(sc, logical_axes)
+  adam = optax.adamw(schedule(sc, sc.adam_learning_rate or sc.learning_rate),
+                     b1=0.9, b2=0.95, weight_decay=sc.weight_decay)
+  if sc.clip_norm is None:
+    return adam
+  return optax.chain(optax.clip_by_global_norm(sc.clip_norm), adam)
+
+
 def plain(tree: Any) -> Any:
   """nnx.State (or any nested mapping) -> nested dicts with the same leaves."""
   if isinstance(tree, Mapping):
@@ -104,24 +122,73 @@ class Steps(NamedTuple):
   eval: Any          # (params, router_bias, batch) -> (nll_sum, tokens)  (jitted)
   forward: Any       # (params, router_bias, inputs, targets, segment_ids, mask)
                      #   -> (token NLL [b, T], router scores [L, b*T, E], experts [L, b*T, k])
+  trainable: Any = None  # same tree as params: True where the optimizer updates the leaf
+
+
+# what `params` holds: the Params (LoRA adapters included) and frozen MXFP4-packed experts
+WEIGHTS = nnx.Any(nnx.Param, PackedExperts)
 
 
 def split_model(model: nnx.Module) -> tuple[Any, dict, dict]:
   """(graphdef, params, router_bias) as plain dicts; refuses any other state (it would not
   be trained nor checkpointed)."""
-  graphdef, params, bias, rest = nnx.split(model, nnx.Param, RouterBias, ...)
+  graphdef, params, bias, rest = nnx.split(model, WEIGHTS, RouterBias, ...)
   if jax.tree.leaves(rest):
     raise ValueError(f"model state outside Params and RouterBias: {rest}")
   return graphdef, plain(nnx.as_pure(params)), plain(nnx.as_pure(bias))
 
 
-@functools.lru_cache(maxsize=8)
-def build(cfg: ModelConfig, sc: StepConfig) -> Steps:
+def make_model(cfg: ModelConfig, seed: int, spec: AdaptSpec | None = None) -> nnx.Module:
+  """The model `cfg` describes, adapted for fine-tuning as `spec` asks (LoRA, packed experts,
+  QAT; model/lora.py)."""
   from k3jax.model.transformer import K3Model  # noqa: PLC0415  (heavy import)
-  abstract = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
-  graphdef, params_abs, _, _ = nnx.split(abstract, nnx.Param, RouterBias, ...)
-  axes = plain(logical_axes_from_state(params_abs))
-  tx = optimizer(sc, axes)
+  model = K3Model(cfg, rngs=nnx.Rngs(seed))
+  return model if spec is None else adapt(model, spec, nnx.Rngs(seed + 1))
+
+
+def trainable_mask(abstract_params: Any, spec: AdaptSpec | None) -> Any:
+  """True for the leaves the optimizer updates: the LoRA adapters under LoRA, else every
+  Param; never the packed MXFP4 experts."""
+  kind = nnx.LoRAParam if spec is not None and spec.lora else nnx.Param
+  return plain(jax.tree.map(lambda v: isinstance(v, kind), abstract_params,
+                            is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
+def partition(tree: Any, mask: Any) -> tuple[dict, dict]:
+  """(trainable, frozen) nested dicts holding only the leaves the mask marks True / False."""
+  if not isinstance(mask, Mapping):
+    return (tree, None) if mask else (None, tree)
+  train, frozen = {}, {}
+  for k, m in mask.items():
+    t, f = partition(tree[k], m)
+    if t is not None and (not isinstance(t, dict) or t):
+      train[k] = t
+    if f is not None and (not isinstance(f, dict) or f):
+      frozen[k] = f
+  return train, frozen
+
+
+def combine(a: Any, b: Any) -> Any:
+  """The union of two partitions."""
+  if not isinstance(a, Mapping) or not isinstance(b, Mapping):
+    return a if b is None or (isinstance(b, Mapping) and not b) else b
+  out = dict(a)
+  for k, v in b.items():
+    out[k] = combine(out[k], v) if k in out else v
+  return out
+
+
+@functools.lru_cache(maxsize=8)
+def build(cfg: ModelConfig, sc: StepConfig, spec: AdaptSpec | None = None) -> Steps:
+  """The steps of `cfg`'s model adapted as `spec` asks: with LoRA only the adapters are
+  differentiated and hold optimizer state (AdamW: see optimizer_for); the base passes
+  through the step untouched (bit-identical)."""
+  abstract = nnx.eval_shape(lambda: make_model(cfg, 0, spec))
+  graphdef, params_abs, _, _ = nnx.split(abstract, WEIGHTS, RouterBias, ...)
+  mask = trainable_mask(params_abs, spec)
+  train_abs, _ = partition(plain(params_abs), mask)
+  axes = plain(logical_axes_from_state(nnx.State(train_abs)))
+  tx = optimizer_for(sc, axes, spec)
   lr_of = schedule(sc, sc.learning_rate)
   k, n_experts = cfg.num_experts_per_token, cfg.num_experts
 
@@ -151,18 +218,21 @@ def build(cfg: ModelConfig, sc: StepConfig) -> Steps:
     }
     return total, aux
 
-  grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
+  def loss_trainable(train_p, frozen_p, bias, mb):
+    return loss_sum(combine(train_p, frozen_p), bias, mb)
+
+  grad_fn = jax.value_and_grad(loss_trainable, has_aux=True)
 
   def train(state, batch, qk_clip_threshold):
-    params, bias = state["params"], state["router_bias"]
+    (params, frozen), bias = partition(state["params"], mask), state["router_bias"]
     rng, _ = jax.random.split(jax.random.wrap_key_data(state["rng"]))  # forward is deterministic
 
     def micro(acc, mb):
-      (total, aux), g = grad_fn(params, bias, mb)
+      (total, aux), g = grad_fn(params, frozen, bias, mb)
       return jax.tree.map(jnp.add, acc, g), (total, aux)
 
     if batch["inputs"].shape[0] == 1:  # no accumulation: no loop around the whole model
-      (total, aux), grads = grad_fn(params, bias, jax.tree.map(lambda x: x[0], batch))
+      (total, aux), grads = grad_fn(params, frozen, bias, jax.tree.map(lambda x: x[0], batch))
       totals, aux = total[None], jax.tree.map(lambda x: None if x is None else x[None], aux)
     else:
       zeros = jax.tree.map(jnp.zeros_like, params)
@@ -175,7 +245,7 @@ def build(cfg: ModelConfig, sc: StepConfig) -> Steps:
 
     updates, opt_state = tx.update(grads, state["opt_state"], params)
     params = optax.apply_updates(params, updates)
-    if aux["max_logits"] is not None:
+    if aux["max_logits"] is not None and not (spec is not None and spec.lora):  # base frozen
       max_logits = jnp.max(aux["max_logits"], axis=0)          # over micro-batches: [n_mla, H]
       metrics["mla_max_logit"] = jnp.max(max_logits, axis=-1)  # [n_mla], before any clip
       params = qk_clip(params, {MLA_PATH: max_logits}, logical_axes=axes,
@@ -186,7 +256,7 @@ def build(cfg: ModelConfig, sc: StepConfig) -> Steps:
     if aux["scores"] is not None:
       bias, load = balance(bias, aux["scores"], aux["experts"], batch["segment_ids"])
       metrics.update(load)
-    new_state = {"params": params, "router_bias": bias, "opt_state": opt_state,
+    new_state = {"params": combine(params, frozen), "router_bias": bias, "opt_state": opt_state,
                  "step": state["step"] + 1, "rng": jax.random.key_data(rng)}
     return new_state, metrics
 
@@ -210,7 +280,7 @@ def build(cfg: ModelConfig, sc: StepConfig) -> Steps:
     return _set_path(bias, path, b_next.astype(b_t.dtype)), load
 
   def init(params, bias, rng):
-    return {"params": params, "router_bias": bias, "opt_state": tx.init(params),
+    return {"params": params, "router_bias": bias, "opt_state": tx.init(partition(params, mask)[0]),
             "step": jnp.zeros((), jnp.int32), "rng": rng}
 
   def evaluate(params, bias, batch):
@@ -223,7 +293,7 @@ def build(cfg: ModelConfig, sc: StepConfig) -> Steps:
 
   return Steps(graphdef=graphdef, logical_axes=axes, tx=tx, init=jax.jit(init),
                train=jax.jit(train, donate_argnums=0), eval=jax.jit(evaluate),
-               forward=jax.jit(forward_with_routing))
+               forward=jax.jit(forward_with_routing), trainable=mask)
 
 
 def _leaves_with_path(tree):
@@ -241,13 +311,24 @@ def _set_path(tree: dict, path, value) -> dict:
   return out
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def init_params(cfg: ModelConfig, seed: int) -> tuple[dict, dict]:
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def init_params(cfg: ModelConfig, seed: int, spec: AdaptSpec | None = None
+                ) -> tuple[dict, dict]:
   """(params, router_bias) of a freshly initialised model, built under jit: creating the
   stacked modules eagerly runs thousands of tiny ops one by one (a minute on a CPU)."""
-  from k3jax.model.transformer import K3Model  # noqa: PLC0415
-  _, params, bias = split_model(K3Model(cfg, rngs=nnx.Rngs(seed)))
+  _, params, bias = split_model(make_model(cfg, seed, spec))
   return params, bias
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3, 4))
+def adapt_params(cfg: ModelConfig, params: dict, bias: dict, spec: AdaptSpec, seed: int
+                 ) -> dict:
+  """A pre-trained model's params adapted as `spec` asks (fresh adapters from `seed`, experts
+  packed), under jit for the same reason as init_params."""
+  from k3jax.model.transformer import K3Model  # noqa: PLC0415
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0))))
+  model = nnx.merge(graphdef, nnx.State(params), nnx.State(bias))
+  return split_model(adapt(model, spec, nnx.Rngs(seed + 1)))[1]
 
 
 def abstract_state(steps: Steps, params: Any, bias: Any) -> Any:
