@@ -178,7 +178,8 @@ def _check_resume(out: str, opts: RunOptions, cfg: ModelConfig) -> None:
     raise UserError(f"{out} holds a run of another model config; use a new --out")
   for key in _RESUME_KEYS:
     was = saved["options"].get(key, getattr(RunOptions, key, None))  # runs before the option
-    if was != getattr(opts, key):
+    now = getattr(opts, key)
+    if was != (list(now) if isinstance(now, tuple) else now):  # JSON keeps tuples as lists
       raise UserError(f"{out} holds a run with --{key.replace('_', '-')} "
                       f"{was!r} (now {getattr(opts, key)!r}); "
                       "resuming must keep it, or use a new --out")
