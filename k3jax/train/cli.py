@@ -146,7 +146,8 @@ def register(sub) -> None:
   g.add_argument("--lora-targets", nargs="+", default=None, metavar="PATTERN",
                  help="fnmatch patterns over projection paths (default: mla.* kda.* "
                       "moe.shared_experts.* dense_mlp.*; moe.experts.* adds one adapter per "
-                      "routed expert; see `k3jax info` for the paths)")
+                      "routed expert; paths look like mla.q_b_proj, kda.o_proj, "
+                      "moe.shared_experts.up_proj, moe.routed_down, moe.experts.w1)")
   g.add_argument("--base-experts", choices=("float", "mxfp4"), default="float",
                  help="mxfp4: keep the routed experts as MXFP4 codes in memory (frozen), "
                       "dequantised per matmul")

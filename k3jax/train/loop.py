@@ -249,9 +249,8 @@ def run(opts: RunOptions, *, on_step=None) -> dict[str, Any]:
   tokens_per_step = opts.batch_size * opts.seq_len
   peak = (opts.peak_tflops * 1e12 if opts.peak_tflops
           else flops_lib.measure_matmul_peak(cfg.jnp_dtype))
-  n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
-  n_trainable = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(
-      step_lib.partition(state["params"], steps.trainable)[0]))
+  n_params = step_lib.count_params(state["params"])
+  n_trainable = step_lib.count_params(step_lib.partition(state["params"], steps.trainable)[0])
   print(f"k3jax train: {n_params / 1e6:.2f}M params ({flop_count.active_matmul_params / 1e6:.2f}M"
         f" active matmul), {cfg.dtype} compute / fp32 master; {data.description} "
         f"({tokenizer.name}); batch {opts.batch_size} x {opts.seq_len}"

@@ -154,6 +154,18 @@ def trainable_mask(abstract_params: Any, spec: AdaptSpec | None) -> Any:
                             is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
+def count_params(params: Any) -> int:
+  """Model parameters in a params tree: a packed MXFP4 expert array counts the two weights of
+  each code byte, its scales count nothing."""
+  total = 0
+  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+    name = str(getattr(path[-1], "key", path[-1]))
+    if name.endswith("_scale") and x.dtype == jnp.uint8:
+      continue
+    total += int(np.prod(x.shape)) * (2 if name.endswith("_packed") else 1)
+  return total
+
+
 def partition(tree: Any, mask: Any) -> tuple[dict, dict]:
   """(trainable, frozen) nested dicts holding only the leaves the mask marks True / False."""
   if not isinstance(mask, Mapping):

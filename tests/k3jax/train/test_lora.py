@@ -4,6 +4,7 @@ bit what it was, only adapters hold optimizer state, the loss falls, and `k3jax 
 --merge-lora` writes base + scale * A B (float64, then the official dtypes) whose loaded model
 computes the trained model's logits (float64)."""
 
+import dataclasses
 import json
 import os
 
@@ -21,6 +22,7 @@ from convert import orbax_io
 from convert.hf_load import load_model
 from convert.lora_export import ADAPTER_CONFIG, ADAPTER_FILE, is_adapter
 from k3jax.cli import main
+from k3jax.info import param_breakdown
 from k3jax.model import lora
 from k3jax.train import step as step_lib
 from k3jax.train.loop import adapt_spec, run, step_config
@@ -91,7 +93,8 @@ def test_lora_run_trains_adapters_only(trained):
   n_moe, n_exp = len(cfg.moe_layers), cfg.num_experts
   expected += 3 * n_moe * n_exp * 4 * (cfg.latent_size + cfg.moe_intermediate_size)
   assert summary["trainable_params"] == n_adapter == expected
-  assert summary["total_params"] == sum(v.size for v in start_flat.values())
+  # the model's parameters as `k3jax info` counts them, plus the adapters
+  assert summary["total_params"] == sum(param_breakdown(cfg).values()) + n_adapter
   # the optimizer holds state for the adapters only: AdamW's two moments, nothing else
   steps = step_lib.build(cfg_run, step_config(opts), spec)
   state = steps.init(start, bias, step_lib.new_rng(0))
@@ -101,6 +104,14 @@ def test_lora_run_trains_adapters_only(trained):
   # frequencies alone are worth > 2 nats of that, a fraction of which 12 steps must find
   assert summary["last_loss"] < summary["first_loss"] - 0.5, summary
   assert summary["eval_loss"] < summary["first_loss"] - 0.5, summary
+  # a resumed run (same OUT, more steps) restores the adapters' optimizer state and goes on;
+  # the base is still the one it started from
+  resumed = run(dataclasses.replace(opts, steps=STEPS + 2))
+  assert resumed["start_step"] == STEPS and resumed["trainable_params"] == n_adapter
+  saved = saved_arrays(os.path.join(summary["out"], "model"))
+  for path, value in start_flat.items():
+    if not is_adapter(path):
+      np.testing.assert_array_equal(saved[path], value, err_msg=".".join(path))
 
 
 
