@@ -7,6 +7,7 @@ computes the trained model's logits (float64)."""
 import dataclasses
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -106,9 +107,12 @@ def test_lora_run_trains_adapters_only(trained):
   assert summary["eval_loss"] < summary["first_loss"] - 0.5, summary
   # a resumed run (same OUT, more steps) restores the adapters' optimizer state and goes on;
   # the base is still the one it started from
-  resumed = run(dataclasses.replace(opts, steps=STEPS + 2))
+  # (in a copy: the export test reads this run's model, and TensorStore caches what it read)
+  copy = summary["out"] + "_resumed"
+  shutil.copytree(summary["out"], copy)
+  resumed = run(dataclasses.replace(opts, out=copy, steps=STEPS + 2))
   assert resumed["start_step"] == STEPS and resumed["trainable_params"] == n_adapter
-  saved = saved_arrays(os.path.join(summary["out"], "model"))
+  saved = saved_arrays(os.path.join(copy, "model"))
   for path, value in start_flat.items():
     if not is_adapter(path):
       np.testing.assert_array_equal(saved[path], value, err_msg=".".join(path))
