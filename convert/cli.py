@@ -64,8 +64,16 @@ def _convert_or_raise(args: argparse.Namespace) -> int:
 @_io_errors_are_user_errors
 def _export(args: argparse.Namespace) -> int:
   from convert.to_hf import export  # noqa: PLC0415
+  if args.merge_lora and args.adapter_only:
+    raise CheckpointError("--merge-lora and --adapter-only are exclusive")
+  if args.adapter_only:
+    from convert.lora_export import export_adapters  # noqa: PLC0415
+    summary = export_adapters(args.ckpt_dir, args.out_dir, force=args.force)
+    print(f"wrote {args.out_dir}: {summary['tensors']} adapter tensors, "
+          f"{summary['params']:,} parameters")
+    return 0
   summary = export(args.ckpt_dir, args.out_dir, force=args.force, progress=not args.quiet,
-                   num_shards=args.num_shards)
+                   num_shards=args.num_shards, merge_lora=args.merge_lora)
   print(f"wrote {args.out_dir}: {len(summary['files'])} shard(s), "
         f"{summary['total_size']:,} bytes of tensors ({summary['dialect']} layout)")
   return 0
@@ -102,6 +110,12 @@ def register(sub) -> None:
       "trained in k3jax), routed experts as MXFP4.")
   p.add_argument("ckpt_dir", metavar="CKPT_DIR")
   p.add_argument("out_dir", metavar="OUT_DIR")
+  p.add_argument("--merge-lora", action="store_true",
+                 help="a `k3jax train --lora` model: adapters merged into the weights "
+                 "(W + alpha/r A B), routed experts re-quantised to MXFP4")
+  p.add_argument("--adapter-only", action="store_true",
+                 help="a `k3jax train --lora` model: only the adapters, as "
+                 "adapter_model.safetensors + adapter_config.json")
   p.add_argument("--num-shards", type=int, default=None,
                  help="shard count for a fresh layout (default: the source's, or 5 GiB each)")
   p.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")

@@ -39,12 +39,18 @@ SHARD_BYTES = 5 << 30  # default shard size when the source's sharding is unknow
 class _Producer:
   """Makes each HF tensor from the checkpoint arrays (one slice read per k3jax array)."""
 
-  def __init__(self, directory: str, cfg: ModelConfig, codes: bool):
+  def __init__(self, directory: str, cfg: ModelConfig, codes: bool, merge=None):
     self.directory, self.cfg, self.codes = directory, cfg, codes
+    self.merge = merge  # convert.lora_export.Merger: adapters folded into the weights
     self._stores: dict = {}
     self._quantized: tuple[str, tuple[np.ndarray, np.ndarray]] | None = None
 
   def _read(self, path, index) -> np.ndarray:
+    if self.merge is not None:
+      return self.merge.read(path, index, self._read_saved)
+    return self._read_saved(path, index)
+
+  def _read_saved(self, path, index) -> np.ndarray:
     if path not in self._stores:
       self._stores[path] = orbax_io.open_array(self.directory, path)
     return np.asarray(self._stores[path][index].read().result())
@@ -128,8 +134,9 @@ def _fresh_layout(cfg: ModelConfig, shapes, num_shards: int | None):
 
 
 def export(ckpt_dir: str, out_dir: str, *, force: bool = False, progress: bool = True,
-           num_shards: int | None = None) -> dict:
-  """Write the official layout of the checkpoint at `ckpt_dir` into `out_dir`."""
+           num_shards: int | None = None, merge_lora: bool = False) -> dict:
+  """Write the official layout of the checkpoint at `ckpt_dir` into `out_dir`; with
+  `merge_lora`, a fine-tuned model's adapters folded in (convert/lora_export.py)."""
   if not os.path.isdir(ckpt_dir):
     raise CheckpointError(f"{ckpt_dir}: not a folder")
   cfg = checkpoint_config(ckpt_dir)
@@ -140,6 +147,14 @@ def export(ckpt_dir: str, out_dir: str, *, force: bool = False, progress: bool =
                           "export needs the whole model")
   saved = orbax_io.saved_paths(ckpt_dir)
   codes = any(p[-1].endswith("_packed") for p in saved)
+  merge = None
+  if merge_lora:
+    from convert.lora_export import Merger  # noqa: PLC0415
+    merge = Merger(ckpt_dir, saved)
+    codes = codes and not merge.changes_experts  # changed experts are re-quantised
+  elif any(p[-1].startswith("lora") or "_lora_" in p[-1] for p in saved):
+    raise CheckpointError(f"{ckpt_dir} holds LoRA adapters: export with --merge-lora (or "
+                          "--adapter-only)")
   shapes = param_shapes(cfg)
   recorded = (manifest.get("source") or {}).get("shards")
   if recorded and num_shards is None:
@@ -149,7 +164,7 @@ def export(ckpt_dir: str, out_dir: str, *, force: bool = False, progress: bool =
   else:
     dialect, layout, single = _fresh_layout(cfg, shapes, num_shards)
   names = _names(cfg, dialect)
-  producer = _Producer(ckpt_dir, cfg, codes)
+  producer = _Producer(ckpt_dir, cfg, codes, merge)
 
   headers = []
   for file, raw in layout:

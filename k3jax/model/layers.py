@@ -58,10 +58,18 @@ class Projection(nnx.Module):
     self.dtype = cfg.jnp_dtype
     self.kernel = make_param(rngs, init or fan_in_normal(fan_in), shape, names,
                              cfg.jnp_param_dtype)
+    self.lora = nnx.data(None)  # an nnx.LoRA on the flattened in/out dims, set by model/lora.adapt
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return jnp.einsum(self.eq, x.astype(self.dtype), self.kernel[...].astype(self.dtype),
-                      precision=self.precision)
+    y = jnp.einsum(self.eq, x.astype(self.dtype), self.kernel[...].astype(self.dtype),
+                   precision=self.precision)
+    if self.lora is None:
+      return y
+    # the contracted dims are x's trailing ones and the kernel's leading ones (gemma style)
+    n_in = self.lora_in_dims
+    x_flat = x.astype(self.dtype).reshape(*x.shape[:x.ndim - n_in], -1)
+    delta = self.lora(x_flat).reshape(y.shape)
+    return y + (self.lora_scale * delta).astype(y.dtype)
 
 
 def rms_normalize(x: jax.Array, eps: float) -> jax.Array:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import ModelConfig
+from k3jax.model import mxfp4
 from k3jax.model.grouped_matmul import grouped_matmul
 from k3jax.model.layers import (Projection, RMSNorm, annotated, fan_in_normal, make_param,
                                 wide_dtype)
@@ -88,6 +89,26 @@ class RoutedExperts(nnx.Module):
     self.w2 = make_param(rngs, fan_in_normal(f), (e, f, width_in),
                          ("experts", "moe_mlp", in_name), pd)
     self.in_name = in_name
+    self.qat = False         # set by model/lora.adapt: forward with MXFP4-rounded weights
+    self.lora_scale = None   # set by model/lora.adapt with per-expert adapters
+
+  def weight(self, name: str) -> jax.Array:
+    """The expert weights [..., in, out] the forward uses: the stored ones (dequantised when
+    held as MXFP4 codes), plus the LoRA update scale * A B, MXFP4-rounded under QAT."""
+    adapted = self.qat or hasattr(self, f"{name}_lora_a")
+    dt = self.cfg.jnp_param_dtype if adapted else self.cfg.jnp_dtype
+    if hasattr(self, name):
+      w = getattr(self, name)[...]
+    else:  # frozen MXFP4 base: dequantised per use (exact)
+      w = mxfp4.dequantize(getattr(self, f"{name}_packed")[...],
+                           getattr(self, f"{name}_scale")[...], dt)
+    if hasattr(self, f"{name}_lora_a"):
+      a, b = getattr(self, f"{name}_lora_a")[...], getattr(self, f"{name}_lora_b")[...]
+      w = w + self.lora_scale * jnp.einsum("...ir,...ro->...io", a, b,
+                                           precision=jax.lax.Precision.HIGHEST).astype(w.dtype)
+    if self.qat:
+      w = mxfp4.round_mxfp4(w)
+    return w
 
   def __call__(self, z_nh: jax.Array, routing: Routing) -> jax.Array:
     """sum_k p_k E_{T_k}(z), accumulated in fp32 [N, h] (one device, dropless)."""
@@ -99,10 +120,10 @@ class RoutedExperts(nnx.Module):
     token = order // k
     group_sizes = jnp.bincount(flat_expert, length=e).astype(jnp.int32)
     z_mh = z_nh.astype(dt)[token]
-    gmm = lambda x, w: grouped_matmul(x, w[...].astype(dt), group_sizes,  # noqa: E731
+    gmm = lambda x, w: grouped_matmul(x, self.weight(w).astype(dt), group_sizes,  # noqa: E731
                                       impl=self.cfg.moe_grouped_matmul,
                                       precision=self.cfg.precision)
-    y_mh = gmm(glu(self.cfg, gmm(z_mh, self.w1), gmm(z_mh, self.w3)), self.w2)
+    y_mh = gmm(glu(self.cfg, gmm(z_mh, "w1"), gmm(z_mh, "w3")), "w2")
     wide = wide_dtype(dt)
     p_m = routing.weights_nk.reshape(-1)[order].astype(wide)
     return jnp.zeros((n, y_mh.shape[-1]), wide).at[token].add(y_mh.astype(wide) * p_m[:, None])
@@ -139,7 +160,7 @@ class MoE(nnx.Module):
       ex = self.experts
       u, routed, dropped = expert_parallel.routed_experts(
           self.cfg, functools.partial(route, self.cfg), x_nd, z, self.gate.kernel[...],
-          self.gate.bias[...], ex.w1[...], ex.w3[...], ex.w2[...], in_name=ex.in_name)
+          self.gate.bias[...], ex.weight("w1"), ex.weight("w3"), ex.weight("w2"), in_name=ex.in_name)
       routing = Routing(*routed)
     u = u.astype(x_nd.dtype)  # official: fp32 sum, cast to x's dtype
     if latent:

@@ -164,7 +164,11 @@ MODEL_DIR = "model"
 MODEL_CONFIG = "k3jax_config.json"  # the name `k3jax convert` gives it (convert.to_orbax.CONFIG)
 
 
-def save_model(directory: str, graphdef: Any, params: Any, router_bias: Any, cfg) -> None:
+ADAPTERS = "adapters.json"  # LoRA / packed-expert / QAT options of a fine-tuned model
+
+
+def save_model(directory: str, graphdef: Any, params: Any, router_bias: Any, cfg,
+               adapters: dict | None = None) -> None:
   """The trained weights as a k3jax model checkpoint: `nnx.state(model)` saved by Orbax plus
   `k3jax_config.json`, the layout `k3jax export` turns into the official format and
   `--init-from` fine-tunes from. Written synchronously, replacing an older one. Every
@@ -178,3 +182,9 @@ def save_model(directory: str, graphdef: Any, params: Any, router_bias: Any, cfg
   if jax.process_index() == 0:
     with open(os.path.join(directory, MODEL_CONFIG), "w") as f:
       json.dump({"format": "k3jax", "config": cfg.replace(remat=False).to_dict()}, f, indent=2)
+    adapters_file = os.path.join(directory, ADAPTERS)
+    if adapters is not None:  # `k3jax export --merge-lora | --adapter-only` reads it
+      with open(adapters_file, "w") as f:
+        json.dump(adapters, f, indent=2)
+    elif os.path.exists(adapters_file):
+      os.remove(adapters_file)

@@ -62,7 +62,14 @@ def options_from_args(args: argparse.Namespace):
       dtype=args.dtype, eval_every=args.eval_every, eval_batches=args.eval_batches,
       save_every=args.save_every, keep=args.keep, log_every=args.log_every, seed=args.seed,
       peak_tflops=args.peak_tflops, progress=not args.no_progress,
-      tensorboard=not args.no_tensorboard, plots=not args.no_plots, compile_cache=cache)
+      tensorboard=not args.no_tensorboard, plots=not args.no_plots, compile_cache=cache,
+      **_fine_tuning_options(args))
+
+
+def _fine_tuning_options(args: argparse.Namespace) -> dict:
+  return {"lora_rank": args.lora, "lora_alpha": args.lora_alpha,
+          "lora_targets": tuple(args.lora_targets) if args.lora_targets else None,
+          "base_experts": args.base_experts, "experts_qat": args.experts_qat}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -147,6 +154,25 @@ def register(sub) -> None:
   g.add_argument("--qb-rule", choices=("k3", "per_expert"), default="k3",
                  help="QB threshold: k3 (SPEC 2.6 as written: the (k+1)-th biased score for "
                       "every pair) or per_expert (the exact per-pair threshold)")
+  g = p.add_argument_group("fine-tuning (LoRA, MXFP4 experts)")
+  g.add_argument("--lora", type=int, default=None, metavar="RANK",
+                 help="train LoRA adapters of this rank on the targets; the base stays frozen "
+                      "and holds no optimizer state (AdamW on the adapters, at --adam-lr or "
+                      "--lr: LoRA recipes use ~1e-4 to 2e-4)")
+  g.add_argument("--lora-alpha", type=float, default=None, metavar="A",
+                 help="scale the adapter update by A / RANK (default: A = RANK)")
+  g.add_argument("--lora-targets", nargs="+", default=None, metavar="PATTERN",
+                 help="fnmatch patterns over projection paths (default: mla.* kda.* "
+                      "moe.shared_experts.* dense_mlp.*; moe.experts.* adds one adapter per "
+                      "routed expert; paths look like mla.q_b_proj, kda.o_proj, "
+                      "moe.shared_experts.up_proj, moe.routed_down, moe.experts.w1)")
+  g.add_argument("--base-experts", choices=("float", "mxfp4"), default="float",
+                 help="mxfp4: keep the routed experts as MXFP4 codes in memory (frozen), "
+                      "dequantised per matmul")
+  g.add_argument("--experts-qat", action="store_true",
+                 help="routed experts forward with their MXFP4-rounded weights "
+                      "(straight-through gradients): the exported MXFP4 model computes "
+                      "what was trained")
   g = p.add_argument_group("numerics and speed")
   g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float64"), default="auto",
                  help="compute dtype over fp32 master weights (auto: bf16 on TPU/GPU, fp32 "

@@ -48,7 +48,8 @@ from sharding.placement import check_batch
 RUN_FILE = "run.json"
 # options that fix what a checkpoint and its data position mean: a resume must not change them
 _RESUME_KEYS = ("data", "data_format", "tokenizer", "seq_len", "batch_size", "seed",
-                "init_from", "data_shards")
+                "init_from", "data_shards", "lora_rank", "lora_alpha", "lora_targets",
+                "base_experts", "experts_qat")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +95,12 @@ class RunOptions:
   tensorboard: bool = True
   plots: bool = True
   compile_cache: str | None = None   # persistent XLA compilation cache folder
+  # fine-tuning (SPEC §10; model/lora.py)
+  lora_rank: int | None = None       # LoRA adapters of this rank, the base frozen; None: off
+  lora_alpha: float | None = None    # adapter update scale alpha / rank (default: rank)
+  lora_targets: tuple[str, ...] | None = None  # projection path patterns (default: lora.py)
+  base_experts: str = "float"        # float | mxfp4: routed experts held as MXFP4 codes
+  experts_qat: bool = False          # routed experts forward with MXFP4-rounded weights
 
 
 def compute_dtype(name: str) -> str:
@@ -116,6 +123,35 @@ def step_config(opts: RunOptions) -> step_lib.StepConfig:
 
 def master_dtype(opts: RunOptions) -> str:
   return "float64" if opts.dtype == "float64" else "float32"
+
+
+def adapt_spec(opts: RunOptions, cfg: ModelConfig):
+  """The AdaptSpec of the run (None: plain training), checked against the model."""
+  from flax import nnx  # noqa: PLC0415
+
+  from k3jax.model import lora  # noqa: PLC0415
+  if opts.lora_rank is None and (opts.lora_alpha is not None or opts.lora_targets):
+    raise UserError("--lora-alpha and --lora-targets need --lora RANK")
+  if opts.lora_rank is None and opts.base_experts == "float" and not opts.experts_qat:
+    return None
+  if opts.lora_rank is not None and opts.lora_rank <= 0:
+    raise UserError(f"--lora RANK must be > 0, got {opts.lora_rank}")
+  if opts.lora_rank is not None and opts.qk_clip is not None:
+    raise UserError("--qk-clip rescales base weights, which --lora keeps frozen")
+  if opts.base_experts not in ("float", "mxfp4"):
+    raise UserError(f"--base-experts {opts.base_experts!r}: expected float or mxfp4")
+  if (opts.base_experts == "mxfp4" or opts.experts_qat) and not cfg.moe_layers:
+    raise UserError("--base-experts mxfp4 / --experts-qat: the model has no routed experts")
+  spec = lora.AdaptSpec(rank=opts.lora_rank, alpha=opts.lora_alpha,
+                        targets=tuple(opts.lora_targets or lora.DEFAULT_TARGETS),
+                        base_experts=opts.base_experts, qat=opts.experts_qat)
+  if spec.lora:
+    from k3jax.model.transformer import K3Model  # noqa: PLC0415
+    try:
+      lora.matching(spec, nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0))))
+    except ValueError as e:
+      raise UserError(str(e)) from None
+  return spec
 
 
 def _numerics(cfg: ModelConfig, opts: RunOptions) -> ModelConfig:
@@ -167,7 +203,8 @@ def _check_resume(out: str, opts: RunOptions, cfg: ModelConfig) -> None:
     raise UserError(f"{out} holds a run of another model config; use a new --out")
   for key in _RESUME_KEYS:
     was = saved["options"].get(key, getattr(RunOptions, key, None))  # runs before the option
-    if was != getattr(opts, key):
+    now = getattr(opts, key)
+    if was != (list(now) if isinstance(now, tuple) else now):  # JSON keeps tuples as lists
       raise UserError(f"{out} holds a run with --{key.replace('_', '-')} "
                       f"{was!r} (now {getattr(opts, key)!r}); "
                       "resuming must keep it, or use a new --out")
@@ -257,7 +294,8 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
   sc = step_config(opts)
   if mesh is not None:
     check_batch(opts.batch_size // opts.grad_accum, mesh)
-  steps = step_lib.build(cfg, sc, mesh)  # refuses a mesh the model cannot be split on
+  spec = adapt_spec(opts, cfg)
+  steps = step_lib.build(cfg, sc, mesh, spec)  # refuses a mesh the model cannot be split on
   pipe = data_lib.PipelineConfig(opts.seq_len, opts.batch_size, opts.grad_accum, opts.seed,
                                  num_shards=opts.data_shards)
   rows, read_shards, write_shards = _shard_plan(steps, pipe, opts)
@@ -283,16 +321,18 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
     eval_batches = [to_device(b, (0, rows_per_micro)) for b in eval_batches]
 
   if resume_step is not None:
-    params, bias = jax.eval_shape(lambda: step_lib.init_params(cfg, opts.seed))
+    params, bias = jax.eval_shape(lambda: step_lib.init_params(cfg, opts.seed, spec))
     state, data_state, meta = ckpt.restore(
         resume_step, step_lib.abstract_state(steps, params, bias), read_shards)
     start = int(state["step"])
   else:
     rng = step_lib.new_rng(opts.seed)
     if opts.init_from:
-      shardings = _path_shardings(steps) if mesh is not None else None
+      shardings = _path_shardings(steps) if mesh is not None and spec is None else None
       _, params, bias = step_lib.split_model(_load_init(opts.init_from, opts, shardings)[0])
-      if mesh is not None:  # an official-layout folder arrives in host memory
+      if spec is not None:
+        params = step_lib.adapt_params(cfg, params, bias, spec, opts.seed)
+      if mesh is not None:  # an official-layout folder (or an adapted model) arrives whole
         params = jax.device_put(params, steps.shardings["params"])
         bias = jax.device_put(bias, steps.shardings["router_bias"])
     else:
@@ -313,7 +353,8 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
   devices = 1 if mesh is None else mesh.size
   peak = devices * (opts.peak_tflops * 1e12 if opts.peak_tflops
                     else flops_lib.measure_matmul_peak(cfg.jnp_dtype))
-  n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
+  n_params = step_lib.count_params(state["params"])
+  n_trainable = step_lib.count_params(step_lib.partition(state["params"], steps.trainable)[0])
   if main_process:
     print(f"k3jax train: {n_params / 1e6:.2f}M params ({flop_count.active_matmul_params / 1e6:.2f}"
           f"M active matmul), {cfg.dtype} compute / {cfg.param_dtype} master; "
@@ -384,7 +425,7 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
     writer.close()
   if first_loss is not None:  # the final weights, exportable (`k3jax export`) and fine-tunable
     save_model(os.path.join(out, MODEL_DIR), steps.graphdef, state["params"],
-               state["router_bias"], cfg)
+               state["router_bias"], cfg, adapters=None if spec is None else spec.to_dict())
   plots = []
   if opts.plots and main_process:
     from k3jax.train.plots import write_plots  # noqa: PLC0415  (matplotlib is slow to import)
@@ -397,5 +438,6 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
       "tokens_per_s": tokens_per_step / median if median else None,
       "mfu": (flop_count.train_per_token * tokens_per_step / median / peak) if median else None,
       "peak_flops": peak, "plots": plots, "checkpoints": saved_steps, "data": data.summary,
+      "trainable_params": n_trainable, "total_params": n_params,
   }
   return summary

@@ -52,6 +52,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from k3jax.config import ModelConfig
+from k3jax.model.lora import AdaptSpec, PackedExperts, adapt
 from k3jax.model.moe import RouterBias
 from k3jax.train.loss import chunked_token_nll, token_nll  # noqa: F401  (token_nll re-exported)
 from k3jax.model.quantile_balancing import (THRESHOLD_RULES, expert_load_stats,
@@ -102,6 +103,23 @@ def optimizer(sc: StepConfig, logical_axes: Any) -> optax.GradientTransformation
   return optax.chain(optax.clip_by_global_norm(sc.clip_norm), muon)
 
 
+def optimizer_for(sc: StepConfig, logical_axes: Any, spec: AdaptSpec | None
+                  ) -> optax.GradientTransformation:
+  """Per-Head Muon + AdamW (optimizer) for full fine-tuning; plain AdamW on LoRA adapters, at
+  the AdamW peak learning rate (--adam-lr, else --lr). Why not Muon there: an adapter factor is
+  a thin [in, r] / [r, out] matrix whose orthogonalised update sets all r singular values to
+  one whatever the gradient's spectrum, and B starts at zero, so the first Muon steps move
+  B A by a full-rank-r unit step; the alpha / r scaling LoRA recipes tune assumes Adam, and
+  Adam's two moments cost nothing next to the frozen base."""
+  if spec is None or not spec.lora:
+    return optimizer(sc, logical_axes)
+  adam = optax.adamw(lr_schedule(sc, sc.adam_learning_rate or sc.learning_rate),
+                     b1=0.9, b2=0.95, weight_decay=sc.weight_decay)
+  if sc.clip_norm is None:
+    return adam
+  return optax.chain(optax.clip_by_global_norm(sc.clip_norm), adam)
+
+
 def plain(tree: Any) -> Any:
   """nnx.State (or any nested mapping) -> nested dicts with the same leaves."""
   if isinstance(tree, Mapping):
@@ -131,12 +149,13 @@ class InitParamsOnMesh:
   """seed -> (params, router_bias) created in their shardings by one jitted init per seed;
   `lower(seed)` gives its compiled program (e.g. for the per-device memory plan)."""
 
-  def __init__(self, cfg: ModelConfig, mesh: jax.sharding.Mesh, shardings):
-    self.cfg, self.mesh, self.shardings = cfg, mesh, shardings
+  def __init__(self, cfg: ModelConfig, mesh: jax.sharding.Mesh, shardings,
+               spec: AdaptSpec | None = None):
+    self.cfg, self.mesh, self.shardings, self.spec = cfg, mesh, shardings, spec
 
   @functools.cache
   def _jitted(self, seed: int) -> OnMesh:
-    return OnMesh(jax.jit(functools.partial(_init_params, self.cfg, seed),
+    return OnMesh(jax.jit(functools.partial(_init_params, self.cfg, seed, self.spec),
                           out_shardings=self.shardings), self.mesh)
 
   def __call__(self, seed: int):
@@ -160,40 +179,103 @@ class Steps(NamedTuple):
   mesh: jax.sharding.Mesh | None = None
   shardings: Any = None       # TrainState of NamedShardings (None without a mesh)
   batch_sharding: Any = None  # of every [A, b, T] batch array (None without a mesh)
+  trainable: Any = None       # same tree as params: True where the optimizer updates the leaf
+
+
+# what `params` holds: the Params (LoRA adapters included) and frozen MXFP4-packed experts
+WEIGHTS = nnx.Any(nnx.Param, PackedExperts)
 
 
 def split_model(model: nnx.Module) -> tuple[Any, dict, dict]:
   """(graphdef, params, router_bias) as plain dicts; refuses any other state (it would not
   be trained nor checkpointed)."""
-  graphdef, params, bias, rest = nnx.split(model, nnx.Param, RouterBias, ...)
+  graphdef, params, bias, rest = nnx.split(model, WEIGHTS, RouterBias, ...)
   if jax.tree.leaves(rest):
     raise ValueError(f"model state outside Params and RouterBias: {rest}")
   return graphdef, plain(nnx.as_pure(params)), plain(nnx.as_pure(bias))
 
 
+def make_model(cfg: ModelConfig, seed: int, spec: AdaptSpec | None = None) -> nnx.Module:
+  """The model `cfg` describes, adapted for fine-tuning as `spec` asks (LoRA, packed experts,
+  QAT; model/lora.py)."""
+  from k3jax.model.transformer import K3Model  # noqa: PLC0415  (heavy import)
+  model = K3Model(cfg, rngs=nnx.Rngs(seed))
+  return model if spec is None else adapt(model, spec, nnx.Rngs(seed + 1))
+
+
+def trainable_mask(abstract_params: Any, spec: AdaptSpec | None) -> Any:
+  """True for the leaves the optimizer updates: the LoRA adapters under LoRA, else every
+  Param; never the packed MXFP4 experts."""
+  kind = nnx.LoRAParam if spec is not None and spec.lora else nnx.Param
+  return plain(jax.tree.map(lambda v: isinstance(v, kind), abstract_params,
+                            is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
+def count_params(params: Any) -> int:
+  """Model parameters in a params tree: a packed MXFP4 expert array counts the two weights of
+  each code byte, its scales count nothing."""
+  total = 0
+  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+    name = str(getattr(path[-1], "key", path[-1]))
+    if name.endswith("_scale") and x.dtype == jnp.uint8:
+      continue
+    total += int(np.prod(x.shape)) * (2 if name.endswith("_packed") else 1)
+  return total
+
+
+def partition(tree: Any, mask: Any) -> tuple[dict, dict]:
+  """(trainable, frozen) nested dicts holding only the leaves the mask marks True / False."""
+  if not isinstance(mask, Mapping):
+    return (tree, None) if mask else (None, tree)
+  train, frozen = {}, {}
+  for k, m in mask.items():
+    t, f = partition(tree[k], m)
+    if t is not None and (not isinstance(t, dict) or t):
+      train[k] = t
+    if f is not None and (not isinstance(f, dict) or f):
+      frozen[k] = f
+  return train, frozen
+
+
+def combine(a: Any, b: Any) -> Any:
+  """The union of two partitions."""
+  if not isinstance(a, Mapping) or not isinstance(b, Mapping):
+    return a if b is None or (isinstance(b, Mapping) and not b) else b
+  out = dict(a)
+  for k, v in b.items():
+    out[k] = combine(out[k], v) if k in out else v
+  return out
+
+
 def state_shardings(tx: optax.GradientTransformation, params_abs: nnx.State,
-                    bias_abs: nnx.State, mesh: jax.sharding.Mesh) -> dict:
+                    bias_abs: nnx.State, mesh: jax.sharding.Mesh, mask: Any = None) -> dict:
   """TrainState of NamedShardings: parameters and router biases by the rules table, every
-  optimizer-state leaf that mirrors a parameter with that parameter, scalars replicated."""
+  optimizer-state leaf that mirrors a (trainable: `mask`) parameter with that parameter,
+  scalars replicated."""
   param_sh = variable_shardings(params_abs, mesh)
   params_sds = plain(nnx.as_pure(params_abs))
-  opt_abs = jax.eval_shape(tx.init, params_sds)
+  train_sds = params_sds if mask is None else partition(params_sds, mask)[0]
+  opt_abs = jax.eval_shape(tx.init, train_sds)
   return {"params": param_sh, "router_bias": variable_shardings(bias_abs, mesh),
           "opt_state": like_params(opt_abs, params_sds, param_sh, mesh),
           "step": replicated(mesh), "rng": replicated(mesh)}
 
 
 @functools.lru_cache(maxsize=8)
-def build(cfg: ModelConfig, sc: StepConfig, mesh: jax.sharding.Mesh | None = None) -> Steps:
-  """The step functions; on `mesh` with shardings (raises sharding.mesh.MeshError, before any
-  compile, when the mesh cannot split the model)."""
-  from k3jax.model.transformer import K3Model  # noqa: PLC0415  (heavy import)
-  abstract = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
+def build(cfg: ModelConfig, sc: StepConfig, mesh: jax.sharding.Mesh | None = None,
+          spec: AdaptSpec | None = None) -> Steps:
+  """The steps of `cfg`'s model adapted as `spec` asks, on `mesh` with shardings (raises
+  sharding.mesh.MeshError, before any compile, when the mesh cannot split the model). With
+  LoRA only the adapters are differentiated and hold optimizer state (AdamW: see
+  optimizer_for); the base passes through the step untouched (bit-identical)."""
+  abstract = nnx.eval_shape(lambda: make_model(cfg, 0, spec))
   if mesh is not None:
     check_model_fits(nnx.state(abstract), mesh)
-  graphdef, params_abs, bias_abs, _ = nnx.split(abstract, nnx.Param, RouterBias, ...)
-  axes = plain(logical_axes_from_state(params_abs))
-  tx = optimizer(sc, axes)
+  graphdef, params_abs, bias_abs, _ = nnx.split(abstract, WEIGHTS, RouterBias, ...)
+  mask = trainable_mask(params_abs, spec)
+  train_abs, _ = partition(plain(params_abs), mask)
+  axes = plain(logical_axes_from_state(nnx.State(train_abs)))
+  tx = optimizer_for(sc, axes, spec)
   lr_of = lr_schedule(sc, sc.learning_rate)
   k, n_experts = cfg.num_experts_per_token, cfg.num_experts
 
@@ -231,18 +313,21 @@ def build(cfg: ModelConfig, sc: StepConfig, mesh: jax.sharding.Mesh | None = Non
     }
     return total, aux
 
-  grad_fn = jax.value_and_grad(loss_sum, has_aux=True)
+  def loss_trainable(train_p, frozen_p, bias, mb):
+    return loss_sum(combine(train_p, frozen_p), bias, mb)
+
+  grad_fn = jax.value_and_grad(loss_trainable, has_aux=True)
 
   def train(state, batch, qk_clip_threshold):
-    params, bias = state["params"], state["router_bias"]
+    (params, frozen), bias = partition(state["params"], mask), state["router_bias"]
     rng, _ = jax.random.split(jax.random.wrap_key_data(state["rng"]))  # forward is deterministic
 
     def micro(acc, mb):
-      (total, aux), g = grad_fn(params, bias, mb)
+      (total, aux), g = grad_fn(params, frozen, bias, mb)
       return jax.tree.map(jnp.add, acc, g), (total, aux)
 
     if batch["inputs"].shape[0] == 1:  # no accumulation: no loop around the whole model
-      (total, aux), grads = grad_fn(params, bias, jax.tree.map(lambda x: x[0], batch))
+      (total, aux), grads = grad_fn(params, frozen, bias, jax.tree.map(lambda x: x[0], batch))
       totals, aux = total[None], jax.tree.map(lambda x: None if x is None else x[None], aux)
     else:
       zeros = jax.tree.map(jnp.zeros_like, params)
@@ -255,7 +340,7 @@ def build(cfg: ModelConfig, sc: StepConfig, mesh: jax.sharding.Mesh | None = Non
 
     updates, opt_state = tx.update(grads, state["opt_state"], params)
     params = optax.apply_updates(params, updates)
-    if aux["max_logits"] is not None:
+    if aux["max_logits"] is not None and not (spec is not None and spec.lora):  # base frozen
       max_logits = jnp.max(aux["max_logits"], axis=0)          # over micro-batches: [n_mla, H]
       metrics["mla_max_logit"] = jnp.max(max_logits, axis=-1)  # [n_mla], before any clip
       params = qk_clip(params, {MLA_PATH: max_logits}, logical_axes=axes,
@@ -266,7 +351,7 @@ def build(cfg: ModelConfig, sc: StepConfig, mesh: jax.sharding.Mesh | None = Non
     if aux["scores"] is not None:
       bias, load = balance(bias, aux["scores"], aux["experts"], batch["segment_ids"])
       metrics.update(load)
-    new_state = {"params": params, "router_bias": bias, "opt_state": opt_state,
+    new_state = {"params": combine(params, frozen), "router_bias": bias, "opt_state": opt_state,
                  "step": state["step"] + 1, "rng": jax.random.key_data(rng)}
     return new_state, metrics
 
@@ -304,7 +389,7 @@ def build(cfg: ModelConfig, sc: StepConfig, mesh: jax.sharding.Mesh | None = Non
     return _set_path(bias, path, b_next.astype(b_t.dtype)), load
 
   def init(params, bias, rng):
-    return {"params": params, "router_bias": bias, "opt_state": tx.init(params),
+    return {"params": params, "router_bias": bias, "opt_state": tx.init(partition(params, mask)[0]),
             "step": jnp.zeros((), jnp.int32), "rng": rng}
 
   def evaluate(params, bias, batch):
@@ -320,17 +405,17 @@ def build(cfg: ModelConfig, sc: StepConfig, mesh: jax.sharding.Mesh | None = Non
 
   if mesh is None:
     return Steps(graphdef=graphdef, logical_axes=axes, tx=tx,
-                 init_params=lambda seed: init_params(cfg, seed), init=jax.jit(init),
+                 init_params=lambda seed: init_params(cfg, seed, spec), init=jax.jit(init),
                  train=jax.jit(train, donate_argnums=0), eval=jax.jit(evaluate),
-                 forward=jax.jit(forward_with_routing))
+                 forward=jax.jit(forward_with_routing), trainable=mask)
 
-  state_sh = state_shardings(tx, params_abs, bias_abs, mesh)
+  state_sh = state_shardings(tx, params_abs, bias_abs, mesh, mask)
   batch_sh, rep = batch_sharding(mesh), replicated(mesh)
   param_sh, bias_sh = state_sh["params"], state_sh["router_bias"]
 
   return Steps(
       graphdef=graphdef, logical_axes=axes, tx=tx,
-      init_params=InitParamsOnMesh(cfg, mesh, (param_sh, bias_sh)),
+      init_params=InitParamsOnMesh(cfg, mesh, (param_sh, bias_sh), spec),
       init=OnMesh(jax.jit(init, in_shardings=(param_sh, bias_sh, rep),
                           out_shardings=state_sh), mesh),
       train=OnMesh(jax.jit(train, donate_argnums=0, in_shardings=(state_sh, batch_sh, rep),
@@ -338,7 +423,7 @@ def build(cfg: ModelConfig, sc: StepConfig, mesh: jax.sharding.Mesh | None = Non
       eval=OnMesh(jax.jit(evaluate, in_shardings=(param_sh, bias_sh, batch_sh),
                           out_shardings=rep), mesh),
       forward=OnMesh(jax.jit(forward_with_routing), mesh),
-      mesh=mesh, shardings=state_sh, batch_sharding=batch_sh)
+      mesh=mesh, shardings=state_sh, batch_sharding=batch_sh, trainable=mask)
 
 
 def _leaves_with_path(tree):
@@ -356,18 +441,28 @@ def _set_path(tree: dict, path, value) -> dict:
   return out
 
 
-def _init_params(cfg: ModelConfig, seed: int) -> tuple[dict, dict]:
-  from k3jax.model.transformer import K3Model  # noqa: PLC0415
-  _, params, bias = split_model(K3Model(cfg, rngs=nnx.Rngs(seed)))
+def _init_params(cfg: ModelConfig, seed: int, spec: AdaptSpec | None = None
+                 ) -> tuple[dict, dict]:
+  _, params, bias = split_model(make_model(cfg, seed, spec))
   return params, bias
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def init_params(cfg: ModelConfig, seed: int) -> tuple[dict, dict]:
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def init_params(cfg: ModelConfig, seed: int, spec: AdaptSpec | None = None
+                ) -> tuple[dict, dict]:
   """(params, router_bias) of a freshly initialised model, built under jit: creating the
   stacked modules eagerly runs thousands of tiny ops one by one (a minute on a CPU). On a mesh
   use `build(...).init_params(seed)`: the same values, created in their shardings."""
-  return _init_params(cfg, seed)
+  return _init_params(cfg, seed, spec)
+@functools.partial(jax.jit, static_argnums=(0, 3, 4))
+def adapt_params(cfg: ModelConfig, params: dict, bias: dict, spec: AdaptSpec, seed: int
+                 ) -> dict:
+  """A pre-trained model's params adapted as `spec` asks (fresh adapters from `seed`, experts
+  packed), under jit for the same reason as init_params."""
+  from k3jax.model.transformer import K3Model  # noqa: PLC0415
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0))))
+  model = nnx.merge(graphdef, nnx.State(params), nnx.State(bias))
+  return split_model(adapt(model, spec, nnx.Rngs(seed + 1)))[1]
 
 
 def abstract_state(steps: Steps, params: Any, bias: Any) -> Any:

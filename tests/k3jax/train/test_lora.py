@@ -1,0 +1,212 @@
+"""LoRA fine-tuning end to end on k3_tiny_a (the released layout, MXFP4 experts): adapters on
+MLA and per routed expert over MXFP4-packed frozen experts with QAT. The base stays bit for
+bit what it was, only adapters hold optimizer state, the loss falls, and `k3jax export
+--merge-lora` writes base + scale * A B (float64, then the official dtypes) whose loaded model
+computes the trained model's logits (float64)."""
+
+import dataclasses
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from safetensors.torch import load_file
+
+from convert import mxfp4 as np_mx
+from convert import orbax_io
+from convert.hf_load import load_model
+from convert.lora_export import ADAPTER_CONFIG, ADAPTER_FILE, is_adapter
+from k3jax.cli import main
+from k3jax.info import param_breakdown
+from k3jax.model import lora
+from k3jax.train import step as step_lib
+from k3jax.train.loop import adapt_spec, run, step_config
+
+from .helpers import options
+
+STEPS = 12
+TARGETS = ("mla.*", "moe.experts.*")
+
+
+def conversations(n):
+  """Chat turns with fixed phrasing (the chat SFT test's sums), as plain text: k3_tiny_a has
+  256 embeddings, so it trains byte-level (a chat template's special tokens would not fit)."""
+  rng = np.random.default_rng(0)
+  rows = []
+  for _ in range(n):
+    a, b = (int(x) for x in rng.integers(0, 50, 2))
+    rows.append(f"user: What is {a} plus {b}?\nassistant: {a} plus {b} is {a + b}.\n")
+  return "".join(rows)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, reference_dir):
+  tmp = tmp_path_factory.mktemp("lora")
+  data = tmp / "sums.txt"
+  data.write_text(conversations(400))
+  base = os.path.join(reference_dir, "k3_tiny_a")
+  opts = options(tmp / "run", None, init_from=base, data=str(data), steps=STEPS,
+                 decay_steps=STEPS, warmup_steps=2, seq_len=64, eval_every=STEPS,
+                 save_every=STEPS, plots=False, tensorboard=False, learning_rate=1e-2,
+                 lora_rank=4, lora_alpha=8.0, lora_targets=TARGETS, base_experts="mxfp4",
+                 experts_qat=True)
+  summary = run(opts)
+  return opts, summary, base
+
+
+def saved_arrays(directory):
+  return {p: np.asarray(orbax_io.open_array(directory, p).read().result())
+          for p in orbax_io.saved_paths(directory)}
+
+
+def test_lora_run_trains_adapters_only(trained):
+  opts, summary, base = trained
+  model, cfg = load_model(base, param_dtype="float32")
+  cfg_run = cfg.replace(param_dtype="float32", dtype="float32")
+  spec = adapt_spec(opts, cfg_run)
+  _, params, bias = step_lib.split_model(model)
+  start = step_lib.adapt_params(cfg_run, params, bias, spec, opts.seed)
+  start_flat = {tuple(str(k.key) for k in p): np.asarray(v)
+                for p, v in jax.tree_util.tree_flatten_with_path(start)[0]}
+  saved = saved_arrays(os.path.join(summary["out"], "model"))
+  adapters = {p for p in start_flat if is_adapter(p)}
+  # every base array (packed expert codes included) is bit-identical after the steps
+  for path, value in start_flat.items():
+    if is_adapter(path):
+      continue
+    np.testing.assert_array_equal(saved[path], value, err_msg=".".join(path))
+  assert any(p[-1] == "w1_packed" for p in start_flat)
+  # the adapters moved, and they are all that is trainable
+  n_adapter = sum(v.size for p, v in start_flat.items() if is_adapter(p))
+  assert any(not np.array_equal(saved[p], start_flat[p]) for p in adapters)
+  # rank 4 on each MLA projection ([in..., out...] -> 4 * (in + out)) and each routed expert
+  mla_kernels = {p: v.shape for p, v in start_flat.items() if p[0] == "mla" and p[-1] == "kernel"}
+  expected = 0
+  for path, shape in mla_kernels.items():
+    n_in = 2 if path[1] == "o_proj" else 1
+    expected += shape[0] * 4 * (np.prod(shape[1:1 + n_in]) + np.prod(shape[1 + n_in:]))
+  n_moe, n_exp = len(cfg.moe_layers), cfg.num_experts
+  expected += 3 * n_moe * n_exp * 4 * (cfg.latent_size + cfg.moe_intermediate_size)
+  assert summary["trainable_params"] == n_adapter == expected
+  # the model's parameters as `k3jax info` counts them, plus the adapters
+  assert summary["total_params"] == sum(param_breakdown(cfg).values()) + n_adapter
+  # the optimizer holds state for the adapters only: AdamW's two moments, nothing else
+  steps = step_lib.build(cfg_run, step_config(opts), spec=spec)
+  state = steps.init(start, bias, step_lib.new_rng(0))
+  sizes = [x.size for x in jax.tree.leaves(state["opt_state"]) if x.ndim]
+  assert sum(sizes) == 2 * n_adapter
+  # the loss falls: bytes start near uniform (ln 256 = 5.5 nats); this text's byte
+  # frequencies alone are worth > 2 nats of that, a fraction of which 12 steps must find
+  assert summary["last_loss"] < summary["first_loss"] - 0.5, summary
+  assert summary["eval_loss"] < summary["first_loss"] - 0.5, summary
+  # a resumed run (same OUT, more steps) restores the adapters' optimizer state and goes on;
+  # the base is still the one it started from
+  # (in a copy: the export test reads this run's model, and TensorStore caches what it read)
+  copy = summary["out"] + "_resumed"
+  shutil.copytree(summary["out"], copy)
+  resumed = run(dataclasses.replace(opts, out=copy, steps=STEPS + 2))
+  assert resumed["start_step"] == STEPS and resumed["trainable_params"] == n_adapter
+  saved = saved_arrays(os.path.join(copy, "model"))
+  for path, value in start_flat.items():
+    if not is_adapter(path):
+      np.testing.assert_array_equal(saved[path], value, err_msg=".".join(path))
+
+
+
+def test_merged_export_is_base_plus_scaled_adapters_and_computes_the_trained_model(
+    trained, tmp_path):
+  opts, summary, base = trained
+  ckpt = os.path.join(summary["out"], "model")
+  merged_dir, adapter_dir = str(tmp_path / "merged"), str(tmp_path / "adapter")
+  assert main(["export", ckpt, merged_dir, "--merge-lora", "--quiet"]) == 0
+  assert main(["export", ckpt, adapter_dir, "--adapter-only"]) == 0
+  saved = saved_arrays(ckpt)
+  scale = 8.0 / 4
+  tensors = {k: v.to(torch.float64).numpy() if v.is_floating_point() else v.numpy()
+             for k, v in load_file(os.path.join(merged_dir, "model.safetensors")).items()}
+  pre = "language_model.model.layers."
+  f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
+  # a dense projection: the first MLA layer (3) q_a_proj, [out, in] = (W + s A B)^T in bf16
+  a = saved[("mla", "q_a_proj", "lora", "lora_a")][0]
+  b = saved[("mla", "q_a_proj", "lora", "lora_b")][0]
+  want = f64(saved[("mla", "q_a_proj", "kernel")][0]) + scale * f64(a) @ f64(b)
+  got = tensors[pre + "3.self_attn.q_a_proj.weight"]
+  np.testing.assert_array_equal(got, want.T.astype(ml_dtypes.bfloat16).astype(np.float64))
+  assert not np.array_equal(got, f64(saved[("mla", "q_a_proj", "kernel")][0]).T)
+  # a routed expert (MoE layer 0 = decoder layer 1, expert 5): MXFP4 of dequant(W) + s A B
+  codes = saved[("moe", "experts", "w1_packed")][0, 5]
+  scales = saved[("moe", "experts", "w1_scale")][0, 5]
+  w = np_mx.dequantize(codes, scales, np.float64).T
+  a = saved[("moe", "experts", "w1_lora_a")][0, 5]
+  b = saved[("moe", "experts", "w1_lora_b")][0, 5]
+  q_codes, q_scales = np_mx.quantize((w + scale * f64(a) @ f64(b)).T)
+  np.testing.assert_array_equal(tensors[pre + "1.block_sparse_moe.experts.5.w1.weight_packed"],
+                                q_codes)
+  np.testing.assert_array_equal(tensors[pre + "1.block_sparse_moe.experts.5.w1.weight_scale"],
+                                q_scales)
+  assert not np.array_equal(q_codes, codes)
+  # the adapter file: every adapter array under its k3jax path, and its config
+  adapters = load_file(os.path.join(adapter_dir, ADAPTER_FILE))
+  assert set(adapters) == {".".join(p) for p in saved if is_adapter(p)}
+  np.testing.assert_array_equal(adapters["moe.experts.w1_lora_a"].numpy(),
+                                saved[("moe", "experts", "w1_lora_a")])
+  with open(os.path.join(adapter_dir, ADAPTER_CONFIG)) as f:
+    config = json.load(f)
+  assert (config["rank"], config["scale"], config["targets"]) == (4, 2.0, list(TARGETS))
+
+  # the loaded export computes the trained model (float64): its experts are what the QAT
+  # forward computed with (MXFP4 of W + s A B, re-quantised exactly); its MLA projections are
+  # W + s A B in bf16, the official layout's dtype, so the reference folds the MLA adapters
+  # and rounds them to bf16 likewise. Float64 summation order only: ~1e-12.
+  with jax.enable_x64(True):
+    loaded, cfg64 = load_model(merged_dir, dtype="float64", param_dtype="float64")
+    spec = lora.AdaptSpec(rank=4, alpha=8.0, targets=TARGETS, base_experts="mxfp4", qat=True)
+    abstract = nnx.eval_shape(lambda: step_lib.make_model(cfg64, 0, spec))
+    graphdef, abstract_state = nnx.split(abstract)
+    flat = {tuple(str(k) for k in p): v for p, v in nnx.to_flat_state(abstract_state)}
+    trained_model = nnx.merge(graphdef, nnx.from_flat_state(
+        {p: v.replace(jnp.asarray(saved[p]).astype(v.dtype)) for p, v in flat.items()}))
+    ids = np.load(os.path.join(base, "reference.npz"))["input_ids"][:, :32]
+
+    def reference(qat):
+      for ex in lora.expert_paths(trained_model).values():
+        ex.qat = qat
+      ref = nnx.state(lora.merge(trained_model))
+
+      def official_dtype(path, x):  # every other array holds the base's (or QB's) values,
+        # which the export writes exactly (bf16 or F32 as the official layout has them)
+        merged = tuple(str(getattr(k, "key", k)) for k in path)[0] == "mla"
+        return x.astype(jnp.bfloat16).astype(x.dtype) if merged else x
+      return nnx.merge(nnx.graphdef(loaded), jax.tree_util.tree_map_with_path(official_dtype, ref))
+
+    got = logits(loaded, ids)
+    want = logits(reference(True), ids)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-10)
+    # without QAT the trained forward is not what the MXFP4 export computes
+    unrounded = logits(reference(False), ids)
+    assert float(jnp.max(jnp.abs(unrounded - got))) > 1e-6
+
+
+@nnx.jit
+def logits(model, ids):
+  return model(ids).logits
+
+
+def test_bad_lora_input_is_one_line_exit_2(tmp_path, reference_dir, capsys):
+  base = os.path.join(reference_dir, "k3_tiny_a")
+  common = ["train", "--out", str(tmp_path / "r"), "--init-from", base, "--no-progress",
+            "--compile-cache", "none"]
+  for extra, message in ((["--lora", "0"], "--lora RANK must be > 0, got 0"),
+                         (["--lora", "4", "--lora-targets", "mla.*", "attn.*"],
+                          "--lora-targets 'attn.*' matches no projection"),
+                         (["--lora-alpha", "2"], "--lora-alpha and --lora-targets need --lora")):
+    capsys.readouterr()
+    assert main(common + extra) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and message in err, err
