@@ -9,6 +9,7 @@ per compile at full K3 size): a script, not a test.
 
     python benchmarks/plan_k3.py [--seq 8192] [--remat full] [--loss-chunk 2048]
         [--topologies v5p:8x8x16,tpu7x:8x8x8] [--batch-per-device 1] [--analytic]
+        [--lora RANK]
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def main() -> None:
   p.add_argument("--max-compiles", type=int, default=2)
   p.add_argument("--analytic", action="store_true", help="no compile")
   p.add_argument("--mesh", default=None, help="one mesh for every topology (default: search)")
+  p.add_argument("--lora", type=int, default=None, metavar="RANK",
+                 help="plan LoRA fine-tuning of this rank over an MXFP4 base (--mode lora)")
   a = p.parse_args()
 
   from k3jax import plan  # noqa: PLC0415
@@ -46,8 +49,10 @@ def main() -> None:
     n = len(plan.topology_devices(topology))
     args = argparse.Namespace(
         config=a.config, topology=topology, mesh=a.mesh, batch=n * a.batch_per_device,
-        seq=a.seq, grad_accum=1, mode="train", remat=a.remat, loss_chunk=a.loss_chunk,
-        attention=a.attention, analytic=a.analytic, max_compiles=a.max_compiles, json=False)
+        seq=a.seq, grad_accum=1, mode="lora" if a.lora else "train", remat=a.remat,
+        loss_chunk=a.loss_chunk, attention=a.attention, analytic=a.analytic,
+        max_compiles=a.max_compiles, json=False, lora=a.lora, lora_targets=None,
+        base_experts="mxfp4")
     t0 = time.perf_counter()
     try:
       plans = plan.run_plan(args)

@@ -19,6 +19,12 @@ footprint first) and the fastest estimate that fits is reported. `--analytic` sk
 compile: argument bytes exactly from the sharded state's shapes, temporaries from a
 hand count of what a layer keeps (see `analytic`), a cross-check, not a replacement.
 
+`--mode lora` plans LoRA fine-tuning instead (`k3jax train --lora RANK`, the same step
+function): adapters of rank `--lora` on `--lora-targets`, the base frozen in bf16 with its
+routed experts MXFP4-packed (`--base-experts`), AdamW state for the adapters only. Its model
+FLOPs are 2/3 of training's (forward 2N and the activation gradient 2N per token; no weight
+gradient for a frozen base).
+
 The plan compiles for TPU what TPU runs: bf16 compute over fp32 master weights, ragged_dot
 experts, the ragged all-to-all dispatch; KDA runs its jnp chunked backend (the Pallas kernel
 only lowers inside a shard_map, which the sharded step does not wrap it in).
@@ -109,19 +115,15 @@ def _bytes_per_device(sds) -> int:
   return math.prod(shape) * sds.dtype.itemsize
 
 
-def abstract_inputs(steps, cfg, batch: int, seq: int, accum: int):
+def abstract_inputs(steps, cfg, batch: int, seq: int, accum: int, spec=None):
   """(state, batch, threshold) as ShapeDtypeStructs in the step's shardings."""
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
-  from flax import nnx  # noqa: PLC0415
 
-  from k3jax.model.moe import RouterBias  # noqa: PLC0415
-  from k3jax.model.transformer import K3Model  # noqa: PLC0415
   from k3jax.train import step as step_lib  # noqa: PLC0415
-  abstract = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
-  _, params, bias, _ = nnx.split(abstract, nnx.Param, RouterBias, ...)
-  params, bias = step_lib.plain(nnx.as_pure(params)), step_lib.plain(nnx.as_pure(bias))
+  # what the run initialises (under LoRA: adapters, packed experts, a bf16 frozen base)
+  params, bias = jax.eval_shape(lambda: step_lib._init_params(cfg, 0, spec))
   state = step_lib.abstract_state(steps, params, bias)
   rows = batch // accum
   b_sh = steps.batch_sharding
@@ -163,6 +165,8 @@ class Plan:
   param_count: int
   compile_oom: bool = False  # the compiler refused it (HBM): temporaries from its message,
                              # arguments from the shapes, no cost analysis
+  lora_rank: int | None = None         # --mode lora: the adapters' rank
+  trainable_param_count: int | None = None  # --mode lora: the adapters' parameters
 
 
   def to_json(self) -> dict:
@@ -218,7 +222,7 @@ def _mesh_size(mesh) -> dict:
 
 
 def plan_one(cfg, sc, devices, topology: str, mesh_spec, *, batch: int, seq: int,
-             accum: int, analytic: bool) -> Plan:
+             accum: int, analytic: bool, spec=None) -> Plan:
   import jax  # noqa: PLC0415
   from k3jax.train import flops as flops_lib  # noqa: PLC0415
   from k3jax.train import step as step_lib  # noqa: PLC0415
@@ -227,23 +231,32 @@ def plan_one(cfg, sc, devices, topology: str, mesh_spec, *, batch: int, seq: int
 
   mesh = make_mesh(mesh_spec, devices)
   check_batch(batch // accum, mesh)
-  steps = step_lib.build(cfg, sc, mesh)
-  state, data, thr = abstract_inputs(steps, cfg, batch, seq, accum)
+  steps = step_lib.build(cfg, sc, mesh, spec)
+  state, data, thr = abstract_inputs(steps, cfg, batch, seq, accum, spec)
   chip = chip_of(topology, devices[0].device_kind)
   n = len(devices)
   count = flops_lib.count(cfg, seq)
-  model_flops = count.train_per_token * batch * seq
+  lora = spec is not None and spec.lora
+  # LoRA: forward 2N + activation gradient 2N per token, no weight gradient for the base
+  model_flops = count.train_per_token * batch * seq * (2 / 3 if lora else 1)
   state_bytes = sum(_bytes_per_device(x) for x in jax.tree.leaves(state))
   batch_bytes = sum(_bytes_per_device(x) for x in jax.tree.leaves(data)) + 4
   params_bytes = sum(_bytes_per_device(x) for x in jax.tree.leaves(state["params"]))
-  n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state["params"]))
+  n_params = step_lib.count_params(state["params"])
+  trainable = step_lib.partition(state["params"], steps.trainable)[0]
+  if lora:  # the temporaries' gradients are the adapters'; the experts are dequantised per
+    # MoE layer (bf16, this device's share)
+    params_bytes = (sum(_bytes_per_device(x) for x in jax.tree.leaves(trainable))
+                    + _dequantised_layer_bytes(state["params"]))
   sizes = _mesh_size(mesh)
   rows_dev = (batch // accum) // (sizes["data"] * sizes["fsdp"] * sizes["expert"])
   common = dict(topology=topology, devices=n, mesh=format_sizes(sizes), batch=batch, seq=seq,
                 grad_accum=accum, remat=str(cfg.remat), loss_chunk=cfg.loss_chunk,
-                attention=cfg.attention, mode="train",
+                attention=cfg.attention,
                 hbm_bytes_per_device=chip.hbm_bytes, model_flops=model_flops,
-                state_bytes_per_device=state_bytes, param_count=n_params)
+                state_bytes_per_device=state_bytes, param_count=n_params,
+                mode="lora" if lora else "train", lora_rank=spec.rank if lora else None,
+                trainable_param_count=step_lib.count_params(trainable) if lora else None)
   if analytic:
     arg = state_bytes + batch_bytes
     temp = analytic_temp(cfg, rows_dev, seq, sizes["tensor"], state_bytes, params_bytes)
@@ -296,6 +309,22 @@ def plan_one(cfg, sc, devices, topology: str, mesh_spec, *, batch: int, seq: int
               step_seconds_estimate=est)
 
 
+def _dequantised_layer_bytes(params) -> int:
+  """One MoE layer's packed routed experts as bf16 (2 bytes per weight; codes hold 2 per
+  byte), this device's share: what a layer's matmuls dequantise at a time."""
+  total = 0
+  for path, x in _flat(params):
+    if path[-1].endswith("_packed"):
+      total += _bytes_per_device(x) * 2 * 2 // x.shape[0]  # per layer of the [L, ...] stack
+  return total
+
+
+def _flat(tree):
+  import jax  # noqa: PLC0415
+  return [(tuple(str(getattr(k, "key", k)) for k in p), x)
+          for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
 _OOM = re.compile(r"HLO temporaries \(([\d.]+)([KMGT]?)\)")
 
 
@@ -333,13 +362,14 @@ def run_plan(args) -> list[Plan]:
   from sharding.mesh import MeshError  # noqa: PLC0415
 
   cfg = plan_config(configs.resolve(args.config), args.remat, args.attention, args.loss_chunk)
-  if args.mode != "train":
-    raise UserError(f"--mode {args.mode}: only train is planned so far")
+  if args.mode == "decode":
+    raise UserError(f"--mode {args.mode}: only train and lora are planned so far")
+  spec = lora_spec(args, cfg)
   if args.batch % args.grad_accum:
     raise UserError(f"--batch {args.batch} is not a multiple of --grad-accum {args.grad_accum}")
   devices = topology_devices(args.topology)
   sc = step_lib.StepConfig(qb_method="histogram")  # the histogram QB scales to pods
-  kw = dict(batch=args.batch, seq=args.seq, accum=args.grad_accum)
+  kw = dict(batch=args.batch, seq=args.seq, accum=args.grad_accum, spec=spec)
   if args.mesh:
     return [plan_one(cfg, sc, devices, args.topology, args.mesh, analytic=args.analytic, **kw)]
   cands = candidate_meshes(cfg, len(devices), args.batch // args.grad_accum)
@@ -360,6 +390,27 @@ def run_plan(args) -> list[Plan]:
   return plans
 
 
+def lora_spec(args, cfg):
+  """The AdaptSpec `--mode lora` plans (None for --mode train), checked against the model."""
+  from flax import nnx  # noqa: PLC0415
+
+  from k3jax.model import lora  # noqa: PLC0415
+  from k3jax.model.transformer import K3Model  # noqa: PLC0415
+  if getattr(args, "mode", "train") != "lora":
+    return None
+  if args.lora <= 0:
+    raise UserError(f"--lora RANK must be > 0, got {args.lora}")
+  if args.base_experts == "mxfp4" and not cfg.moe_layers:
+    raise UserError("--base-experts mxfp4: the model has no routed experts")
+  spec = lora.AdaptSpec(rank=args.lora, targets=tuple(args.lora_targets or lora.DEFAULT_TARGETS),
+                        base_experts=args.base_experts)
+  try:
+    lora.matching(spec, nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0))))
+  except ValueError as e:
+    raise UserError(str(e)) from None
+  return spec
+
+
 def best(plans: list[Plan]) -> Plan:
   fitting = [p for p in plans if p.fits]
   if fitting:
@@ -376,9 +427,12 @@ def report(plan: Plan) -> str:
   lines = [
       f"plan: {plan.topology} ({plan.devices} devices), mesh {plan.mesh}, batch {plan.batch} x "
       f"seq {plan.seq} (grad accum {plan.grad_accum}), remat {plan.remat}, loss chunk "
-      f"{plan.loss_chunk or 'none'}, attention {plan.attention}: {kind}",
-      f"  parameters      {plan.param_count / 1e9:10.3f} B; train state per device "
-      f"{_gib(plan.state_bytes_per_device)}",
+      f"{plan.loss_chunk or 'none'}, attention {plan.attention}"
+      + (f", LoRA r={plan.lora_rank} over a frozen base" if plan.mode == "lora" else "")
+      + f": {kind}",
+      f"  parameters      {plan.param_count / 1e9:10.3f} B"
+      + (f" ({plan.trainable_param_count / 1e9:.3f} B trainable)" if plan.mode == "lora"
+         else "") + f"; train state per device {_gib(plan.state_bytes_per_device)}",
       f"  arguments       {_gib(plan.argument_bytes_per_device)} per device",
       f"  temporaries     {_gib(plan.temp_bytes_per_device)} per device",
       f"  peak            {_gib(plan.peak_bytes_per_device)} of {_gib(plan.hbm_bytes_per_device)}"
@@ -440,7 +494,15 @@ def register(sub) -> None:
                  help="global rows per step (default: the batch-axis device count)")
   p.add_argument("--seq", type=_positive, default=8192, help="sequence length")
   p.add_argument("--grad-accum", type=_positive, default=1, help="micro-batches per step")
-  p.add_argument("--mode", choices=("train", "decode"), default="train")
+  p.add_argument("--mode", choices=("train", "lora", "decode"), default="train",
+                 help="train: the full train step; lora: LoRA fine-tuning over a frozen base "
+                 "(k3jax train --lora)")
+  p.add_argument("--lora", type=int, default=16, metavar="RANK",
+                 help="--mode lora: adapter rank (default 16)")
+  p.add_argument("--lora-targets", nargs="+", default=None, metavar="PATTERN",
+                 help="--mode lora: projection path patterns (default: as k3jax train)")
+  p.add_argument("--base-experts", choices=("float", "mxfp4"), default="mxfp4",
+                 help="--mode lora: routed experts held as bf16 or MXFP4 codes (default)")
   p.add_argument("--remat", default=None, choices=("none", "full", "save-dots", "offload"),
                  help="remat policy: none | full | save-dots | offload (default: the config's)")
   p.add_argument("--loss-chunk", type=int, default=None,

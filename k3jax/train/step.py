@@ -441,10 +441,24 @@ def _set_path(tree: dict, path, value) -> dict:
   return out
 
 
+def _split_for_training(cfg: ModelConfig, model: nnx.Module, spec: AdaptSpec | None
+                        ) -> tuple[dict, dict]:
+  """(params, router_bias) of a built (adapted) model. Under LoRA the frozen base needs no
+  master copy: its float leaves are held in the compute dtype (bf16 on TPU/GPU: 2 bytes per
+  base parameter, not 4; the released weights are bf16, so nothing is lost), the adapters keep
+  the master dtype. Nothing changes when compute is as wide as the master (CPU, float64)."""
+  _, params, bias = split_model(model)
+  if spec is None or not spec.lora or cfg.jnp_dtype == cfg.jnp_param_dtype:
+    return params, bias
+  mask = trainable_mask(nnx.state(model, WEIGHTS), spec)
+  cast = lambda x, m: (x if m or not jnp.issubdtype(x.dtype, jnp.floating)  # noqa: E731
+                       else x.astype(cfg.jnp_dtype))
+  return jax.tree.map(cast, params, mask), bias
+
+
 def _init_params(cfg: ModelConfig, seed: int, spec: AdaptSpec | None = None
                  ) -> tuple[dict, dict]:
-  _, params, bias = split_model(make_model(cfg, seed, spec))
-  return params, bias
+  return _split_for_training(cfg, make_model(cfg, seed, spec), spec)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
@@ -454,6 +468,8 @@ def init_params(cfg: ModelConfig, seed: int, spec: AdaptSpec | None = None
   stacked modules eagerly runs thousands of tiny ops one by one (a minute on a CPU). On a mesh
   use `build(...).init_params(seed)`: the same values, created in their shardings."""
   return _init_params(cfg, seed, spec)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 3, 4))
 def adapt_params(cfg: ModelConfig, params: dict, bias: dict, spec: AdaptSpec, seed: int
                  ) -> dict:
@@ -462,7 +478,7 @@ def adapt_params(cfg: ModelConfig, params: dict, bias: dict, spec: AdaptSpec, se
   from k3jax.model.transformer import K3Model  # noqa: PLC0415
   graphdef = nnx.graphdef(nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0))))
   model = nnx.merge(graphdef, nnx.State(params), nnx.State(bias))
-  return split_model(adapt(model, spec, nnx.Rngs(seed + 1)))[1]
+  return _split_for_training(cfg, adapt(model, spec, nnx.Rngs(seed + 1)), spec)[0]
 
 
 def abstract_state(steps: Steps, params: Any, bias: Any) -> Any:

@@ -78,3 +78,45 @@ def test_plan_bad_topology(capsys):
   assert main(["plan", "--config", "tiny", "--topology", "v99:2x2", "--analytic"]) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and "--topology" in err[0]
+
+
+def test_plan_lora_holds_a_frozen_bf16_base_and_mxfp4_experts(config_file, capsys):
+  """`--mode lora` (analytic: the argument bytes are the sharded state's shapes, as compiled):
+  the frozen base in bf16 (2 bytes a parameter), the routed experts as MXFP4 codes + scales
+  (0.5 + 1/32), the adapters with fp32 master, gradient-free AdamW moments (16); the same
+  count from the parameter shapes, a fifth of the full train state's bytes or less."""
+  import jax  # noqa: PLC0415
+  from flax import nnx  # noqa: PLC0415
+  from k3jax.model import lora  # noqa: PLC0415
+  from k3jax.model.transformer import K3Model  # noqa: PLC0415
+  path, cfg = config_file
+  model = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
+  experts = dense = 0
+  for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    n = math.prod(v.shape)
+    if tuple(map(str, p[:2])) == ("moe", "experts"):
+      experts += n
+    else:
+      dense += n
+  spec = lora.AdaptSpec(rank=16)
+  adapted = nnx.eval_shape(lambda: lora.adapt(K3Model(cfg, rngs=nnx.Rngs(0)), spec,
+                                              nnx.Rngs(1)))
+  adapters = sum(math.prod(v.shape) for v in jax.tree.leaves(nnx.state(adapted, nnx.LoRAParam)))
+  # the large matrices are split 4 ways by fsdp=2 x tensor=2; some only 2 ways (the latent-
+  # width projections, MXFP4 scales: < 5% of the base's bytes here), and an adapter factor
+  # at most replicated
+  base = 2 * dense + (0.5 + 1 / 32) * experts
+  low, high = (base + 16 * adapters) / 4, 1.05 * base / 4 + 16 * adapters
+
+  train = _plan(capsys, path, "--analytic")
+  got = _plan(capsys, path, "--analytic", "--mode", "lora", "--lora", "16")
+  assert got["mode"] == "lora" and got["lora_rank"] == 16
+  assert got["trainable_param_count"] == adapters
+  assert got["param_count"] == dense + experts + adapters
+  assert low <= got["state_bytes_per_device"] <= high, (got, low, high)
+  assert got["state_bytes_per_device"] < train["state_bytes_per_device"] / 5
+  # no weight gradient for the frozen base: forward 2N + activation gradient 2N of 6N
+  assert got["model_flops"] == pytest.approx(train["model_flops"] * 2 / 3, rel=1e-12)
+  assert main(["plan", "--config", path, *ARGS, "--analytic", "--mode", "lora",
+               "--lora", "0"]) == 2
+  assert "--lora RANK must be > 0" in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """Chat SFT data: whole conversations packed with segment ids and an assistant-only loss mask,
 bad rows reported by line number (refused, or skipped when asked), and a short
-`k3jax train --format chat` run on the micro model that lowers the loss."""
+`k3jax train --format chat` run on the micro model that lowers the loss, then a LoRA run from
+its checkpoint (MXFP4 experts) that lowers it further."""
 
 import json
 import os
@@ -155,3 +156,13 @@ def test_chat_sft_run_lowers_the_loss(folder, tok, tmp_path, capsys):
   with pytest.raises(UserError, match="712 ids but the model only 256"):
     run(options(tmp_path / "small", "tiny", **common))
   assert os.path.isfile(os.path.join(summary["out"], "model", "k3jax_config.json"))
+  # LoRA SFT on the same chat set from the trained checkpoint, its routed experts held as
+  # MXFP4 codes: the adapters alone (rank 4 on the default targets: MLA, KDA, shared experts,
+  # dense MLP) go on lowering the assistant-token loss below what the base reached (measured:
+  # eval 4.11 -> 3.18 nats, first 3.92 -> last 3.24; lr 3e-2, the adapters' AdamW)
+  lora_run = run(options(tmp_path / "lora", None, init_from=os.path.join(summary["out"], "model"),
+                         lora_rank=4, base_experts="mxfp4", **(common | {"learning_rate": 3e-2})))
+  assert 0 < lora_run["trainable_params"] < lora_run["total_params"] / 10
+  assert lora_run["data"]["trained_tokens"] == d["trained_tokens"]
+  assert lora_run["last_loss"] < lora_run["first_loss"] - 0.3, lora_run
+  assert lora_run["eval_loss"] < summary["eval_loss"] - 0.3, (lora_run, summary)

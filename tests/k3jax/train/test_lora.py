@@ -210,3 +210,29 @@ def test_bad_lora_input_is_one_line_exit_2(tmp_path, reference_dir, capsys):
     assert main(common + extra) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_frozen_base_is_held_in_the_compute_dtype():
+  """bf16 compute over fp32 masters (TPU/GPU): under LoRA the frozen base is held in bf16 (no
+  master copy: half the bytes), the adapters and their AdamW moments in fp32, MXFP4 codes
+  as uint8; a train step keeps every dtype (traced, not compiled)."""
+  from .helpers import MICRO  # noqa: PLC0415
+  cfg = MICRO.replace(dtype="bfloat16", param_dtype="float32")
+  spec = lora.AdaptSpec(rank=4, targets=TARGETS, base_experts="mxfp4")
+  params, bias = jax.eval_shape(lambda: step_lib.init_params(cfg, 0, spec))
+  kinds = {}
+  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+    keys = tuple(str(k.key) for k in path)
+    kind = "adapter" if is_adapter(keys) else "packed" if x.dtype == jnp.uint8 else "base"
+    kinds.setdefault(kind, set()).add(jnp.dtype(x.dtype).name)
+  assert kinds == {"adapter": {"float32"}, "packed": {"uint8"}, "base": {"bfloat16"}}
+  steps = step_lib.build(cfg, step_lib.StepConfig(), spec=spec)
+  state = jax.eval_shape(steps.init, params, bias, jax.ShapeDtypeStruct((2,), jnp.uint32))
+  assert {jnp.dtype(x.dtype).name for x in jax.tree.leaves(state["opt_state"]) if x.ndim} == {
+      "float32"}
+  batch = {k: jax.ShapeDtypeStruct((1, 2, 16), dt) for k, dt in (
+      ("inputs", jnp.int32), ("targets", jnp.int32), ("segment_ids", jnp.int32),
+      ("loss_mask", jnp.bool_))}
+  new_state, _ = jax.eval_shape(steps.train, state, batch, jax.ShapeDtypeStruct((), jnp.float32))
+  assert jax.tree.map(lambda x: x.dtype, new_state["params"]) == jax.tree.map(
+      lambda x: x.dtype, params)
