@@ -165,6 +165,10 @@ class Plan:
   param_count: int
   compile_oom: bool = False  # the compiler refused it (HBM): temporaries from its message,
                              # arguments from the shapes, no cost analysis
+  remat_flops: float = 0.0      # the forward that remat recomputes (full: all of it)
+  optimizer_flops: float = 0.0  # Per-Head Muon's Newton-Schulz over every block (hand count)
+  other_flops: float | None = None  # compiled - model - remat - optimizer: padding, gathers,
+                                    # masked dense compute, replicated work (waste)
   lora_rank: int | None = None         # --mode lora: the adapters' rank
   trainable_param_count: int | None = None  # --mode lora: the adapters' parameters
 
@@ -237,6 +241,11 @@ def plan_one(cfg, sc, devices, topology: str, mesh_spec, *, batch: int, seq: int
   n = len(devices)
   count = flops_lib.count(cfg, seq)
   lora = spec is not None and spec.lora
+  # the FLOPs split: remat recomputes the forward (a third of the training FLOPs; save-dots
+  # keeps the matmul outputs, so this is its upper bound); Muon's Newton-Schulz once per step
+  remat_flops = (count.forward_per_token * batch * seq
+                 if cfg.remat not in ("none", False) else 0.0)
+  optimizer_flops = 0.0 if lora else flops_lib.newton_schulz_flops(cfg)
   # LoRA: forward 2N + activation gradient 2N per token, no weight gradient for the base
   model_flops = count.train_per_token * batch * seq * (2 / 3 if lora else 1)
   state_bytes = sum(_bytes_per_device(x) for x in jax.tree.leaves(state))
@@ -256,7 +265,8 @@ def plan_one(cfg, sc, devices, topology: str, mesh_spec, *, batch: int, seq: int
                 hbm_bytes_per_device=chip.hbm_bytes, model_flops=model_flops,
                 state_bytes_per_device=state_bytes, param_count=n_params,
                 mode="lora" if lora else "train", lora_rank=spec.rank if lora else None,
-                trainable_param_count=step_lib.count_params(trainable) if lora else None)
+                trainable_param_count=step_lib.count_params(trainable) if lora else None,
+                remat_flops=remat_flops, optimizer_flops=optimizer_flops)
   if analytic:
     arg = state_bytes + batch_bytes
     temp = analytic_temp(cfg, rows_dev, seq, sizes["tensor"], state_bytes, params_bytes)
@@ -306,7 +316,8 @@ def plan_one(cfg, sc, devices, topology: str, mesh_spec, *, batch: int, seq: int
               fits=peak <= chip.hbm_bytes, compile_seconds=seconds,
               compiled_flops=dev_flops * n, compiled_bytes_accessed=dev_bytes * n,
               flops_ratio=dev_flops * n / model_flops if model_flops else None,
-              step_seconds_estimate=est)
+              step_seconds_estimate=est,
+              other_flops=dev_flops * n - model_flops - remat_flops - optimizer_flops)
 
 
 def _dequantised_layer_bytes(params) -> int:
@@ -447,9 +458,15 @@ def report(plan: Plan) -> str:
         f"  compile         {plan.compile_seconds:8.1f} s",
         f"  FLOPs           compiled {plan.compiled_flops:.3e} / model {plan.model_flops:.3e}"
         f" = {plan.flops_ratio:.3f}",
+        f"    split         model 1.000, remat recompute "
+        f"{plan.remat_flops / plan.model_flops:.3f}, optimizer (Newton-Schulz) "
+        f"{plan.optimizer_flops / plan.model_flops:.3f}, other (waste) "
+        f"{plan.other_flops / plan.model_flops:.3f} (of the model FLOPs)",
         f"  bytes accessed  {plan.compiled_bytes_accessed:.3e} (all devices)"]
   else:
-    lines.append(f"  FLOPs           model {plan.model_flops:.3e}")
+    lines.append(f"  FLOPs           model {plan.model_flops:.3e}; by hand, remat recompute "
+                 f"{plan.remat_flops / plan.model_flops:.3f} and optimizer "
+                 f"{plan.optimizer_flops / plan.model_flops:.3f} of that on top")
   lines.append(f"  step time       {plan.step_seconds_estimate:.3f} s  (ESTIMATE: roofline of "
                "peak FLOP/s and HBM bandwidth, no communication)")
   return "\n".join(lines)

@@ -95,6 +95,28 @@ def count(cfg: ModelConfig, seq_len: int) -> FlopCount:
                    active_matmul_params=params)
 
 
+def newton_schulz_flops(cfg: ModelConfig, steps: int = 5) -> float:
+  """FLOPs of one Per-Head Muon update: Newton-Schulz over every block of every Muon-grouped
+  parameter (from the real model's tree, abstractly). A block [m, n] (m <= n: tall blocks are
+  transposed) costs per iteration A = X X^T (2 m^2 n), A A (2 m^3), (b A + c A A) X (2 m^2 n):
+  4 m^2 n + 2 m^3. Once per optimizer step, whatever the batch; AdamW and the elementwise
+  parts of the update are not counted."""
+  from k3jax.model.transformer import K3Model  # noqa: PLC0415  (heavy import)
+  from k3jax.optim.groups import block_shape  # noqa: PLC0415
+  abstract = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
+  params = nnx.state(abstract, nnx.Param)
+  names = jax.tree.leaves(logical_axes_from_state(params), is_leaf=lambda x: isinstance(x, tuple))
+  total = 0.0
+  for n, v in zip(names, jax.tree.leaves(params)):
+    dn = dimension_numbers(n)
+    if dn is None:
+      continue
+    blocks, fan_in, fan_out = block_shape(tuple(v.shape), dn)
+    m, k = sorted((fan_in, fan_out))
+    total += blocks * steps * (4.0 * m * m * k + 2.0 * m**3)
+  return total
+
+
 def measure_matmul_peak(dtype=jnp.float32, n: int = 1024, repeats: int = 5) -> float:
   """FLOP/s of the best of `repeats` [n, n] @ [n, n] products on the default device: the
   practical dense-matmul peak MFU is measured against (a chain of 4 per call amortises the

@@ -117,6 +117,11 @@ def test_plan_lora_holds_a_frozen_bf16_base_and_mxfp4_experts(config_file, capsy
   assert got["state_bytes_per_device"] < train["state_bytes_per_device"] / 5
   # no weight gradient for the frozen base: forward 2N + activation gradient 2N of 6N
   assert got["model_flops"] == pytest.approx(train["model_flops"] * 2 / 3, rel=1e-12)
+  # full remat recomputes the forward: a third of training's model FLOPs, half of LoRA's;
+  # Newton-Schulz only where Per-Head Muon runs (full training)
+  assert train["remat_flops"] == pytest.approx(train["model_flops"] / 3, rel=1e-12)
+  assert got["remat_flops"] == pytest.approx(train["remat_flops"], rel=1e-12)
+  assert train["optimizer_flops"] > 0 and got["optimizer_flops"] == 0
   assert main(["plan", "--config", path, *ARGS, "--analytic", "--mode", "lora",
                "--lora", "0"]) == 2
   assert "--lora RANK must be > 0" in capsys.readouterr().err
