@@ -195,20 +195,24 @@ def run_layers(cfg: ModelConfig, run: schedule.Run, stacks, carry: Carry, segmen
     carry, (routings, max_logits) = unit_fn(carry, unit_states, run.start)
     return carry, routings, max_logits
 
-  # states of every unit position, sliced from the stacks as [count, ...] scan inputs
-  xs = [tuple(_take_strided(stacks[k][1], i, stride, run.count)
-              for k, i, stride in zip(kinds, idx, strides))
-        for kinds, idx, strides in zip(run.unit, run.indices[0], run.strides)]
-  layer_ids = run.start + len(run.unit) * jnp.arange(run.count, dtype=jnp.int32)
-
   if cfg.remat == "full" and cfg.attn_res_block_size is not None:
-    # full remat keeps only each layer's `partial`; not the block buffer per unit (block_scan)
+    # full remat keeps only each layer's `partial`, not the block buffer per unit, and reads
+    # the stacks in place (block_scan)
+    positions = [block_scan.Position(kinds, idx, strides)
+                 for kinds, idx, strides in zip(run.unit, run.indices[0], run.strides)]
+    used = {k: stacks[k][1] for kinds in run.unit for k in kinds}
     carry, outs = block_scan.scan([_layer_fn(cfg, kinds, graphdefs[q])
                                    for q, kinds in enumerate(run.unit)],
-                                  carry, (xs, layer_ids), segment_ids)
+                                  positions, carry, used, run.count, run.start, segment_ids)
     routings = [r for r, _ in outs if r is not None]
     max_logits = [m for _, m in outs if m is not None]
   else:
+    # states of every unit position, sliced from the stacks as [count, ...] scan inputs
+    xs = [tuple(_take_strided(stacks[k][1], i, stride, run.count)
+                for k, i, stride in zip(kinds, idx, strides))
+          for kinds, idx, strides in zip(run.unit, run.indices[0], run.strides)]
+    layer_ids = run.start + len(run.unit) * jnp.arange(run.count, dtype=jnp.int32)
+
     def body(carry, x):
       unit_states, first_layer = x
       return unit_fn(carry, unit_states, first_layer)
