@@ -193,8 +193,10 @@ def analytic_temp(cfg, rows_per_device: int, seq: int, tensor: int, state_per_de
     saved per layer     under remat only the layer's input carry survives the forward:
                         the partial sum [b, T, d] (c bytes) per layer; without remat every
                         activation of the layer, counted as ~30 [b, T, d]-sized tensors;
-    AttnRes blocks      the sealed-block buffer [n_seals, b, T, d] in fp32, one per scanned
-                        unit (scan saves the carry per iteration);
+    AttnRes blocks      the sealed-block buffer [n_seals, b, T, d]: under full remat once,
+                        with its fp32 gradient (block_scan rebuilds each layer's buffer from
+                        the final one); otherwise in fp32 once per scanned unit (a plain
+                        scan saves the carry per iteration);
     one layer's working set in the backward: ~12 [b, T, d] + the widest per-head tensors
                         (MLA's [b, H/tensor, T, T] scores and probs in fp32 when the plain
                         attention runs, KDA's [b, T, H/tensor, 128] x 8 otherwise),
@@ -209,7 +211,10 @@ def analytic_temp(cfg, rows_per_device: int, seq: int, tensor: int, state_per_de
   saved = L * btd * (c if remat else 30 * c)
   blocks = 0.0
   if cfg.attn_res_block_size is not None:
-    blocks = schedule.num_seals(cfg) * btd * 4 * max(1, L // 4)
+    if cfg.remat == "full":
+      blocks = schedule.num_seals(cfg) * btd * (c + 4)
+    else:
+      blocks = schedule.num_seals(cfg) * btd * 4 * max(1, L // 4)
   h = cfg.mla_num_heads // tensor
   attn = b * h * t * t * 4 * 3 if getattr(cfg, "attention", "dense") == "dense" else (
       b * t * h * (cfg.qk_head_dim * 2 + cfg.v_head_dim * 2) * c)

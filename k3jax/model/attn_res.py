@@ -8,6 +8,11 @@ current block). Each read point mixes them with one learned pseudo-query per lay
     out   = sum_i softmax_i(s)_i * V_i                # values are not normalised
 
 All in fp32 (fp64 when the model is), cast back to the candidates' dtype.
+
+The sealed blocks and the partial are scored and mixed as two terms (one softmax over
+[n + 1] scores, its normaliser summed over both) rather than through a concatenated
+[n + 1, B, T, d] copy: a read point then only reads the block buffer, and its backward adds
+into the buffer's gradient with no split of a concatenation.
 """
 
 from __future__ import annotations
@@ -30,15 +35,22 @@ def attn_res(blocks: jax.Array | Sequence[jax.Array], partial: jax.Array, query_
   `valid_n` [N] bool masks candidates out of the softmax; it lets the model carry a fixed-size
   block buffer of which only the first few entries are sealed yet.
   """
-  v_nbtd = jnp.concatenate([jnp.asarray(blocks).reshape(-1, *partial.shape).astype(partial.dtype),
-                            partial[None]]).astype(wide_dtype(partial.dtype))
-  w_d = gain_d.astype(v_nbtd.dtype) * query_d.astype(v_nbtd.dtype)
-  s_nbt = jnp.einsum("nbtd,d->nbt", rms_normalize(v_nbtd, eps), w_d,
-                     precision=jax.lax.Precision.HIGHEST)
+  wide = wide_dtype(partial.dtype)
+  b_nbtd = jnp.asarray(blocks).reshape(-1, *partial.shape).astype(wide)
+  p_btd = partial.astype(wide)
+  w_d = gain_d.astype(wide) * query_d.astype(wide)
+  hi = jax.lax.Precision.HIGHEST
+  s_nbt = jnp.einsum("nbtd,d->nbt", rms_normalize(b_nbtd, eps), w_d, precision=hi)
+  s_bt = jnp.einsum("btd,d->bt", rms_normalize(p_btd, eps), w_d, precision=hi)
   if valid_n is not None:
-    s_nbt = jnp.where(valid_n[:, None, None], s_nbt, -jnp.inf)
-  alpha_nbt = jax.nn.softmax(s_nbt, axis=0)
-  out_btd = jnp.einsum("nbt,nbtd->btd", alpha_nbt, v_nbtd, precision=jax.lax.Precision.HIGHEST)
+    s_nbt = jnp.where(valid_n[:-1, None, None], s_nbt, -jnp.inf)
+    s_bt = jnp.where(valid_n[-1], s_bt, -jnp.inf)
+  # softmax over the n + 1 candidates; the shift cancels in the ratio (no gradient through it)
+  m_bt = jax.lax.stop_gradient(jnp.maximum(jnp.max(s_nbt, axis=0, initial=-jnp.inf), s_bt))
+  e_nbt, e_bt = jnp.exp(s_nbt - m_bt), jnp.exp(s_bt - m_bt)
+  z_bt = jnp.sum(e_nbt, axis=0) + e_bt
+  out_btd = (jnp.einsum("nbt,nbtd->btd", e_nbt / z_bt, b_nbtd, precision=hi)
+             + (e_bt / z_bt)[..., None] * p_btd)
   return out_btd.astype(partial.dtype)
 
 

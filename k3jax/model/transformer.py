@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import ModelConfig
-from k3jax.model import schedule
+from k3jax.model import block_scan, schedule
 from k3jax.model.attn_res import AttnResQuery
 from k3jax.model.kda import KDA
 from k3jax.model.layers import RMSNorm, fan_in_normal, make_param
@@ -195,21 +195,43 @@ def run_layers(cfg: ModelConfig, run: schedule.Run, stacks, carry: Carry, segmen
     carry, (routings, max_logits) = unit_fn(carry, unit_states, run.start)
     return carry, routings, max_logits
 
-  # states of every unit position, sliced from the stacks as [count, ...] scan inputs
-  xs = [tuple(_take_strided(stacks[k][1], i, stride, run.count)
-              for k, i, stride in zip(kinds, idx, strides))
-        for kinds, idx, strides in zip(run.unit, run.indices[0], run.strides)]
-  layer_ids = run.start + len(run.unit) * jnp.arange(run.count, dtype=jnp.int32)
+  if cfg.remat == "full" and cfg.attn_res_block_size is not None:
+    # full remat keeps only each layer's `partial`, not the block buffer per unit, and reads
+    # the stacks in place (block_scan)
+    positions = [block_scan.Position(kinds, idx, strides)
+                 for kinds, idx, strides in zip(run.unit, run.indices[0], run.strides)]
+    used = {k: stacks[k][1] for kinds in run.unit for k in kinds}
+    carry, outs = block_scan.scan([_layer_fn(cfg, kinds, graphdefs[q])
+                                   for q, kinds in enumerate(run.unit)],
+                                  positions, carry, used, run.count, run.start, segment_ids)
+    routings = [r for r, _ in outs if r is not None]
+    max_logits = [m for _, m in outs if m is not None]
+  else:
+    # states of every unit position, sliced from the stacks as [count, ...] scan inputs
+    xs = [tuple(_take_strided(stacks[k][1], i, stride, run.count)
+                for k, i, stride in zip(kinds, idx, strides))
+          for kinds, idx, strides in zip(run.unit, run.indices[0], run.strides)]
+    layer_ids = run.start + len(run.unit) * jnp.arange(run.count, dtype=jnp.int32)
 
-  def body(carry, x):
-    unit_states, first_layer = x
-    return unit_fn(carry, unit_states, first_layer)
+    def body(carry, x):
+      unit_states, first_layer = x
+      return unit_fn(carry, unit_states, first_layer)
 
-  carry, (routings, max_logits) = jax.lax.scan(body, carry, (xs, layer_ids))
+    carry, (routings, max_logits) = jax.lax.scan(body, carry, (xs, layer_ids))
   # per-layer outputs come back stacked [count, ...]; unstack to one entry per layer
   unstack = lambda items: [jax.tree.map(lambda a, u=u: a[u], r)  # noqa: E731
                            for u in range(run.count) for r in items]
   return carry, unstack(routings), unstack(max_logits)
+
+
+def _layer_fn(cfg: ModelConfig, kinds: schedule.Kinds, graphdefs):
+  """One unit position as block_scan takes it: (carry, states, l, segment_ids) ->
+  (carry, (routing, max_logits))."""
+  def layer(carry: Carry, states, l, segment_ids):
+    norms, mixer, mlp = (nnx.merge(graphdefs[k], s) for k, s in zip(kinds, states))
+    carry, routing, logits = layer_step(cfg, l, norms, mixer, mlp, carry, segment_ids)
+    return carry, (routing, logits)
+  return layer
 
 
 def remat_policy(name: str):

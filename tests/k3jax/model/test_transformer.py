@@ -126,6 +126,33 @@ def test_remat_same_gradients(model64, x64, policy):
                                err_msg=str(p))
 
 
+def test_block_scan_gradients_equal_unrolled(x64):
+  """Full remat over a scan runs block_scan (the backward rebuilds each layer's block buffer
+  from the final one): its gradients, through the logits and the router scores, equal the
+  unrolled model's without remat. Blocks of 2 so that layer 2 seals inside the scan
+  (layers 1-3), which a wrong rebuilt buffer or a lost block-gradient would show by >= 1e-3;
+  float64, the tolerance as in test_remat_same_gradients."""
+  cfg = tiny_cfg(num_layers=5, mla_layers=(4,), attn_res_block_size=2, **F64)
+  assert [(r.start, r.count, r.scanned) for r in schedule.plan(cfg, scan=True)] == [
+      (0, 1, False), (1, 3, True), (4, 1, False)]
+  m = randomize(K3Model(cfg, rngs=nnx.Rngs(1)))
+  ids = _ids(cfg, (2, 9), 4)
+
+  def loss(m):
+    out = m(ids)
+    return jnp.mean(out.logits ** 2) + sum(jnp.sum(r.scores_ne ** 2) for r in out.routing)
+
+  grad_fn = nnx.jit(nnx.grad(loss))
+  m.cfg = cfg.replace(scan_layers=False)
+  g_plain = grad_fn(m)
+  m.cfg = cfg.replace(remat="full")
+  g_scan = grad_fn(m)
+  for (p, a), (_, b) in zip(nnx.to_flat_state(g_plain), nnx.to_flat_state(g_scan)):
+    a, b = np.asarray(a[...]), np.asarray(b[...])
+    np.testing.assert_allclose(a, b, atol=TOL64 * max(1.0, np.abs(a).max()), rtol=0,
+                               err_msg=str(p))
+
+
 def test_schedule_maps_layers_to_stacks():
   cfg = tiny_cfg(num_layers=9, mla_layers=(3, 7, 8))  # the tiny preset's schedule
   assert [cfg.stack_index(l) for l in range(9)] == [
