@@ -28,7 +28,7 @@ _SUBCOMMANDS = (
     "convert.cli",
     "k3jax.parity",
     "k3jax.tokenize_cli",
-    "k3jax.plan",
+    "k3jax.plan_cli",
 )
 
 

@@ -32,15 +32,11 @@ only lowers inside a shard_map, which the sharded step does not wrap it in).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
 import os
 import re
-import sys
 import time
-from typing import Any
 
 from k3jax.cli import UserError
 
@@ -175,12 +171,6 @@ class Plan:
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
-
-
-def _state_bytes(state) -> tuple[int, int]:
-  import jax  # noqa: PLC0415
-  leaves = jax.tree.leaves(state)
-  return sum(_bytes_per_device(x) for x in leaves), 0
 
 
 def analytic_temp(cfg, rows_per_device: int, seq: int, tensor: int, state_per_device: float,
@@ -475,70 +465,3 @@ def report(plan: Plan) -> str:
   lines.append(f"  step time       {plan.step_seconds_estimate:.3f} s  (ESTIMATE: roofline of "
                "peak FLOP/s and HBM bandwidth, no communication)")
   return "\n".join(lines)
-
-
-def run(args: argparse.Namespace) -> int:
-  plans = run_plan(args)
-  chosen = best(plans)
-  if args.json:
-    out = chosen.to_json()
-    if len(plans) > 1:
-      out["candidates"] = [p.to_json() for p in plans]
-    print(json.dumps(out))
-    return 0
-  if len(plans) > 1:
-    for p in plans:
-      print(report(p))
-    print(f"best: mesh {chosen.mesh} ({'fits' if chosen.fits else 'nothing fits'})")
-  else:
-    print(report(chosen))
-  sys.stdout.flush()
-  return 0
-
-
-def _positive(text: str) -> int:
-  value = int(text)
-  if value <= 0:
-    raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-  return value
-
-
-def register(sub) -> None:
-  p = sub.add_parser("plan", help="compile the train step for a TPU topology: memory, FLOPs, "
-                     "time estimate", description=__doc__,
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--config", required=True, help="preset, HF config.json or k3jax config JSON")
-  p.add_argument("--topology", required=True,
-                 help="TPU topology as get_topology_desc takes it: v5e:2x2, v5p:8x8x16, "
-                 "tpu7x:8x8x8, ...")
-  p.add_argument("--mesh", help="data=..,fsdp=..,expert=..,tensor=.. (default: search)")
-  p.add_argument("--batch", type=_positive, default=None,
-                 help="global rows per step (default: the batch-axis device count)")
-  p.add_argument("--seq", type=_positive, default=8192, help="sequence length")
-  p.add_argument("--grad-accum", type=_positive, default=1, help="micro-batches per step")
-  p.add_argument("--mode", choices=("train", "lora", "decode"), default="train",
-                 help="train: the full train step; lora: LoRA fine-tuning over a frozen base "
-                 "(k3jax train --lora)")
-  p.add_argument("--lora", type=int, default=16, metavar="RANK",
-                 help="--mode lora: adapter rank (default 16)")
-  p.add_argument("--lora-targets", nargs="+", default=None, metavar="PATTERN",
-                 help="--mode lora: projection path patterns (default: as k3jax train)")
-  p.add_argument("--base-experts", choices=("float", "mxfp4"), default="mxfp4",
-                 help="--mode lora: routed experts held as bf16 or MXFP4 codes (default)")
-  p.add_argument("--remat", default=None, choices=("none", "full", "save-dots", "offload"),
-                 help="remat policy: none | full | save-dots | offload (default: the config's)")
-  p.add_argument("--loss-chunk", type=int, default=None,
-                 help="positions per loss chunk (0: whole logits; default: the config's)")
-  p.add_argument("--attention", choices=("dense", "flash"), default=None,
-                 help="MLA attention (default: the config's)")
-  p.add_argument("--analytic", action="store_true", help="hand count, no compile")
-  p.add_argument("--max-compiles", type=_positive, default=3,
-                 help="without --mesh: compile at most this many candidates")
-  p.add_argument("--json", action="store_true", help="one JSON object")
-  p.set_defaults(func=_run_with_defaults)
-
-
-def _run_with_defaults(args) -> int:
-  if args.batch is None:  # one row per device: every mesh's batch axes divide it
-    args.batch = len(topology_devices(args.topology))
-  return run(args)

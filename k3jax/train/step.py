@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -52,8 +51,11 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from k3jax.config import ModelConfig
-from k3jax.model.lora import AdaptSpec, PackedExperts, adapt
+from k3jax.model.lora import AdaptSpec
 from k3jax.model.moe import RouterBias
+from k3jax.train.adapted import (WEIGHTS, adapt_params, combine, count_params,  # noqa: F401
+                                 make_model, partition, plain, split_for_training, split_model,
+                                 trainable_mask)
 from k3jax.train.loss import chunked_token_nll, token_nll  # noqa: F401  (token_nll re-exported)
 from k3jax.model.quantile_balancing import (THRESHOLD_RULES, expert_load_stats,
                                             quantile_balancing_bias)
@@ -78,7 +80,7 @@ class StepConfig:
   clip_norm: float | None = 1.0
   qb: bool = True
   qb_method: str = "exact"           # "exact" | "histogram"
-  qb_rule: str = "k3"                # QB threshold rule: "k3" (SPEC §2.6 as written) | "per_expert"
+  qb_rule: str = "k3"                # QB threshold: "k3" (SPEC §2.6 as written) | "per_expert"
   qb_bins: int = 1000
 
   def __post_init__(self):
@@ -118,15 +120,6 @@ def optimizer_for(sc: StepConfig, logical_axes: Any, spec: AdaptSpec | None
   if sc.clip_norm is None:
     return adam
   return optax.chain(optax.clip_by_global_norm(sc.clip_norm), adam)
-
-
-def plain(tree: Any) -> Any:
-  """nnx.State (or any nested mapping) -> nested dicts with the same leaves."""
-  if isinstance(tree, Mapping):
-    return {k: plain(v) for k, v in tree.items()}
-  return tree
-
-
 
 
 class OnMesh:
@@ -180,71 +173,6 @@ class Steps(NamedTuple):
   shardings: Any = None       # TrainState of NamedShardings (None without a mesh)
   batch_sharding: Any = None  # of every [A, b, T] batch array (None without a mesh)
   trainable: Any = None       # same tree as params: True where the optimizer updates the leaf
-
-
-# what `params` holds: the Params (LoRA adapters included) and frozen MXFP4-packed experts
-WEIGHTS = nnx.Any(nnx.Param, PackedExperts)
-
-
-def split_model(model: nnx.Module) -> tuple[Any, dict, dict]:
-  """(graphdef, params, router_bias) as plain dicts; refuses any other state (it would not
-  be trained nor checkpointed)."""
-  graphdef, params, bias, rest = nnx.split(model, WEIGHTS, RouterBias, ...)
-  if jax.tree.leaves(rest):
-    raise ValueError(f"model state outside Params and RouterBias: {rest}")
-  return graphdef, plain(nnx.as_pure(params)), plain(nnx.as_pure(bias))
-
-
-def make_model(cfg: ModelConfig, seed: int, spec: AdaptSpec | None = None) -> nnx.Module:
-  """The model `cfg` describes, adapted for fine-tuning as `spec` asks (LoRA, packed experts,
-  QAT; model/lora.py)."""
-  from k3jax.model.transformer import K3Model  # noqa: PLC0415  (heavy import)
-  model = K3Model(cfg, rngs=nnx.Rngs(seed))
-  return model if spec is None else adapt(model, spec, nnx.Rngs(seed + 1))
-
-
-def trainable_mask(abstract_params: Any, spec: AdaptSpec | None) -> Any:
-  """True for the leaves the optimizer updates: the LoRA adapters under LoRA, else every
-  Param; never the packed MXFP4 experts."""
-  kind = nnx.LoRAParam if spec is not None and spec.lora else nnx.Param
-  return plain(jax.tree.map(lambda v: isinstance(v, kind), abstract_params,
-                            is_leaf=lambda x: isinstance(x, nnx.Variable)))
-
-
-def count_params(params: Any) -> int:
-  """Model parameters in a params tree: a packed MXFP4 expert array counts the two weights of
-  each code byte, its scales count nothing."""
-  total = 0
-  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-    name = str(getattr(path[-1], "key", path[-1]))
-    if name.endswith("_scale") and x.dtype == jnp.uint8:
-      continue
-    total += int(np.prod(x.shape)) * (2 if name.endswith("_packed") else 1)
-  return total
-
-
-def partition(tree: Any, mask: Any) -> tuple[dict, dict]:
-  """(trainable, frozen) nested dicts holding only the leaves the mask marks True / False."""
-  if not isinstance(mask, Mapping):
-    return (tree, None) if mask else (None, tree)
-  train, frozen = {}, {}
-  for k, m in mask.items():
-    t, f = partition(tree[k], m)
-    if t is not None and (not isinstance(t, dict) or t):
-      train[k] = t
-    if f is not None and (not isinstance(f, dict) or f):
-      frozen[k] = f
-  return train, frozen
-
-
-def combine(a: Any, b: Any) -> Any:
-  """The union of two partitions."""
-  if not isinstance(a, Mapping) or not isinstance(b, Mapping):
-    return a if b is None or (isinstance(b, Mapping) and not b) else b
-  out = dict(a)
-  for k, v in b.items():
-    out[k] = combine(out[k], v) if k in out else v
-  return out
 
 
 def state_shardings(tx: optax.GradientTransformation, params_abs: nnx.State,
@@ -441,24 +369,9 @@ def _set_path(tree: dict, path, value) -> dict:
   return out
 
 
-def _split_for_training(cfg: ModelConfig, model: nnx.Module, spec: AdaptSpec | None
-                        ) -> tuple[dict, dict]:
-  """(params, router_bias) of a built (adapted) model. Under LoRA the frozen base needs no
-  master copy: its float leaves are held in the compute dtype (bf16 on TPU/GPU: 2 bytes per
-  base parameter, not 4; the released weights are bf16, so nothing is lost), the adapters keep
-  the master dtype. Nothing changes when compute is as wide as the master (CPU, float64)."""
-  _, params, bias = split_model(model)
-  if spec is None or not spec.lora or cfg.jnp_dtype == cfg.jnp_param_dtype:
-    return params, bias
-  mask = trainable_mask(nnx.state(model, WEIGHTS), spec)
-  cast = lambda x, m: (x if m or not jnp.issubdtype(x.dtype, jnp.floating)  # noqa: E731
-                       else x.astype(cfg.jnp_dtype))
-  return jax.tree.map(cast, params, mask), bias
-
-
 def _init_params(cfg: ModelConfig, seed: int, spec: AdaptSpec | None = None
                  ) -> tuple[dict, dict]:
-  return _split_for_training(cfg, make_model(cfg, seed, spec), spec)
+  return split_for_training(cfg, make_model(cfg, seed, spec), spec)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
@@ -468,17 +381,6 @@ def init_params(cfg: ModelConfig, seed: int, spec: AdaptSpec | None = None
   stacked modules eagerly runs thousands of tiny ops one by one (a minute on a CPU). On a mesh
   use `build(...).init_params(seed)`: the same values, created in their shardings."""
   return _init_params(cfg, seed, spec)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 3, 4))
-def adapt_params(cfg: ModelConfig, params: dict, bias: dict, spec: AdaptSpec, seed: int
-                 ) -> dict:
-  """A pre-trained model's params adapted as `spec` asks (fresh adapters from `seed`, experts
-  packed), under jit for the same reason as init_params."""
-  from k3jax.model.transformer import K3Model  # noqa: PLC0415
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0))))
-  model = nnx.merge(graphdef, nnx.State(params), nnx.State(bias))
-  return _split_for_training(cfg, adapt(model, spec, nnx.Rngs(seed + 1)), spec)[0]
 
 
 def abstract_state(steps: Steps, params: Any, bias: Any) -> Any:

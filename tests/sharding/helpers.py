@@ -61,3 +61,25 @@ def assert_close(got, want, rtol=RTOL_F64, what=""):
     scale = max(float(np.abs(a).max()), 1e-30)
     np.testing.assert_allclose(b, a, rtol=0, atol=rtol * scale,
                                err_msg=f"{what}{jax.tree_util.keystr(path)}")
+
+
+def run_steps(steps, init, batches):
+  """Train steps from `init` (params, biases: the one-device init; on a mesh placed in its
+  shardings first, as `--init-from` does) over `batches`: (final state, on its devices;
+  losses)."""
+  import jax
+  from k3jax.train import step as step_lib
+  params, bias = init
+  rng = step_lib.new_rng(0)
+  if steps.mesh is not None:
+    params = jax.device_put(params, steps.shardings["params"])
+    bias = jax.device_put(bias, steps.shardings["router_bias"])
+    rng = np.asarray(rng)
+  state = steps.init(params, bias, rng)
+  if steps.mesh is None:
+    state = step_lib.place(state)  # as the train loop does: shares its compiled program
+  losses = []
+  for batch in batches:
+    state, metrics = steps.train(state, batch, step_lib.NO_QK_CLIP)
+    losses.append(float(metrics["loss"]))
+  return state, np.array(losses)

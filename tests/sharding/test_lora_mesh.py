@@ -15,25 +15,10 @@ from k3jax.train import step as step_lib
 from k3jax.train.loop import _numerics
 from sharding.mesh import make_mesh
 
-from .helpers import TWO_LAYERS, assert_close, random_batch, run_options, step_cfg
+from .helpers import TWO_LAYERS, assert_close, random_batch, run_options, run_steps, step_cfg
 
 MESH = "fsdp=2,expert=2,tensor=2"
 SPEC = lora.AdaptSpec(rank=4, alpha=8.0, targets=("mla.*", "moe.experts.*"))
-
-
-def two_steps(steps, init, batches):
-  params, bias = init
-  rng = step_lib.new_rng(0)
-  if steps.mesh is not None:
-    params = jax.device_put(params, steps.shardings["params"])
-    bias = jax.device_put(bias, steps.shardings["router_bias"])
-    rng = np.asarray(rng)
-  state = steps.init(params, bias, rng)
-  losses = []
-  for batch in batches:
-    state, metrics = steps.train(state, batch, step_lib.NO_QK_CLIP)
-    losses.append(float(metrics["loss"]))
-  return state, jax.device_get(state), np.array(losses)
 
 
 @pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
@@ -43,9 +28,10 @@ def test_lora_on_a_mesh_equals_one_device():
   with jax.enable_x64(True):
     cfg, sc = _numerics(TWO_LAYERS, opts), step_cfg(opts)
     init = step_lib.init_params(cfg, 0, SPEC)
-    _, want, want_loss = two_steps(step_lib.build(cfg, sc, spec=SPEC), init, batches)
+    want, want_loss = run_steps(step_lib.build(cfg, sc, spec=SPEC), init, batches)
     sharded_steps = step_lib.build(cfg, sc, make_mesh(MESH), SPEC)
-    placed, got, got_loss = two_steps(sharded_steps, init, batches)
+    placed, got_loss = run_steps(sharded_steps, init, batches)
+  want, got = jax.device_get(want), jax.device_get(placed)
   np.testing.assert_allclose(got_loss, want_loss, rtol=1e-8, atol=0)
   assert want_loss[1] != want_loss[0]
   mask = sharded_steps.trainable

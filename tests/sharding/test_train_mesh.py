@@ -18,28 +18,16 @@ from k3jax.train import step as step_lib
 from sharding.hlo import collectives, summary
 from sharding.mesh import make_mesh
 
-from .helpers import assert_close, model_config, random_batch, run_options, step_cfg
+from .helpers import (assert_close, model_config, random_batch, run_options, run_steps,
+                      step_cfg)
 
 MESH = "fsdp=2,expert=2,tensor=2"
 
 
 def three_steps(steps, batches, init):
-  """Three steps from `init` (params, biases: the one-device init; on a mesh placed in its
-  shardings first, as `--init-from` does; the init on a mesh itself: test_placement.py)."""
-  params, bias = init
-  rng = step_lib.new_rng(0)
-  if steps.mesh is not None:
-    params = jax.device_put(params, steps.shardings["params"])
-    bias = jax.device_put(bias, steps.shardings["router_bias"])
-    rng = np.asarray(rng)
-  state = steps.init(params, bias, rng)
-  if steps.mesh is None:
-    state = step_lib.place(state)  # as the train loop does: shares its compiled program
-  losses = []
-  for batch in batches:
-    state, metrics = steps.train(state, batch, step_lib.NO_QK_CLIP)
-    losses.append(float(metrics["loss"]))
-  return jax.device_get(state), np.array(losses)
+  """Three steps from `init` (the init on a mesh itself: test_placement.py)."""
+  state, losses = run_steps(steps, init, batches)
+  return jax.device_get(state), losses
 
 
 def test_sharded_train_step(runs):

@@ -60,7 +60,8 @@ def test_newton_schulz_flops_match_xla_cost_analysis():
   from flax import nnx  # noqa: PLC0415
 
   from k3jax.model.transformer import K3Model  # noqa: PLC0415
-  from k3jax.optim.groups import block_shape, dimension_numbers, logical_axes_from_state  # noqa: PLC0415
+  from k3jax.optim.groups import (block_shape, dimension_numbers,  # noqa: PLC0415
+                                  logical_axes_from_state)
   from k3jax.optim.muon import newton_schulz  # noqa: PLC0415
   cfg = configs.get("tiny")
   params = nnx.state(nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0))), nnx.Param)
