@@ -8,8 +8,11 @@ ends the search for that chip. An analytic pass (no compile) orders the meshes. 
 per compile at full K3 size): a script, not a test.
 
     python benchmarks/plan_k3.py [--seq 8192] [--remat full] [--loss-chunk 2048]
-        [--topologies v5p:8x8x16,tpu7x:8x8x8] [--batch-per-device 1] [--analytic]
-        [--lora RANK]
+        [--topologies v5p:8x8x16,tpu7x:8x8x8] [--global-batch 512 | --batch-per-device N]
+        [--analytic] [--lora RANK]
+
+The default global batch is the issue's: 512 sequences of 8192 (4M tokens), one row per
+batch shard on a 1024-chip pod split fsdp=512 x tensor=2 (tensor splits heads, not rows).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-DEFAULT_TOPOLOGIES = ("v5p:8x8x8", "v5p:8x8x16", "v5p:8x16x16", "tpu7x:8x8x8",
+DEFAULT_TOPOLOGIES = ("v5p:8x8x8", "v5p:8x8x16", "v5p:8x16x16", "tpu7x:8x8x4", "tpu7x:8x8x8",
                       "tpu7x:8x8x16")
 
 
@@ -34,8 +37,9 @@ def main() -> None:
   p.add_argument("--remat", default="full")
   p.add_argument("--loss-chunk", type=int, default=2048)
   p.add_argument("--attention", default=None)
-  p.add_argument("--batch-per-device", type=int, default=1,
-                 help="rows per device per step (global batch = this x devices)")
+  p.add_argument("--global-batch", type=int, default=512, help="sequences per step")
+  p.add_argument("--batch-per-device", type=int, default=None,
+                 help="instead of --global-batch: rows per device (global = this x devices)")
   p.add_argument("--topologies", default=",".join(DEFAULT_TOPOLOGIES))
   p.add_argument("--max-compiles", type=int, default=2)
   p.add_argument("--analytic", action="store_true", help="no compile")
@@ -48,7 +52,8 @@ def main() -> None:
   for topology in a.topologies.split(","):
     n = len(plan.topology_devices(topology))
     args = argparse.Namespace(
-        config=a.config, topology=topology, mesh=a.mesh, batch=n * a.batch_per_device,
+        config=a.config, topology=topology, mesh=a.mesh,
+        batch=n * a.batch_per_device if a.batch_per_device else a.global_batch,
         seq=a.seq, grad_accum=1, mode="lora" if a.lora else "train", remat=a.remat,
         loss_chunk=a.loss_chunk, attention=a.attention, analytic=a.analytic,
         max_compiles=a.max_compiles, json=False, lora=a.lora, lora_targets=None,

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -31,6 +30,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+
+from benchmarks._timing import median_seconds  # noqa: E402
 
 
 def k3_100m():
@@ -58,13 +59,7 @@ def timed(fn, *args, iters: int) -> tuple[float, float]:
   t0 = time.perf_counter()
   compiled = jax.jit(fn).lower(*args).compile()
   compile_s = time.perf_counter() - t0
-  jax.block_until_ready(compiled(*args))
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    times.append(time.perf_counter() - t0)
-  return compile_s, statistics.median(times)
+  return compile_s, median_seconds(lambda: jax.block_until_ready(compiled(*args)), iters)
 
 
 def bench_step(cfg, batch: int, seq: int, iters: int, peak: float) -> dict:
@@ -81,15 +76,12 @@ def bench_step(cfg, batch: int, seq: int, iters: int, peak: float) -> dict:
   t0 = time.perf_counter()
   train = steps.train.lower(state, data, step_lib.NO_QK_CLIP).compile()
   compile_s = time.perf_counter() - t0
-  state, m = train(state, data, step_lib.NO_QK_CLIP)
-  jax.block_until_ready(m)
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
+
+  def one_step():
+    nonlocal state
     state, m = train(state, data, step_lib.NO_QK_CLIP)
     jax.block_until_ready(m)
-    times.append(time.perf_counter() - t0)
-  step_s = statistics.median(times)
+  step_s = median_seconds(one_step, iters)
   count = flops_lib.count(cfg, seq)
   tokens = batch * seq
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))

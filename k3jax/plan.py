@@ -26,8 +26,9 @@ FLOPs are 2/3 of training's (forward 2N and the activation gradient 2N per token
 gradient for a frozen base).
 
 The plan compiles for TPU what TPU runs: bf16 compute over fp32 master weights, ragged_dot
-experts, the ragged all-to-all dispatch; KDA runs its jnp chunked backend (the Pallas kernel
-only lowers inside a shard_map, which the sharded step does not wrap it in).
+experts, the ragged all-to-all dispatch, and KDA's Pallas TPU kernels (forward and backward,
+per shard inside a shard_map: sharding/kda_parallel.py), whose FLOPs reach the cost analysis
+through their cost estimates.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def plan_config(cfg, remat: str | None = None, attention: str | None = None,
   """The config `k3jax train` runs on TPU: bf16 compute, fp32 master weights, ragged_dot;
   remat / attention / loss_chunk override the config's when given (loss_chunk 0: whole)."""
   changes = dict(dtype="bfloat16", param_dtype="float32", moe_grouped_matmul="ragged_dot",
-                 kda_backend=cfg.kda_backend or "chunked")
+                 kda_backend=cfg.kda_backend or "pallas_tpu")
   if remat is not None:
     changes["remat"] = remat
   if attention is not None:
@@ -119,7 +120,7 @@ def abstract_inputs(steps, cfg, batch: int, seq: int, accum: int, spec=None):
 
   from k3jax.train import step as step_lib  # noqa: PLC0415
   # what the run initialises (under LoRA: adapters, packed experts, a bf16 frozen base)
-  params, bias = jax.eval_shape(lambda: step_lib._init_params(cfg, 0, spec))
+  params, bias = jax.eval_shape(lambda: step_lib.init_params(cfg, 0, spec))
   state = step_lib.abstract_state(steps, params, bias)
   rows = batch // accum
   b_sh = steps.batch_sharding

@@ -82,8 +82,15 @@ TABLE: tuple[tuple[str, Target, Target], ...] = (
     ("head_dim", None, None),
     ("qk_head_dim", None, None),
     ("qk_nope_dim", None, None),
+    # the low-rank input of a per-head up-projection (MLA q_b/k_b/v_b, KDA f_b/g_b): fsdp,
+    # or those stacks sit whole on every fsdp device (K3: 2 GiB per fp32 copy at fsdp=512);
+    # the down-projection [embed, rank] keeps fsdp on embed (each mesh axis once per array)
+    # (each with a whole fallback row for a rank fsdp does not divide: K3's gate rank 128)
+    ("q_lora", "fsdp", None),
     ("q_lora", None, None),
+    ("kv_lora", "fsdp", None),
     ("kv_lora", None, None),
+    ("gate_rank", "fsdp", None),
     ("gate_rank", None, None),
     ("conv", None, None),
     ("mlp", "tensor", "tensor"),

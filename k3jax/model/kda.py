@@ -31,7 +31,9 @@ from flax import nnx
 
 from k3jax.config import ModelConfig
 from k3jax.model.layers import Projection, make_param, ones_param, rms_normalize, wide_dtype
-from pallas_kernels.kda.ops import kda, kda_step, prepare_inputs
+from pallas_kernels.kda import ops as kda_ops
+from pallas_kernels.kda.ops import prepare_inputs
+from sharding import kda_parallel
 
 
 class KDAState(NamedTuple):
@@ -134,14 +136,15 @@ class KDA(nnx.Module):
     if state is not None and x.shape[1] == 1 and segment_ids is None:
       # one decode token: the fused step on prepared inputs (unit q/k, log decay, beta)
       q, k, g, beta = prepare_inputs(q, k, g, beta, **raw)
-      o, s_final = kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state.recurrent,
-                            backend=cfg.kda_backend)
+      o, s_final = kda_parallel.kda_step(kda_ops.kda_step, q[:, 0], k[:, 0], v[:, 0], g[:, 0],
+                                         beta[:, 0], state.recurrent, backend=cfg.kda_backend)
       o = o[:, None]
     else:
-      o, s_final = kda(q, k, v, g, beta, **raw,
-                       initial_state=None if state is None else state.recurrent,
-                       output_final_state=True, segment_ids=segment_ids,
-                       backend=cfg.kda_backend)
+      # per shard on a mesh: a Pallas kernel only lowers on its local rows and heads
+      o, s_final = kda_parallel.kda(kda_ops.kda, q, k, v, g, beta, **raw,
+                                     initial_state=None if state is None else state.recurrent,
+                                     output_final_state=True, segment_ids=segment_ids,
+                                     backend=cfg.kda_backend)
     # FusedRMSNormGated: the gain and the gate multiply in fp32, one cast at the end.
     gate = jax.nn.sigmoid(self.output_gate(x).astype(wide))
     o = (rms_normalize(o, cfg.rms_norm_eps) * self.o_norm[...].astype(wide) * gate).astype(o.dtype)

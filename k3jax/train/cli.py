@@ -39,6 +39,9 @@ def _optional_float(text: str) -> float | None:
 
 
 def default_compile_cache() -> str:
+  """JAX's own JAX_COMPILATION_CACHE_DIR when set, else ~/.cache/k3jax/xla."""
+  if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    return os.environ["JAX_COMPILATION_CACHE_DIR"]
   root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
   return os.path.join(root, "k3jax", "xla")
 

@@ -31,8 +31,8 @@ from flax import nnx
 
 from k3jax.config import ModelConfig
 from k3jax.optim.groups import dimension_numbers, logical_axes_from_state
+from pallas_kernels.kda._chunk_math import flops_per_token as kda_flops_per_token
 
-KDA_CHUNK = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,8 +79,7 @@ def count(cfg: ModelConfig, seq_len: int) -> FlopCount:
   ctx = (seq_len + 1) / 2
   mla = n_mla * 2 * cfg.mla_num_heads * (cfg.qk_head_dim + cfg.v_head_dim) * ctx
   k = v = cfg.kda_head_dim
-  c = KDA_CHUNK
-  kda = n_kda * cfg.kda_num_heads * (6 * k * v + c * (3 * k + 2 * v) + c * c / 3)
+  kda = n_kda * cfg.kda_num_heads * kda_flops_per_token(k, v)
   attn_res = 0.0
   if cfg.attn_res_block_size is not None:
     s = cfg.attn_res_block_size

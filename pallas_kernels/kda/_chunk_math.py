@@ -58,6 +58,15 @@ _OPTIONS = contextvars.ContextVar(
     "kda_chunk_options", default=dict(precision=jax.lax.Precision.HIGHEST, scan_cumsum=False))
 
 
+def flops_per_token(K: int, V: int) -> float:
+  """Forward FLOPs of the chunked algorithm per token and head (a multiply-add is 2): 6 K V
+  inter-chunk (W S, (Q e^G) S, the state update), C (3 K + 2 V) for the lower-triangular
+  A_kk, A_qk, T e^G K, T V and A_qk V' products (each half of C^2), C^2 / 3 for the
+  triangular solve. The model's FLOP count (k3jax/train/flops.py) and the kernels' cost
+  estimates both use it; a backward that recomputes the forward does 3 times this."""
+  return 6 * K * V + C * (3 * K + 2 * V) + C * C / 3
+
+
 @contextlib.contextmanager
 def backend_options(**options):
   token = _OPTIONS.set({**_OPTIONS.get(), **options})

@@ -48,6 +48,16 @@ def segment_starts(segment_ids: jax.Array | None, batch: int, length: int) -> ja
   return (segment_ids != prev) & ~first
 
 
+def start_state(initial_state, shape, dt, *like: jax.Array) -> jax.Array:
+  """The state entering the first token: `initial_state` (or zeros) in `dt`. Inside a
+  `shard_map` it is made varying over every mesh axis the operands `like` vary over, as a scan
+  carry must keep one type (a zero state made here, or a replicated one, is not varying)."""
+  s0 = jnp.zeros(shape, dt) if initial_state is None else initial_state.astype(dt)
+  varying = frozenset().union(*(jax.typeof(x).mat.varying for x in like))
+  missing = tuple(sorted(varying - jax.typeof(s0).mat.varying))
+  return jax.lax.pcast(s0, missing, to="varying") if missing else s0
+
+
 def check_gate(g, A_log, dt_bias, gate, lower_bound):
   """The decay gate's arguments (prepare_inputs and the in-kernel gate take the same)."""
   if gate not in GATES:
@@ -107,7 +117,7 @@ def naive_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
   V = v.shape[-1]
   dt = compute_dtype(q, k, v, g, beta)
   scale = K**-0.5 if scale is None else scale
-  s0 = jnp.zeros((B, H, K, V), dt) if initial_state is None else initial_state.astype(dt)
+  s0 = start_state(initial_state, (B, H, K, V), dt, q, k, v, g, beta)
   reset = segment_starts(segment_ids, B, T)
 
   def step(s_bhkv, xs):
@@ -182,7 +192,7 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
   V = v.shape[-1]
   dt = compute_dtype(q, k, v, g, beta)
   scale = K**-0.5 if scale is None else scale
-  s0 = jnp.zeros((B, H, K, V), dt) if initial_state is None else initial_state.astype(dt)
+  s0 = start_state(initial_state, (B, H, K, V), dt, q, k, v, g, beta)
   g = jnp.where(segment_starts(segment_ids, B, T)[:, :, None, None], -jnp.inf, g.astype(dt))
 
   # [B, T, H, .] -> [B, H, N, C, .], zero-padding T (padded tokens neither read nor write)

@@ -24,6 +24,7 @@ intermediate of a chunk comfortably (it compiles for v5e and v6e; see test_tpu_a
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -100,6 +101,21 @@ def _fwd_kernel(*refs, scale, save_states, fused):
     ht_ref[...] = s1
 
 
+def _cost(passes: int, q, *arrays) -> pl.CostEstimate:
+  """What a kernel does, for XLA's cost analysis (a custom call counts nothing otherwise, and
+  `k3jax plan` reads compiled FLOPs): `passes` forwards of the chunked algorithm over the
+  padded [B, H, Tp] x K, V it runs (the backward recomputes the forward and does twice its
+  work in gradients), two exponentials per gate element per pass, and every operand and
+  result read or written once."""
+  B, H, Tp, K = q.shape
+  V = arrays[1].shape[-1]
+  return pl.CostEstimate(
+      flops=int(passes * B * H * Tp * cm.flops_per_token(K, V)),
+      transcendentals=int(passes * 2 * B * H * Tp * K),
+      bytes_accessed=int(sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+                             for x in (q, *arrays))))
+
+
 def _head_args(s, alog, dtb):
   """Specs and operands of the per-head gate rows: only when the gate is fused."""
   return ([s["head_row"]] * 2, [alog, dtb]) if alog is not None else ([], [])
@@ -129,6 +145,7 @@ def _fwd_call(q, k, v, g, beta, h0, rc, rr, alog, dtb, *, scale, save_states, in
       scratch_shapes=[pltpu.VMEM((K, V), _f32)],
       compiler_params=_PARAMS,
       interpret=_interpret_arg(interpret),
+      cost_estimate=_cost(1, q, k, v, g, beta, h0, *out_shape),
       name="kda_fwd_tpu",
   )(q, k, v, g, beta, rc, rr, h0, *head_args)
   return outs if save_states else (*outs, None)
@@ -185,6 +202,7 @@ def _bwd_call(q, k, v, g, beta, rc, rr, alog, dtb, states, do, dht, *, scale, in
       scratch_shapes=[pltpu.VMEM((K, V), _f32)],
       compiler_params=_PARAMS,
       interpret=_interpret_arg(interpret),
+      cost_estimate=_cost(3, q, k, v, g, beta, states, do, q, k, v, g, beta),
       name="kda_bwd_tpu",
   )(q, k, v, g, beta, rc, rr, states, do, dht, *head_args)
 

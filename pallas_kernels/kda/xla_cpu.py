@@ -37,9 +37,9 @@ def kda_xla_cpu(q, k, v, g, beta, *, scale=None, initial_state=None, output_fina
       use_qk_l2norm=use_qk_l2norm, l2norm_eps=l2norm_eps, use_beta_sigmoid=use_beta_sigmoid)
   B, _, H, K = q.shape
   scale = K**-0.5 if scale is None else float(scale)
-  s0 = initial_state
-  if s0 is None:
-    s0 = jnp.zeros((B, H, K, v.shape[-1]), reference.compute_dtype(q, k, v, g, beta))
+  dt = (reference.compute_dtype(q, k, v, g, beta) if initial_state is None
+        else initial_state.dtype)
+  s0 = reference.start_state(initial_state, (B, H, K, v.shape[-1]), dt, q, k, v, g, beta)
   o, s_final = _chunked(q, k, v, g, beta, s0, segment_ids, scale)
   return o, (s_final if output_final_state else None)
 

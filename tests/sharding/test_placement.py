@@ -48,8 +48,10 @@ def test_parameters_follow_the_table(mesh):
       ("kda", "q_proj", "kernel"): P(None, "fsdp", "tensor", None),
       ("kda", "o_proj", "kernel"): P(None, "tensor", None, "fsdp"),
       ("kda", "A_log"): P(None, "tensor"),
-      ("mla", "q_b_proj", "kernel"): P(None, None, "tensor", None),
-      ("mla", "k_b_proj", "kernel"): P(None, None, "tensor", None),
+      # [rank, heads, dim]: the low rank on fsdp, heads on tensor
+      ("mla", "q_b_proj", "kernel"): P(None, "fsdp", "tensor", None),
+      ("mla", "k_b_proj", "kernel"): P(None, "fsdp", "tensor", None),
+      ("mla", "q_a_proj", "kernel"): P(None, "fsdp", None),  # [embed, rank]: embed first
       # fsdp as more expert parallelism: the latent width stays whole, no weight moves
       ("moe", "experts", "w1"): P(None, ("expert", "fsdp"), None, "tensor"),
       ("moe", "experts", "w2"): P(None, ("expert", "fsdp"), "tensor", None),
@@ -78,6 +80,31 @@ def test_parameters_follow_the_table(mesh):
       ("fsdp", "expert"), None, "tensor")
   assert activation_spec(("batch", "length", "embed"), (2, 16, 128), mesh) == P(
       "fsdp", None, None)  # a 2-row batch: split as far as it divides
+
+
+def test_k3_on_a_pod_mesh_holds_each_parameter_once():
+  """K3 (2.78T parameters) on a 1024-device fsdp=512 x tensor=2 mesh: the parameters split
+  1024 ways to within 1%, and every stack over 2^24 parameters at least over fsdp's 512 (a
+  [embed, rank] down-projection has no second axis for tensor). Before the low-rank widths took fsdp, MLA's
+  q_b/k_b/v_b and KDA's f_b stacks sat whole on every fsdp device: 2 GiB per fp32 copy each
+  device, 20% over the even split."""
+  abstract = nnx.eval_shape(lambda: K3Model(configs.get("k3"), rngs=nnx.Rngs(0)))
+  mesh = jax.sharding.AbstractMesh((1, 512, 1, 2), ("data", "fsdp", "expert", "tensor"))
+  state = nnx.state(abstract)
+  shards = flat(variable_shardings(state, mesh))
+  total = local = 0
+  for path, x in flat(state).items():
+    path = path[:-1] if path[-1] == "value" else path  # the Variable's payload
+    n = int(np.prod(x.shape))
+    local_n = int(np.prod(shards[path].shard_shape(x.shape)))
+    if path == ("kda", "f_b_proj", "kernel"):
+      # [69 layers, gate rank 128, 96 heads, 128]: only the heads split (tensor); 0.2 GiB fp32
+      # a device, the one stack no mesh axis of this mesh divides further
+      assert local_n * 2 == n, shards[path].spec
+      continue
+    total, local = total + n, local + local_n
+    assert local_n * 512 <= n or n < 1 << 24, (path, x.shape, shards[path].spec)
+  assert local * 1024 <= 1.01 * total, local * 1024 / total
 
 
 def test_optimizer_state_lives_with_its_parameter(tiny_steps):

@@ -4,7 +4,8 @@ checkpoint save both reproduce the straight run; fine-tuning starts from the giv
 mistakes exit 2 with one line.
 
 Every in-process run shares one StepConfig and batch shape, so the train step compiles once
-per test process; the two subprocess runs share a persistent compilation cache."""
+per test process; the subprocess runs reuse it through the test run's persistent compilation
+cache (tests/conftest.py)."""
 
 import json
 import os
@@ -107,9 +108,8 @@ def test_sigkill_during_a_save_resumes_from_the_last_complete_checkpoint(
     straight, tmp_path, config_file):
   _, want = straight
   out = tmp_path / "run"
-  args = cli_args(options(out, config_file, save_every=4)) + [
-      "--compile-cache", str(tmp_path / "xla_cache")]
-  env = {**os.environ, ckpt_lib.SAVE_DELAY_ENV: "30"}
+  args = cli_args(options(out, config_file, save_every=4))  # the run's compile cache (conftest)
+  env = {**os.environ, ckpt_lib.SAVE_DELAY_ENV: "8"}  # the kill lands in save 8's 8 s hold
   events = tmp_path / "run" / ckpt_lib.SAVE_EVENTS
   proc = _trainer(args, env)
   # save 4 commits slowly; save 8 waits for it, then starts: kill while save 8 is in flight

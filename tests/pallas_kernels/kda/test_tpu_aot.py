@@ -22,6 +22,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 pytest.importorskip("libtpu", reason="libtpu is needed to compile for TPU ahead of time")
 from jax.experimental import topologies  # noqa: E402
 
+from pallas_kernels.kda import _chunk_math as cm  # noqa: E402
 from pallas_kernels.kda.tpu import kda_tpu  # noqa: E402
 
 B, T, H, K, V = 2, 2048, 4, 128, 128
@@ -85,6 +86,13 @@ def test_kda_tpu_compiles_forward_and_gradient(topology, fused):
   grad, t_grad = _compile(jax.grad(loss, argnums=tuple(range(len(args)))), args)
   hlo = grad.as_text()
   assert "kda_fwd_tpu" in hlo and "kda_bwd_tpu" in hlo
+  # the kernels' cost estimates reach XLA's cost analysis (what `k3jax plan` reads): per
+  # device, the forward is one pass of the chunked algorithm over its (B/2, H/2) rows and
+  # heads, the gradient a forward and a backward of 3 passes (recompute + 2 x gradients)
+  one_pass = (B // 2) * (H // 2) * T * cm.flops_per_token(K, V)
+  fwd_flops, grad_flops = (c.cost_analysis()["flops"] for c in (fwd, grad))
+  assert one_pass <= fwd_flops <= 1.1 * one_pass, (fwd_flops, one_pass)
+  assert 4 * one_pass <= grad_flops <= 4.4 * one_pass, (grad_flops, one_pass)
   mem = grad.memory_analysis()
   print(f"\n{topology} {'fused' if fused else 'prepared'}: forward compiled in {t_fwd:.1f}s, gradient in {t_grad:.1f}s; gradient "
         f"memory per device: args {mem.argument_size_in_bytes / 2**20:.1f} MiB, "
