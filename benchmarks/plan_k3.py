@@ -37,6 +37,8 @@ def main() -> None:
   p.add_argument("--remat", default="full")
   p.add_argument("--loss-chunk", type=int, default=2048)
   p.add_argument("--attention", default=None)
+  p.add_argument("--capacity-factor", type=float, default=None,
+                 help="experts' capacity factor (default dropless: worst-case dispatch buffers)")
   p.add_argument("--global-batch", type=int, default=512, help="sequences per step")
   p.add_argument("--batch-per-device", type=int, default=None,
                  help="instead of --global-batch: rows per device (global = this x devices)")
@@ -56,6 +58,7 @@ def main() -> None:
         batch=n * a.batch_per_device if a.batch_per_device else a.global_batch,
         seq=a.seq, grad_accum=1, mode="lora" if a.lora else "train", remat=a.remat,
         loss_chunk=a.loss_chunk, attention=a.attention, analytic=a.analytic,
+        capacity_factor=a.capacity_factor,
         max_compiles=a.max_compiles, json=False, lora=a.lora, lora_targets=None,
         base_experts="mxfp4")
     t0 = time.perf_counter()

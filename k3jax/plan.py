@@ -93,9 +93,10 @@ def topology_devices(topology: str):
 
 
 def plan_config(cfg, remat: str | None = None, attention: str | None = None,
-                loss_chunk: int | None = None):
+                loss_chunk: int | None = None, capacity_factor: float | None = None):
   """The config `k3jax train` runs on TPU: bf16 compute, fp32 master weights, ragged_dot;
-  remat / attention / loss_chunk override the config's when given (loss_chunk 0: whole)."""
+  remat / attention / loss_chunk / the experts' capacity factor override the config's when
+  given (loss_chunk 0: whole)."""
   changes = dict(dtype="bfloat16", param_dtype="float32", moe_grouped_matmul="ragged_dot",
                  kda_backend=cfg.kda_backend or "pallas_tpu")
   if remat is not None:
@@ -104,6 +105,8 @@ def plan_config(cfg, remat: str | None = None, attention: str | None = None,
     changes["attention"] = attention
   if loss_chunk is not None:
     changes["loss_chunk"] = loss_chunk or None
+  if capacity_factor is not None:
+    changes["moe_capacity_factor"] = capacity_factor
   return cfg.replace(**changes)
 
 
@@ -166,6 +169,8 @@ class Plan:
   optimizer_flops: float = 0.0  # Per-Head Muon's Newton-Schulz over every block (hand count)
   other_flops: float | None = None  # compiled - model - remat - optimizer: padding, gathers,
                                     # masked dense compute, replicated work (waste)
+  oom_allocations: str | None = None  # compile_oom: the compiler's list of its largest
+                                      # allocations (what to shrink), as it printed it
   lora_rank: int | None = None         # --mode lora: the adapters' rank
   trainable_param_count: int | None = None  # --mode lora: the adapters' parameters
 
@@ -174,8 +179,32 @@ class Plan:
     return dataclasses.asdict(self)
 
 
+def moe_layer_bytes(cfg, mesh, tokens: int) -> float:
+  """Per-device transient bytes of one routed-experts layer on `mesh` (sharding/
+  expert_parallel.py's layout for `tokens` tokens a step), in the compute dtype (c bytes):
+    gathered experts  when E does not split over expert x fsdp, each layer all-gathers its
+                      E/EP local experts over fsdp (3 matrices h x F/tensor), and its backward
+                      holds their gradient before the reduce-scatter: x 2;
+    dispatch          the receive buffer (`recv` rows of width h, sized for the worst case
+                      unless a capacity factor bounds it), the expert outputs, the return: x 3.
+  0 without experts or on one device."""
+  from sharding import expert_parallel  # noqa: PLC0415
+  if not cfg.num_experts or cfg.moe_layers == () or mesh.size == 1:
+    return 0.0
+  c = 2 if cfg.dtype == "bfloat16" else 4
+  in_name = "latent" if cfg.latent_size is not None else "embed"
+  h = cfg.latent_size if in_name == "latent" else cfg.hidden_size
+  plan = expert_parallel.layout(cfg, tokens, in_name, mesh)
+  size = lambda axes: math.prod(mesh.shape[a] for a in axes)  # noqa: E731
+  gathered = 0.0
+  if plan.gather_axes:
+    gathered = 2 * cfg.num_experts / plan.ep * 3 * h * cfg.moe_intermediate_size / size(
+        plan.psum_axes) * c
+  return gathered + 3 * plan.recv * h * c
+
+
 def analytic_temp(cfg, rows_per_device: int, seq: int, tensor: int, state_per_device: float,
-                  params_per_device: float) -> float:
+                  params_per_device: float, moe_bytes: float = 0.0) -> float:
   """Per-device temporaries by hand count (bytes), with the compute dtype's width c:
     gradients           one fp32 copy of the parameters (the accumulator), as sharded;
     optimizer           two more: the Muon / AdamW update and the Newton-Schulz layout
@@ -191,7 +220,8 @@ def analytic_temp(cfg, rows_per_device: int, seq: int, tensor: int, state_per_de
     one layer's working set in the backward: ~12 [b, T, d] + the widest per-head tensors
                         (MLA's [b, H/tensor, T, T] scores and probs in fp32 when the plain
                         attention runs, KDA's [b, T, H/tensor, 128] x 8 otherwise),
-    the loss            logits [b, T, V/tensor] fp32 x 3 (logits, softmax, gradient).
+    the loss            logits [b, T, V/tensor] fp32 x 3 (logits, softmax, gradient);
+    one MoE layer       `moe_bytes` (moe_layer_bytes: gathered experts, dispatch buffers).
   A cross-check of the compiled figures (tests/k3jax/test_plan.py), not a replacement."""
   from k3jax.model import schedule  # noqa: PLC0415
   c = 2 if cfg.dtype == "bfloat16" else 4
@@ -214,7 +244,7 @@ def analytic_temp(cfg, rows_per_device: int, seq: int, tensor: int, state_per_de
   loss = b * t * (cfg.vocab_size // tensor) * 4 * 3
   if getattr(cfg, "loss_chunk", None):
     loss = b * cfg.loss_chunk * (cfg.vocab_size // tensor) * 4 * 3
-  return 3 * params_per_device + saved + blocks + working + loss
+  return 3 * params_per_device + saved + blocks + working + loss + moe_bytes
 
 
 def _mesh_size(mesh) -> dict:
@@ -265,7 +295,8 @@ def plan_one(cfg, sc, devices, topology: str, mesh_spec, *, batch: int, seq: int
                 remat_flops=remat_flops, optimizer_flops=optimizer_flops)
   if analytic:
     arg = state_bytes + batch_bytes
-    temp = analytic_temp(cfg, rows_dev, seq, sizes["tensor"], state_bytes, params_bytes)
+    temp = analytic_temp(cfg, rows_dev, seq, sizes["tensor"], state_bytes, params_bytes,
+                         moe_layer_bytes(cfg, mesh, batch // accum * seq))
     peak = arg + temp
     # per device: the model FLOPs share plus remat's recompute (one more forward)
     per_dev = model_flops / n * (4 / 3 if cfg.remat not in ("none", False) else 1.0)
@@ -295,7 +326,8 @@ def plan_one(cfg, sc, devices, topology: str, mesh_spec, *, batch: int, seq: int
                 alias_bytes_per_device=state_bytes, peak_bytes_per_device=arg + temp,
                 fits=False, compile_seconds=seconds, compiled_flops=None,
                 compiled_bytes_accessed=None, flops_ratio=None,
-                step_seconds_estimate=math.nan, compile_oom=True)
+                step_seconds_estimate=math.nan, compile_oom=True,
+                oom_allocations=oom_allocations(str(e)))
   seconds = time.perf_counter() - t0
   mem = compiled.memory_analysis()
   arg, out = mem.argument_size_in_bytes, mem.output_size_in_bytes
@@ -344,6 +376,15 @@ def oom_temporaries(message: str) -> float | None:
   return float(m.group(1)) * 1024 ** " KMGT".index(m.group(2) or " ")
 
 
+def oom_allocations(message: str, lines: int = 60) -> str | None:
+  """The part of XLA's HBM OOM message from its 'Largest program allocations' list on (sizes,
+  shapes and the ops that make them), at most `lines` lines; None when it has no such list."""
+  at = message.find("Largest program allocations")
+  if at < 0:
+    return None
+  return "\n".join(message[at:].splitlines()[:lines]).rstrip()
+
+
 def candidate_meshes(cfg, n: int, rows: int) -> list[dict]:
   """A small set of (data, fsdp, expert, tensor) splits of n devices: experts over as many
   devices as divide E, heads over tensor in {1, 2, 4, 8}, the rest fsdp (weights sharded)
@@ -368,7 +409,8 @@ def run_plan(args) -> list[Plan]:
   from k3jax.train import step as step_lib  # noqa: PLC0415
   from sharding.mesh import MeshError  # noqa: PLC0415
 
-  cfg = plan_config(configs.resolve(args.config), args.remat, args.attention, args.loss_chunk)
+  cfg = plan_config(configs.resolve(args.config), args.remat, args.attention, args.loss_chunk,
+                    getattr(args, "capacity_factor", None))
   if args.mode == "decode":
     raise UserError(f"--mode {args.mode}: only train and lora are planned so far")
   spec = lora_spec(args, cfg)
@@ -449,6 +491,8 @@ def report(plan: Plan) -> str:
   if plan.compile_oom:
     lines.append(f"  compile         {plan.compile_seconds:8.1f} s: refused by the TPU compiler "
                  "(HBM); temporaries from its message, no cost analysis")
+    if plan.oom_allocations:
+      lines += ["  " + line for line in plan.oom_allocations.splitlines()]
   elif plan.compile_seconds is not None:
     lines += [
         f"  compile         {plan.compile_seconds:8.1f} s",

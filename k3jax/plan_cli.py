@@ -63,6 +63,9 @@ def register(sub) -> None:
                  help="positions per loss chunk (0: whole logits; default: the config's)")
   p.add_argument("--attention", choices=("dense", "flash"), default=None,
                  help="MLA attention (default: the config's)")
+  p.add_argument("--capacity-factor", type=float, default=None, metavar="F",
+                 help="routed experts' capacity factor (default: the config's; none: dropless, "
+                      "whose receive buffers are sized for the worst case)")
   p.add_argument("--analytic", action="store_true", help="hand count, no compile")
   p.add_argument("--max-compiles", type=_positive, default=3,
                  help="without --mesh: compile at most this many candidates")
