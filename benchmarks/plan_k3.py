@@ -40,6 +40,7 @@ def main() -> None:
   p.add_argument("--capacity-factor", type=float, default=None,
                  help="experts' capacity factor (default dropless: worst-case dispatch buffers)")
   p.add_argument("--global-batch", type=int, default=512, help="sequences per step")
+  p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
   p.add_argument("--batch-per-device", type=int, default=None,
                  help="instead of --global-batch: rows per device (global = this x devices)")
   p.add_argument("--topologies", default=",".join(DEFAULT_TOPOLOGIES))
@@ -56,7 +57,7 @@ def main() -> None:
     args = argparse.Namespace(
         config=a.config, topology=topology, mesh=a.mesh,
         batch=n * a.batch_per_device if a.batch_per_device else a.global_batch,
-        seq=a.seq, grad_accum=1, mode="lora" if a.lora else "train", remat=a.remat,
+        seq=a.seq, grad_accum=a.grad_accum, mode="lora" if a.lora else "train", remat=a.remat,
         loss_chunk=a.loss_chunk, attention=a.attention, analytic=a.analytic,
         capacity_factor=a.capacity_factor,
         max_compiles=a.max_compiles, json=False, lora=a.lora, lora_targets=None,
