@@ -76,6 +76,14 @@ def context_mesh() -> jax.sharding.AbstractMesh | None:
   return mesh
 
 
+def shard_map_operands(args, specs, mesh) -> tuple:
+  """Under explicit mesh axes shard_map takes operands as they are typed: reshard them to
+  `specs` first. Under Auto axes, the operands themselves."""
+  if jax.sharding.AxisType.Explicit in mesh.axis_types:
+    return tuple(jax.sharding.reshard(a, s) for a, s in zip(args, specs))
+  return tuple(args)
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """Static plan of one routed-experts call on one device (all sizes in rows)."""
@@ -160,8 +168,7 @@ def routed_experts(cfg, route, x_nd: jax.Array, z_nh: jax.Array, router_de: jax.
   w2_spec = P(plan.ep_axes or None, plan.psum_axes or None, plan.gather_axes or None)
   in_specs = (tok, tok, tok, r_spec, b_spec, w13, w13, w2_spec)
   args = (x_nd, z_nh, live, router_de, bias_e, w1, w3, w2)
-  if jax.sharding.AxisType.Explicit in mesh.axis_types:  # shard_map takes them as they are
-    args = tuple(jax.sharding.reshard(a, s) for a, s in zip(args, in_specs))
+  args = shard_map_operands(args, in_specs, mesh)
   u, scores, experts, weights, dropped = jax.shard_map(
       body, mesh=mesh, in_specs=in_specs, out_specs=(tok, tok, tok, tok, P()))(*args)
   return u[:n_tokens], (scores[:n_tokens], experts[:n_tokens], weights[:n_tokens]), dropped

@@ -27,7 +27,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from sharding.activations import activation_spec
-from sharding.expert_parallel import context_mesh
+from sharding.expert_parallel import context_mesh, shard_map_operands
 
 _ROWS = ("batch", "length", "heads", "head_dim")
 
@@ -70,17 +70,11 @@ def kda(op, q, k, v, g, beta, *, initial_state=None, segment_ids=None, A_log=Non
 
   in_specs = (x_spec, x_spec, v_spec, x_spec, P(rows, None, heads),
               *(operands[n][1] for n in names))
-  args = _placed((q, k, v, g, beta, *(operands[n][0] for n in names)), in_specs, mesh)
+  args = shard_map_operands((q, k, v, g, beta, *(operands[n][0] for n in names)), in_specs,
+                            mesh)
   out = jax.shard_map(body, mesh=mesh, in_specs=in_specs,
                       out_specs=(v_spec, state_spec) if want_state else v_spec)(*args)
   return out if want_state else (out, None)
-
-
-def _placed(args, specs, mesh):
-  """Under explicit mesh axes shard_map takes operands as they are typed: reshard first."""
-  if jax.sharding.AxisType.Explicit in mesh.axis_types:
-    return tuple(jax.sharding.reshard(a, s) for a, s in zip(args, specs))
-  return args
 
 
 def kda_step(op, q, k, v, g, beta, state, **static):
@@ -93,7 +87,7 @@ def kda_step(op, q, k, v, g, beta, state, **static):
   rows, heads = x_spec[0], x_spec[1]
   in_specs = (x_spec, x_spec, P(rows, heads, None), x_spec, P(rows, heads),
               P(rows, heads, None, None))
-  args = _placed((q, k, v, g, beta, state), in_specs, mesh)
+  args = shard_map_operands((q, k, v, g, beta, state), in_specs, mesh)
   return jax.shard_map(
       lambda *a: op(*a, **static), mesh=mesh, in_specs=in_specs,
       out_specs=(P(rows, heads, None), P(rows, heads, None, None)))(*args)

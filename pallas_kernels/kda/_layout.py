@@ -121,11 +121,7 @@ def match_vma(*xs):
   """Inside `shard_map` (check_vma), give every kernel operand the union of the operands'
   varying mesh axes (e.g. a zero initial state made inside is not varying while q is), and
   return that union for the kernel's output types. Outside shard_map this is a no-op."""
-  varying = frozenset().union(*(jax.typeof(x).mat.varying for x in xs))
-  out = []
-  for x in xs:
-    missing = tuple(sorted(varying - jax.typeof(x).mat.varying))
-    out.append(jax.lax.pcast(x, missing, to="varying") if missing else x)
+  out = [reference.vary_like(x, *xs) for x in xs]
   return out, jax.typeof(out[0]).mat
 
 

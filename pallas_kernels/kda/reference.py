@@ -48,14 +48,20 @@ def segment_starts(segment_ids: jax.Array | None, batch: int, length: int) -> ja
   return (segment_ids != prev) & ~first
 
 
+def vary_like(x: jax.Array, *like: jax.Array) -> jax.Array:
+  """Inside `shard_map` (check_vma): x made varying over every mesh axis any of `like` varies
+  over (a zero state made inside, or a replicated operand, is not varying while q is).
+  Outside shard_map, x itself."""
+  varying = frozenset().union(*(jax.typeof(y).mat.varying for y in like))
+  missing = tuple(sorted(varying - jax.typeof(x).mat.varying))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
 def start_state(initial_state, shape, dt, *like: jax.Array) -> jax.Array:
-  """The state entering the first token: `initial_state` (or zeros) in `dt`. Inside a
-  `shard_map` it is made varying over every mesh axis the operands `like` vary over, as a scan
-  carry must keep one type (a zero state made here, or a replicated one, is not varying)."""
+  """The state entering the first token: `initial_state` (or zeros) in `dt`, varying like the
+  operands `like` (`vary_like`), as a scan carry must keep one type."""
   s0 = jnp.zeros(shape, dt) if initial_state is None else initial_state.astype(dt)
-  varying = frozenset().union(*(jax.typeof(x).mat.varying for x in like))
-  missing = tuple(sorted(varying - jax.typeof(s0).mat.varying))
-  return jax.lax.pcast(s0, missing, to="varying") if missing else s0
+  return vary_like(s0, *like)
 
 
 def check_gate(g, A_log, dt_bias, gate, lower_bound):
