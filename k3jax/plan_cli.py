@@ -10,8 +10,10 @@ from k3jax import plan
 
 
 def run(args: argparse.Namespace) -> int:
-  plans = plan.run_plan(args)
-  chosen = plan.best(plans)
+  from k3jax import plan_decode  # noqa: PLC0415
+  lib = plan_decode if args.mode == "decode" else plan
+  plans = lib.run_plan(args)
+  chosen = lib.best(plans)
   if args.json:
     out = chosen.to_json()
     if len(plans) > 1:
@@ -20,10 +22,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
   if len(plans) > 1:
     for p in plans:
-      print(plan.report(p))
+      print(lib.report(p))
     print(f"best: mesh {chosen.mesh} ({'fits' if chosen.fits else 'nothing fits'})")
   else:
-    print(plan.report(chosen))
+    print(lib.report(chosen))
   sys.stdout.flush()
   return 0
 
@@ -36,7 +38,7 @@ def _positive(text: str) -> int:
 
 
 def register(sub) -> None:
-  p = sub.add_parser("plan", help="compile the train step for a TPU topology: memory, FLOPs, "
+  p = sub.add_parser("plan", help="compile the train or decode step for a TPU topology: memory, FLOPs, "
                      "time estimate", description=plan.__doc__,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--config", required=True, help="preset, HF config.json or k3jax config JSON")
@@ -50,7 +52,8 @@ def register(sub) -> None:
   p.add_argument("--grad-accum", type=_positive, default=1, help="micro-batches per step")
   p.add_argument("--mode", choices=("train", "lora", "decode"), default="train",
                  help="train: the full train step; lora: LoRA fine-tuning over a frozen base "
-                 "(k3jax train --lora)")
+                 "(k3jax train --lora); decode: serving (k3jax generate: prefill and decode "
+                 "with a cache of --batch rows x --seq positions)")
   p.add_argument("--lora", type=int, default=16, metavar="RANK",
                  help="--mode lora: adapter rank (default 16)")
   p.add_argument("--lora-targets", nargs="+", default=None, metavar="PATTERN",
@@ -66,6 +69,10 @@ def register(sub) -> None:
   p.add_argument("--capacity-factor", type=float, default=None, metavar="F",
                  help="routed experts' capacity factor (default: the config's; none: dropless, "
                       "whose receive buffers are sized for the worst case)")
+  p.add_argument("--prefill-chunk", type=_positive, default=512,
+                 help="--mode decode: prompt tokens per prefill call (as k3jax generate)")
+  p.add_argument("--block", type=_positive, default=8,
+                 help="--mode decode: decode steps per jitted call (as k3jax generate)")
   p.add_argument("--analytic", action="store_true", help="hand count, no compile")
   p.add_argument("--max-compiles", type=_positive, default=3,
                  help="without --mesh: compile at most this many candidates")

@@ -119,25 +119,15 @@ def bytes_per_request(cache: Cache) -> dict[str, int]:
   return out
 
 
-def constrain(cache: Cache) -> Cache:
-  """Sharding constraints from the logical names (the activation column of the rules table)
-  when a mesh is set; unchanged otherwise. A dimension the named mesh axes do not divide
-  (e.g. 3 prompts over data=2) is split over the longest prefix of them that does."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
-    return cache
-  explicit = all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
-
-  def place(x, names):
-    spec = activation_spec(names, x.shape, mesh)
-    if explicit:  # sharding is part of the type there: move, do not assert
-      return jax.sharding.reshard(x, spec)
-    return jax.lax.with_sharding_constraint(x, spec)
-
+def specs(cache: Cache, mesh) -> Cache:
+  """The cache's PartitionSpecs on `mesh` from the logical names (the activation column of
+  the rules table), as a Cache of specs. A dimension the named mesh axes do not divide (e.g. 3
+  prompts over data=2) is split over the longest prefix of them that does."""
   stacked = is_stacked(cache)
 
   def layer(entry, names):  # one layer's entry lacks the leading "layers" axis
-    return type(entry)(*(place(a, n if stacked else n[1:]) for a, n in zip(entry, names)))
+    return type(entry)(*(activation_spec(n if stacked else n[1:], a.shape, mesh)
+                         for a, n in zip(entry, names)))
 
   kda, mla = cache.kda, cache.mla
   if kda is not None:
@@ -146,4 +136,21 @@ def constrain(cache: Cache) -> Cache:
   if mla is not None:
     mla = layer(mla, LOGICAL_AXES.mla) if stacked else tuple(
         layer(e, LOGICAL_AXES.mla) for e in mla)
-  return Cache(kda, mla, place(cache.start, LOGICAL_AXES.start), cache.length)
+  return Cache(kda, mla, activation_spec(LOGICAL_AXES.start, cache.start.shape, mesh),
+               jax.sharding.PartitionSpec())
+
+
+def constrain(cache: Cache) -> Cache:
+  """`cache` pinned to its `specs` when a mesh is set; unchanged otherwise."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return cache
+  explicit = all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+
+  def place(x, spec):
+    if explicit:  # sharding is part of the type there: move, do not assert
+      return jax.sharding.reshard(x, spec)
+    return jax.lax.with_sharding_constraint(x, spec)
+
+  return jax.tree.map(place, cache, specs(cache, mesh),
+                      is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))

@@ -40,10 +40,12 @@ Padding rows (`mask` False) take no part: they neither count towards N nor towar
 
 In the train step (after the optimizer update, with the scores the forward returned): the
 scanned model stacks scores [layers, N, E] and biases [layers, E], so one
-`jax.vmap(lambda s, b: quantile_balancing_bias(s, b, k, method="histogram", axis_name=AXES))`
-inside a shard_map over the batch mesh axes (AXES = ("data", "fsdp", "expert"); the vmapped
-psum is one all-reduce of [layers, E, bins]), or `axis_name=None` without a mesh, where the
-global batch is one array, updates every MoE layer; `expert_load_stats` vmaps the same way.
+`jax.lax.map` over the layers of `quantile_balancing_bias(s, b, k, method="histogram",
+axis_name=AXES)` inside a shard_map over the batch mesh axes (AXES = ("data", "fsdp",
+"expert"); one all-reduce of [E, bins] per layer), or `axis_name=None` without a mesh, where
+the global batch is one array, updates every MoE layer; `expert_load_stats` maps the same way.
+One layer at a time, not vmapped: the [N, E] temporaries (thresholds, bin indices) then exist
+for one layer, not for all of them at once (K3 on a pod: ~10 GiB each per device vmapped).
 Everything is fp32 and jit-able (`top_k`, `method`, `bins`, `axis_name`, `thresholds` static).
 """
 

@@ -94,6 +94,13 @@ def count(cfg: ModelConfig, seq_len: int) -> FlopCount:
                    active_matmul_params=params)
 
 
+def decode_per_token(cfg: ModelConfig, context: int) -> float:
+  """Forward FLOPs of one new token that attends to `context` positions (a decode step of one
+  row): `count`'s terms with MLA over the whole context rather than a training sequence's
+  average of (T + 1) / 2, which `count` at length 2 * context - 1 is."""
+  return count(cfg, 2 * context - 1).forward_per_token
+
+
 def newton_schulz_flops(cfg: ModelConfig, steps: int = 5) -> float:
   """FLOPs of one Per-Head Muon update: Newton-Schulz over every block of every Muon-grouped
   parameter (from the real model's tree, abstractly). A block [m, n] (m <= n: tall blocks are

@@ -285,21 +285,24 @@ def build(cfg: ModelConfig, sc: StepConfig, mesh: jax.sharding.Mesh | None = Non
 
   def balance_rows(b_t, scores, experts, segment_ids, axis_name):
     """QB of every MoE layer from the rows at hand (all of them, or this device's with
-    `axis_name` the mapped batch axes); load before and after."""
-    # [A, L, n, .] -> [L, A*n, .], rows in the same (micro-batch, row, position) order as mask
-    rows = lambda x: jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, x.shape[-1])  # noqa: E731
-    scores, experts = rows(scores), rows(experts)
-    mask = segment_ids.reshape(-1) != 0
-    stats = lambda e: expert_load_stats(e, n_experts, mask=mask, axis_name=axis_name)  # noqa: E731
-    before = jax.vmap(stats)(experts)
-    if sc.qb:
-      b_next = jax.vmap(lambda s, b: quantile_balancing_bias(
-          s, b, k, method=sc.qb_method, bins=sc.qb_bins, mask=mask, axis_name=axis_name,
-          thresholds=sc.qb_rule))(scores, b_t)
-    else:
-      b_next = b_t
-    chosen = jax.vmap(lambda s, b: jax.lax.top_k(s + b, k)[1])(scores, b_next)
-    after = jax.vmap(stats)(chosen)
+    `axis_name` the mapped batch axes); load before and after. One layer at a time
+    (lax.map): all layers at once (vmap) holds several [L, tokens, E] fp32 temporaries (the
+    thresholds, the histogram's bin indices, the re-routing), 60 GiB per device for K3 on a
+    pod, where one layer's are 1/L of that."""
+    mask = segment_ids.reshape(-1) != 0  # (micro-batch, row, position) order
+
+    def layer(l):
+      # [A, L, n, .] -> this layer's [A*n, .], rows in mask's order
+      s_ne = scores[:, l].reshape(-1, scores.shape[-1])
+      e_nk = experts[:, l].reshape(-1, experts.shape[-1])
+      stats = lambda e: expert_load_stats(e, n_experts, mask=mask, axis_name=axis_name)  # noqa: E731
+      b = b_t[l]
+      if sc.qb:
+        b = quantile_balancing_bias(s_ne, b, k, method=sc.qb_method, bins=sc.qb_bins,
+                                    mask=mask, axis_name=axis_name, thresholds=sc.qb_rule)
+      return b, stats(e_nk), stats(jax.lax.top_k(s_ne + b, k)[1])
+
+    b_next, before, after = jax.lax.map(layer, jnp.arange(b_t.shape[0]))
     load = {"load_max_mean_before": before.max_over_mean, "dead_before": before.dead_fraction,
             "load_max_mean_after": after.max_over_mean, "dead_after": after.dead_fraction}
     return b_next, load
