@@ -43,9 +43,14 @@ def read(directory: str, module: str):
   stem = os.path.join(directory, f"*{module}*after_optimizations")
   assignment = open(_one(stem + "-buffer-assignment.txt")).read()
   live = open(_one(stem + "-live-range.txt")).read()
-  at = assignment.find("preallocated-temp:")
-  if at < 0:
+  # the temporaries' heap in the default memory space (others carry a "color": SparseCore,
+  # VMEM, ...)
+  heaps = [m for m in re.finditer(r"^allocation \d+: size (\d+), (color \d+, )?page \d+, "
+                                  r"preallocated-temp:", assignment, re.M)]
+  heaps = [m for m in heaps if not m.group(2)] or heaps
+  if not heaps:
     raise SystemExit("xla_heap: no preallocated-temp allocation in the buffer assignment")
+  at = max(heaps, key=lambda m: int(m.group(1))).end()
   end = assignment.find("\nallocation", at)
   values = []
   for m in _VALUE.finditer(assignment[at:end if end > 0 else None]):

@@ -142,6 +142,11 @@ def scan(layers: Sequence[Layer], positions: Sequence[Position], carry, stacks: 
       acc = dict(zip(names, acc))
       for q in reversed(range(p)):
         partial, n = kept_u[q]
+        # Layer q's recompute needs nothing from the backward after it, so the scheduler
+        # may run every layer's recompute of the unit first and hold all their residuals at
+        # once (K3: four MoE layers' dispatch buffers). Tying its input to the cotangent
+        # that arrives from layer q + 1 keeps one layer's residuals alive at a time.
+        partial, ct_partial = jax.lax.optimization_barrier((partial, ct_partial))
         pos = positions[q]
         sel = {k: [_index(a, e) for a in flat[k][0]] for k, e in zip(pos.kinds, _entries(pos, u))}
 
