@@ -26,6 +26,11 @@ import jax
 import jax.numpy as jnp
 
 IMPLS = ("ragged_dot", "tiled")
+# ragged_dot's rows are padded to a multiple of this: XLA:TPU's ragged_dot kernel takes row
+# counts that are multiples of 8, any other count a dense fallback that multiplies every row
+# by every expert (E times the FLOPs). Callers that size their buffers (sharding/
+# expert_parallel.py) align them already and pay no copy.
+ROWS = 32
 TILE = 128  # rows per tile; the padding waste (< E * TILE rows) buys fewer, larger matmuls
 
 
@@ -37,7 +42,12 @@ def grouped_matmul(x_mh: jax.Array, w_ehf: jax.Array, group_sizes_e: jax.Array, 
                    impl: str | None = None, precision=None, tile: int = TILE) -> jax.Array:
   impl = impl or default_impl()
   if impl == "ragged_dot":
-    return jax.lax.ragged_dot(x_mh, w_ehf, group_sizes_e, precision=precision)
+    m = x_mh.shape[0]
+    pad = -m % ROWS
+    if pad:  # (rows past the last group give zeros either way)
+      x_mh = jnp.pad(x_mh, ((0, pad), (0, 0)))
+    y = jax.lax.ragged_dot(x_mh, w_ehf, group_sizes_e, precision=precision)
+    return y[:m] if pad else y
   if impl != "tiled":
     raise ValueError(f"unknown grouped matmul {impl!r}; expected one of {IMPLS}")
   m, e = x_mh.shape[0], w_ehf.shape[0]

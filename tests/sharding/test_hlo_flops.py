@@ -1,0 +1,79 @@
+"""sharding/hlo.matmul_flops: the matmul FLOPs of a compiled program with loops counted by
+their trip counts (XLA's cost_analysis counts a loop body once), on XLA:CPU and, compiled
+ahead of time with libtpu, on TPU; and the grouped matmul's row alignment that keeps TPU's
+ragged_dot off its dense fallback, measured with it."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from k3jax.model.grouped_matmul import ROWS, grouped_matmul
+from sharding.hlo import matmul_flops
+
+M, D, STEPS = 512, 256, 10
+ONE = 2 * M * D * D  # one [M, D] @ [D, D]
+
+
+def _scan(n):
+  def f(x, w):
+    return jax.lax.scan(lambda c, _: (jnp.tanh(c @ w), None), x, None, length=n)[0]
+  return f
+
+
+def _xla_flops(compiled) -> float:
+  cost = compiled.cost_analysis()
+  return (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
+
+
+def _tpu_device():
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  pytest.importorskip("libtpu", reason="libtpu compiles for TPU ahead of time")
+  from k3jax import plan  # noqa: PLC0415
+  return jax.sharding.SingleDeviceSharding(plan.topology_devices("v5e:2x2")[0])
+
+
+def test_loops_count_by_trip_count_on_cpu():
+  x, w = jnp.ones((M, D)), jnp.ones((D, D))
+  one = jax.jit(_scan(1)).lower(x, w).compile()
+  ten = jax.jit(_scan(STEPS)).lower(x, w).compile()
+  assert matmul_flops(one.as_text()) == ONE
+  assert matmul_flops(ten.as_text()) == STEPS * ONE
+  assert _xla_flops(ten) < 1.01 * _xla_flops(one)  # why the count exists: the body once
+  by = {}
+  assert matmul_flops(ten.as_text(), by) == sum(by.values()) == STEPS * ONE
+  assert all("dot_general" in k for k in by)
+
+
+def test_loops_count_by_trip_count_on_tpu():
+  sh = _tpu_device()
+  sx = jax.ShapeDtypeStruct((M, D), jnp.float32, sharding=sh)
+  sw = jax.ShapeDtypeStruct((D, D), jnp.float32, sharding=sh)
+  for n in (1, STEPS):  # TPU writes the matmul as a convolution, the loop bound in its cond
+    compiled = jax.jit(_scan(n)).trace(sx, sw).lower(lowering_platforms=("tpu",)).compile()
+    assert matmul_flops(compiled.as_text()) == n * ONE
+    assert _xla_flops(compiled) < 1.01 * ONE
+
+
+@pytest.mark.parametrize("rows", [4100, 4096])
+def test_grouped_matmul_keeps_tpu_ragged_dot_off_its_dense_fallback(rows):
+  """XLA:TPU's ragged_dot takes row counts that are multiples of 8; at 4100 rows the raw op
+  multiplies every row by all 8 experts (8x the FLOPs), grouped_matmul pads to a multiple of
+  ROWS and does one expert's work per row."""
+  sh = _tpu_device()
+  e, k, f = 8, 1024, 512
+  x = jax.ShapeDtypeStruct((rows, k), jnp.bfloat16, sharding=sh)
+  w = jax.ShapeDtypeStruct((e, k, f), jnp.bfloat16, sharding=sh)
+  gs = jax.ShapeDtypeStruct((e,), jnp.int32, sharding=sh)
+  need = 2 * rows * k * f
+  padded = 2 * (-(-rows // ROWS) * ROWS) * k * f
+
+  def compiled_flops(fn):
+    return matmul_flops(jax.jit(fn).trace(x, w, gs).lower(lowering_platforms=("tpu",))
+                        .compile().as_text())
+
+  ours = compiled_flops(lambda x, w, g: grouped_matmul(x, w, g, impl="ragged_dot"))
+  assert ours == padded and ours < 1.01 * need
+  raw = compiled_flops(jax.lax.ragged_dot)
+  assert raw == (need if rows % 8 == 0 else e * need)
