@@ -14,8 +14,9 @@ dequantised as loaded) in the rules table's shardings, and a cache of `--batch` 
 `--seq` positions (the longest prompt + new tokens the server takes) in its own (k3jax/model/
 cache.py: rows over the batch axes, KDA heads over tensor). The plan reports the larger of
 the two programs' peaks against the chip's HBM, and per decode step (one token for every row)
-the compiled FLOPs and bytes: XLA counts a while loop's body once, so the decode program's
-figures are one step's. The step time is an ESTIMATE, max(FLOPs / peak, bytes / bandwidth);
+the compiled matmul FLOPs (sharding/hlo.matmul_flops: the block's loop and the layer scan by
+their trip counts, over `--block`) and bytes (cost_analysis, which counts a loop body once:
+one step). The step time is an ESTIMATE, max(FLOPs / peak, bytes / bandwidth);
 decode is bandwidth-bound (every step reads the weights the rows' experts need and the whole
 cache), and the estimate has no communication: on fsdp meshes each step also gathers the
 weights over fsdp, which serving meshes avoid (weights split over expert and tensor only).
@@ -32,6 +33,7 @@ import time
 
 from k3jax.cli import UserError
 from k3jax.plan import GIB, chip_of, oom_temporaries, topology_devices
+from sharding import hlo
 
 
 @dataclasses.dataclass
@@ -54,7 +56,7 @@ class DecodePlan:
   peak_bytes_per_device: float   # max over the two programs
   fits: bool
   compile_seconds: float | None
-  compiled_flops: float | None   # one decode step (every row one token), all devices
+  compiled_flops: float | None   # one decode step (every row one token), all devices: matmuls
   compiled_bytes_accessed: float | None
   model_flops: float             # one decode step: batch x forward FLOPs of a token at --seq
   flops_ratio: float | None
@@ -217,9 +219,12 @@ def plan_one(cfg, devices, topology: str, mesh_spec, *, batch: int, seq: int,
   flops = bytes_ = None
   est = math.nan
   if not isinstance(results[1], float):
+    # FLOPs: the matmuls with the loops by their trip counts (the block's `block` steps, the
+    # layer scan inside each), per step; bytes: cost_analysis (the loop bodies once: a step)
+    flops = hlo.matmul_flops(results[1].as_text()) / block
     cost = results[1].cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    flops, bytes_ = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+    bytes_ = float(cost.get("bytes accessed", 0.0))
     est = max(flops / chip.peak_flops, bytes_ / chip.hbm_bandwidth)
     flops, bytes_ = flops * n, bytes_ * n
   peak = max(peaks)
