@@ -465,14 +465,15 @@ def lora_spec(args, cfg):
   return spec
 
 
-def best(plans: list[Plan]) -> Plan:
+def best(plans: list) -> Plan:
+  """The fastest estimate that fits (train, LoRA or decode plans), else the smallest peak."""
   fitting = [p for p in plans if p.fits]
   if fitting:
     return min(fitting, key=lambda p: p.step_seconds_estimate)
   return min(plans, key=lambda p: p.peak_bytes_per_device)
 
 
-def _gib(x) -> str:
+def gib(x) -> str:
   return f"{x / GIB:8.2f} GiB"
 
 
@@ -486,10 +487,10 @@ def report(plan: Plan) -> str:
       + f": {kind}",
       f"  parameters      {plan.param_count / 1e9:10.3f} B"
       + (f" ({plan.trainable_param_count / 1e9:.3f} B trainable)" if plan.mode == "lora"
-         else "") + f"; train state per device {_gib(plan.state_bytes_per_device)}",
-      f"  arguments       {_gib(plan.argument_bytes_per_device)} per device",
-      f"  temporaries     {_gib(plan.temp_bytes_per_device)} per device",
-      f"  peak            {_gib(plan.peak_bytes_per_device)} of {_gib(plan.hbm_bytes_per_device)}"
+         else "") + f"; train state per device {gib(plan.state_bytes_per_device)}",
+      f"  arguments       {gib(plan.argument_bytes_per_device)} per device",
+      f"  temporaries     {gib(plan.temp_bytes_per_device)} per device",
+      f"  peak            {gib(plan.peak_bytes_per_device)} of {gib(plan.hbm_bytes_per_device)}"
       f" HBM: {'FITS' if plan.fits else 'does NOT fit'} "
       f"({plan.peak_bytes_per_device / plan.hbm_bytes_per_device:.0%})",
   ]

@@ -32,7 +32,7 @@ import math
 import time
 
 from k3jax.cli import UserError
-from k3jax.plan import GIB, chip_of, oom_temporaries, topology_devices
+from k3jax.plan import best, chip_of, gib, oom_temporaries, topology_devices  # noqa: F401
 from sharding import hlo
 
 
@@ -286,17 +286,6 @@ def run_plan(args) -> list[DecodePlan]:
           for p in ranked[:args.max_compiles]]
 
 
-def best(plans: list[DecodePlan]) -> DecodePlan:
-  fitting = [p for p in plans if p.fits]
-  if fitting:
-    return max(fitting, key=lambda p: p.tokens_per_second_estimate)
-  return min(plans, key=lambda p: p.peak_bytes_per_device)
-
-
-def _gib(x) -> str:
-  return f"{x / GIB:8.2f} GiB"
-
-
 def report(plan: DecodePlan) -> str:
   kind = "analytic (no compile)" if plan.analytic else "compiled (XLA memory/cost analysis)"
   lines = [
@@ -304,11 +293,11 @@ def report(plan: DecodePlan) -> str:
       f"rows x {plan.seq} positions (prefill chunk {plan.prefill_chunk}, block {plan.block}), "
       f"bf16 weights: {kind}",
       f"  parameters      {plan.param_count / 1e9:10.3f} B",
-      f"  weights         {_gib(plan.weight_bytes_per_device)} per device",
-      f"  cache           {_gib(plan.cache_bytes_per_device)} per device",
-      f"  temporaries     {_gib(plan.prefill_temp_bytes_per_device)} prefill, "
-      f"{_gib(plan.decode_temp_bytes_per_device).strip()} decode, per device",
-      f"  peak            {_gib(plan.peak_bytes_per_device)} of {_gib(plan.hbm_bytes_per_device)}"
+      f"  weights         {gib(plan.weight_bytes_per_device)} per device",
+      f"  cache           {gib(plan.cache_bytes_per_device)} per device",
+      f"  temporaries     {gib(plan.prefill_temp_bytes_per_device)} prefill, "
+      f"{gib(plan.decode_temp_bytes_per_device).strip()} decode, per device",
+      f"  peak            {gib(plan.peak_bytes_per_device)} of {gib(plan.hbm_bytes_per_device)}"
       f" HBM: {'FITS' if plan.fits else 'does NOT fit'} "
       f"({plan.peak_bytes_per_device / plan.hbm_bytes_per_device:.0%})"]
   if plan.compile_oom:
