@@ -13,7 +13,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import warnings
 
 import jax
@@ -156,13 +155,23 @@ def test_ctrl_c_then_resume(hf_dir, ckpt_mxfp4, tmp_path, monkeypatch, capsys):
   work is not thrown away), with other options too; --resume finishes it."""
   monkeypatch.setattr(orbax_io, "TXN_BYTES", SMALL_BATCH)
   stream_items = to_orbax._items
+  streams = []
+
+  class Recorded(orbax_io.Stream):
+    def __init__(self, *args, **kwargs):
+      super().__init__(*args, **kwargs)
+      streams.append(self)
 
   def interrupted(source, items, *args):
     for n, item in enumerate(stream_items(source, items, *args)):
       if n == len(items) // 2:
         _thread.interrupt_main()  # what Ctrl-C does: KeyboardInterrupt in the main thread
-        threading.Event().wait(0.5)  # the main thread asks the stream to stop meanwhile
+        # the main thread asks the stream to stop: wait for it (a fixed pause lost the race
+        # on a loaded 2-core machine, and the conversion then finished)
+        assert streams[-1].stop.wait(120), "the interrupt never asked the stream to stop"
       yield item
+
+  monkeypatch.setattr(orbax_io, "Stream", Recorded)
 
   monkeypatch.setattr(to_orbax, "_items", interrupted)
   out = str(tmp_path / "ckpt")
