@@ -13,7 +13,7 @@ def run(args: argparse.Namespace) -> int:
   from k3jax import plan_decode  # noqa: PLC0415
   lib = plan_decode if args.mode == "decode" else plan
   plans = lib.run_plan(args)
-  chosen = lib.best(plans)
+  chosen = plan.best(plans)
   if args.json:
     out = chosen.to_json()
     if len(plans) > 1:

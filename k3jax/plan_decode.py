@@ -32,7 +32,7 @@ import math
 import time
 
 from k3jax.cli import UserError
-from k3jax.plan import best, chip_of, gib, oom_temporaries, topology_devices  # noqa: F401
+from k3jax.plan import chip_of, gib, oom_temporaries, topology_devices
 from sharding import hlo
 
 

@@ -137,7 +137,7 @@ def _orthogonalize_local(x: jax.Array, spec, mesh, dn: MuonDimensionNumbers, **n
   one leading index at a time. Batched at once, Newton-Schulz holds several fp32 copies of all
   the local blocks (K3's experts on a 1024-device pod: [12, 7, 3072, 3584], 3.4 GiB a copy,
   the step's live peak on tpu7x); in a loop over the local leading axis, one slice's."""
-  red, out = tuple(_as_tuple(dn.reduction_axis)), tuple(_as_tuple(dn.output_axis))
+  red, out = tuple(dn.reduction_axis), tuple(dn.output_axis)
   if 0 in red + out or x.ndim < 4:  # no batch axis of blocks to loop over
     return orthogonalize(x, dn, **ns)
   inner = MuonDimensionNumbers(reduction_axis=tuple(a - 1 for a in red),
@@ -146,12 +146,7 @@ def _orthogonalize_local(x: jax.Array, spec, mesh, dn: MuonDimensionNumbers, **n
   def local(x_local):
     return jax.lax.map(lambda xi: orthogonalize(xi, inner, **ns), x_local)
 
-  spec = jax.sharding.PartitionSpec(*spec) if not isinstance(spec, jax.sharding.PartitionSpec) else spec
   return jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=spec)(x)
-
-
-def _as_tuple(axes) -> tuple:
-  return tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
 
 
 def _orthogonalize_placed(m_hat: jax.Array, names, dn: MuonDimensionNumbers,

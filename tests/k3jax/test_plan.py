@@ -32,14 +32,6 @@ def _param_count(cfg) -> int:
   return sum(math.prod(v.shape) for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
-@pytest.fixture(scope="module")
-def config_file(tmp_path_factory):
-  cfg = k3.reduced(num_layers=2, num_experts=32)
-  path = tmp_path_factory.mktemp("plan") / "k3_reduced.json"
-  path.write_text(json.dumps({"format": "k3jax", "config": cfg.to_dict()}))
-  return str(path), cfg
-
-
 def _plan(capsys, path, *extra):
   assert main(["plan", "--config", path, *ARGS, *extra]) == 0
   return json.loads(capsys.readouterr().out.strip().splitlines()[-1])

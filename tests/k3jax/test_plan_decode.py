@@ -13,21 +13,12 @@ import pytest
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 pytest.importorskip("libtpu", reason="libtpu is needed to compile for TPU ahead of time")
 
-from configs import k3  # noqa: E402
 from k3jax.cli import main  # noqa: E402
 
 GIB = 1024**3
 ROWS, SEQ, CHUNK = 4, 512, 128
 ARGS = ["--topology", "v5e:2x2", "--mode", "decode", "--batch", str(ROWS), "--seq", str(SEQ),
         "--prefill-chunk", str(CHUNK), "--json"]
-
-
-@pytest.fixture(scope="module")
-def config_file(tmp_path_factory):
-  cfg = k3.reduced(num_layers=2, num_experts=32)
-  path = tmp_path_factory.mktemp("plan_decode") / "k3_reduced.json"
-  path.write_text(json.dumps({"format": "k3jax", "config": cfg.to_dict()}))
-  return str(path), cfg
 
 
 def _plan(capsys, path, *extra):
