@@ -168,8 +168,12 @@ class Plan:
                              # arguments from the shapes, no cost analysis
   remat_flops: float = 0.0      # the forward that remat recomputes (full: all of it)
   optimizer_flops: float = 0.0  # Per-Head Muon's Newton-Schulz over every block (hand count)
-  other_flops: float | None = None  # matmul - model - remat - optimizer: padding, gathers,
-                                    # masked dense compute, replicated work (waste)
+  other_flops: float | None = None  # matmul - model - remat - optimizer - buffer rows:
+                                    # padding, masked dense compute, replicated work (waste)
+  buffer_row_flops: float | None = None  # the routed experts' ragged_dot on the rows of their
+                  # static receive buffer past the expected routed pairs (n k per device):
+                  # XLA counts a ragged_dot at its buffer's size (capacity c: 1 - 1/c of it;
+                  # dropless: the worst case); a kernel that stops at the group sizes skips them
   loops: int = 0  # while loops in the compiled program (layer scan, micro-batches, QB's map):
                   # cost_analysis counts each loop body once, so with loops its FLOPs and
                   # bytes are lower bounds, not the step's work
@@ -209,12 +213,14 @@ def moe_layer_bytes(cfg, mesh, tokens: int) -> float:
 
 
 def analytic_temp(cfg, rows_per_device: int, seq: int, tensor: int, state_per_device: float,
-                  params_per_device: float, moe_bytes: float = 0.0) -> float:
+                  params_per_device: float, moe_bytes: float = 0.0,
+                  one_block_per_device: float = 0.0) -> float:
   """Per-device temporaries by hand count (bytes), with the compute dtype's width c:
     gradients           one fp32 copy of the parameters (the accumulator), as sharded;
-    optimizer           two more: the Muon / AdamW update and the Newton-Schulz layout
-                        moves (the count XLA's plan of the K3-shaped test model shows:
-                        temporaries ~3.3x the local fp32 parameters at short sequences);
+    optimizer           the Muon / AdamW update (one more copy) and the Newton-Schulz layout
+                        moves: a copy of every stack but the one-block stacks
+                        (`one_block_per_device`: layer 0's dense MLP), which Newton-Schulz
+                        orthogonalises split where they are;
     saved per layer     under remat only the layer's input carry survives the forward:
                         the partial sum [b, T, d] (c bytes) per layer; without remat every
                         activation of the layer, counted as ~30 [b, T, d]-sized tensors;
@@ -249,7 +255,8 @@ def analytic_temp(cfg, rows_per_device: int, seq: int, tensor: int, state_per_de
   loss = b * t * (cfg.vocab_size // tensor) * 4 * 3
   if getattr(cfg, "loss_chunk", None):
     loss = b * cfg.loss_chunk * (cfg.vocab_size // tensor) * 4 * 3
-  return 3 * params_per_device + saved + blocks + working + loss + moe_bytes
+  return (3 * params_per_device - one_block_per_device + saved + blocks + working + loss
+          + moe_bytes)
 
 
 def _mesh_size(mesh) -> dict:
@@ -282,6 +289,9 @@ def plan_one(cfg, sc, devices, topology: str, mesh_spec, *, batch: int, seq: int
   state_bytes = sum(_bytes_per_device(x) for x in jax.tree.leaves(state))
   batch_bytes = sum(_bytes_per_device(x) for x in jax.tree.leaves(data)) + 4
   params_bytes = sum(_bytes_per_device(x) for x in jax.tree.leaves(state["params"]))
+  # stacks of one layer (every parameter is stacked over `layers`): layer 0's own matrices
+  one_block = sum(_bytes_per_device(x) for x in jax.tree.leaves(state["params"])
+                  if x.ndim >= 3 and x.shape[0] == 1)
   n_params = step_lib.count_params(state["params"])
   trainable = step_lib.partition(state["params"], steps.trainable)[0]
   if lora:  # the temporaries' gradients are the adapters'; the experts are dequantised per
@@ -301,7 +311,8 @@ def plan_one(cfg, sc, devices, topology: str, mesh_spec, *, batch: int, seq: int
   if analytic:
     arg = state_bytes + batch_bytes
     temp = analytic_temp(cfg, rows_dev, seq, sizes["tensor"], state_bytes, params_bytes,
-                         moe_layer_bytes(cfg, mesh, batch // accum * seq))
+                         moe_layer_bytes(cfg, mesh, batch // accum * seq),
+                         one_block_per_device=0.0 if lora else one_block)
     peak = arg + temp
     # per device: the model FLOPs share plus remat's recompute (one more forward)
     per_dev = model_flops / n * (4 / 3 if cfg.remat not in ("none", False) else 1.0)
@@ -346,7 +357,10 @@ def plan_one(cfg, sc, devices, topology: str, mesh_spec, *, batch: int, seq: int
   text = compiled.as_text()
   # cost_analysis counts each loop body once (the layer scan, the micro-batches): the ratio
   # and its split come from the matmul FLOPs with loops by their trip counts instead
-  work = hlo.matmul_flops(text) * n
+  by_op: dict = {}
+  work = hlo.matmul_flops(text, by_op) * n
+  ragged = sum(f for op, f in by_op.items() if "ragged" in op) * n
+  buffer_rows = ragged * (1.0 - routed_fill(cfg, mesh, batch // accum * seq))
   est = max(work / n / chip.peak_flops, dev_bytes / chip.hbm_bandwidth)
   return Plan(**common, analytic=False, loops=text.count(" while("),
               argument_bytes_per_device=arg,
@@ -357,7 +371,21 @@ def plan_one(cfg, sc, devices, topology: str, mesh_spec, *, batch: int, seq: int
               compiled_matmul_flops=work,
               flops_ratio=work / model_flops if model_flops else None,
               step_seconds_estimate=est,
-              other_flops=work - model_flops - remat_flops - optimizer_flops)
+              buffer_row_flops=buffer_rows,
+              other_flops=work - model_flops - remat_flops - optimizer_flops - buffer_rows)
+
+
+def routed_fill(cfg, mesh, tokens: int) -> float:
+  """Expected routed pairs over the rows of the experts' receive buffer on a device (1 with
+  no exchange: the pairs are the rows)."""
+  from sharding import expert_parallel  # noqa: PLC0415
+  if not cfg.num_experts:
+    return 1.0
+  in_name = "latent" if cfg.latent_size is not None else "embed"
+  with_mesh = expert_parallel.layout(cfg, tokens, in_name, mesh)
+  if with_mesh.ep == 1:
+    return 1.0
+  return min(1.0, with_mesh.n * cfg.num_experts_per_token / with_mesh.recv)
 
 
 def _dequantised_layer_bytes(params) -> int:
@@ -507,7 +535,8 @@ def report(plan: Plan) -> str:
         f"cost_analysis, each of {plan.loops} loop bodies once: {plan.compiled_flops:.3e})",
         f"    split         model 1.000, remat recompute "
         f"{plan.remat_flops / plan.model_flops:.3f}, optimizer (Newton-Schulz) "
-        f"{plan.optimizer_flops / plan.model_flops:.3f}, other (waste) "
+        f"{plan.optimizer_flops / plan.model_flops:.3f}, expert buffer rows past the "
+        f"routed pairs {plan.buffer_row_flops / plan.model_flops:.3f}, other (waste) "
         f"{plan.other_flops / plan.model_flops:.3f} (of the model FLOPs)",
         f"  bytes accessed  {plan.compiled_bytes_accessed:.3e} (all devices; cost_analysis: "
         "loop bodies once)"]

@@ -14,7 +14,8 @@ Here each device keeps its own tokens and its own experts and moves only routed 
       | all_to_all of [EP, S, h] per-destination buffers           (XLA:CPU)
     reorder the received rows expert-major; grouped matmul over the E/EP local experts
     the same exchange back; weight by p (fp32); scatter-add to tokens: u [n, h]
-    psum of u over the tensor axes (tensor-parallel experts), then RMSNorm_l, routed_up outside
+    reduce-scatter of u over the tensor axes (tensor-parallel experts), then RMSNorm_l and
+    routed_up outside, on each tensor rank's share of the rows
 
 Dispatch in the latent width is LatentMoE's point: l = d/2 halves the all-to-all payload.
 
@@ -28,11 +29,15 @@ unchanged; with a capacity factor that code is this function's body on one devic
 The axes of the expert weights [E, h, F] follow the one rules table:
   experts -> EP (expert x fsdp when E divides over both, else expert): the exchange above, no
     weight ever leaves its device.
-  moe_mlp (F) -> tensor: tensor-parallel experts. Tokens are replicated over `tensor`, each
-    tensor rank computes its F slice of every local expert (the gated activation is
-    elementwise in F) and its partial down-projection; one psum of u [n, h] (fp32) over
-    `tensor` after the return trip, the cheapest place: n rows, not n*k (the backward's psum
-    is of dz [n, h] likewise). Every tensor rank sends the same rows over the expert axes.
+  moe_mlp (F) -> tensor: tensor-parallel experts. Each tensor rank computes its F slice of
+    every local expert (the gated activation is elementwise in F) and its partial
+    down-projection for all of the device's n rows: z is all-gathered over `tensor` on entry
+    and u [n, h] (fp32) reduce-scattered on the way out, the cheapest place: n rows, not n*k
+    (the backward's are the same collectives transposed). Outside, the rows stay split over
+    `tensor` (`split_rows`): the router, routed_down, RMSNorm_l and routed_up each run on 1/tensor
+    of the rows. Tokens replicated over `tensor` there instead would have every tensor rank
+    repeat them (K3 at tensor = 8: 0.4 of the step's model FLOPs in repeated matmuls). Every
+    tensor rank sends the same rows over the expert axes.
   latent (h) -> fsdp, only when E does not divide over expert x fsdp (the table's fallback
     row): FSDP inside the shard_map: each layer all-gathers its E/EP local experts over fsdp
     before use and its backward reduce-scatters their gradient (the transpose of all_gather).
@@ -63,7 +68,7 @@ from k3jax.model.grouped_matmul import ROWS as GROUPED_ROWS
 from k3jax.model.grouped_matmul import grouped_matmul
 from k3jax.model.layers import wide_dtype
 from k3jax.model.mlp import glu
-from sharding.rules import ACTIVATION_RULES, MESH_AXES, logical_to_spec
+from sharding.rules import ACTIVATION_RULES, MESH_AXES, fit_spec, logical_to_spec
 
 DISPATCHES = ("ragged", "padded")
 
@@ -93,7 +98,7 @@ class Layout:
   gather_axes: tuple[str, ...]  # axes of the weights' input width h (FSDP: gathered per layer)
   psum_axes: tuple[str, ...]    # axes of the weights' F (tensor-parallel experts: psum of u)
   token_axes: tuple[str, ...]   # axes the tokens are split over
-  n: int                        # tokens per device (padded)
+  n: int                        # tokens per device (padded to a multiple of the psum_axes)
   capacity: int | None          # pairs per expert per exchange group; None: dropless
   recv: int                     # rows a device can receive (ragged buffer, expert-major rows)
   slot: int                     # rows per destination in the padded buffers [EP, slot, h]
@@ -122,6 +127,7 @@ def layout(cfg, n_tokens: int, in_name: str, mesh=None) -> Layout:
   if f % size(psum_axes):
     raise ValueError(f"moe_intermediate_size {f} does not split over mesh axes {psum_axes}")
   n = -(-n_tokens // shards)
+  n = -(-n // size(psum_axes)) * size(psum_axes)  # the rows split over the tensor ranks
   per_dest = n * min(k, e // ep)   # one device's pairs that can reach one destination
   recv = ep * per_dest
   capacity = None
@@ -143,7 +149,9 @@ def routed_experts(cfg, route, x_nd: jax.Array, z_nh: jax.Array, router_de: jax.
   router; it runs per device too (the partitioner gathers every token for a sharded top_k).
 
   Returns u = sum_k p_k E_{T_k}(z) [N, h] (fp32), the routing (scores [N, E], experts and
-  weights [N, k]) and the dropped pairs (int32 [], summed over the mesh)."""
+  weights [N, k]) and the dropped pairs (int32 [], summed over the mesh). On a mesh, x, z, u
+  and the scores have their rows split as `split_rows` puts them (over tensor too: each
+  tensor rank routes its share of the rows), experts and weights as the batch."""
   dt = cfg.jnp_dtype
   w1, w3, w2 = (w.astype(dt) for w in (w1, w3, w2))  # an FSDP gather moves compute dtype
   mesh = context_mesh()
@@ -156,8 +164,14 @@ def routed_experts(cfg, route, x_nd: jax.Array, z_nh: jax.Array, router_de: jax.
   r_spec = logical_to_spec(("embed", "expert_scores"), mesh=mesh)
   b_spec = logical_to_spec(("expert_scores",), mesh=mesh)
 
+  split = plan.psum_axes  # x, z, u and the scores: this device's rows, 1/tensor of them
+
   def body(x, z, live, r, b, w1, w3, w2):
     scores, experts, weights = route(x, _gather(r, r_spec), _gather(b, b_spec))[:3]
+    if split:  # every tensor rank sends all of the device's rows (its F slice of each expert)
+      experts, weights = (jax.lax.all_gather(a, split, axis=0, tiled=True, to="invarying")
+                          for a in (experts, weights))
+      z = jax.lax.all_gather(z, split, axis=0, tiled=True)  # backward: reduce-scatter of dz
     experts_v = jnp.where(live[:, None], experts, cfg.num_experts)  # padding: expert E, unsent
     u, dropped = _local(plan, cfg, z, experts_v, weights, w1, w3, w2)
     return u, scores, experts, weights, dropped
@@ -168,14 +182,37 @@ def routed_experts(cfg, route, x_nd: jax.Array, z_nh: jax.Array, router_de: jax.
     x_nd, z_nh, live = (jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1))
                         for a in (x_nd, z_nh, live))
   tok = P(plan.token_axes or None)
+  rows = P(plan.token_axes + split or None)
   w13 = P(plan.ep_axes or None, plan.gather_axes or None, plan.psum_axes or None)
   w2_spec = P(plan.ep_axes or None, plan.psum_axes or None, plan.gather_axes or None)
-  in_specs = (tok, tok, tok, r_spec, b_spec, w13, w13, w2_spec)
+  in_specs = (rows, rows, tok, r_spec, b_spec, w13, w13, w2_spec)
   args = (x_nd, z_nh, live, router_de, bias_e, w1, w3, w2)
   args = shard_map_operands(args, in_specs, mesh)
   u, scores, experts, weights, dropped = jax.shard_map(
-      body, mesh=mesh, in_specs=in_specs, out_specs=(tok, tok, tok, tok, P()))(*args)
+      body, mesh=mesh, in_specs=in_specs, out_specs=(rows, rows, tok, tok, P()))(*args)
   return u[:n_tokens], (scores[:n_tokens], experts[:n_tokens], weights[:n_tokens]), dropped
+
+
+def row_split_axes(cfg, mesh) -> tuple[str, ...]:
+  """The mesh axes that split each device's rows further in and out of `routed_experts` (the
+  tensor ranks of tensor-parallel experts; none without)."""
+  in_name = "latent" if cfg.latent_size is not None else "embed"
+  return layout(cfg, 1, in_name, mesh).psum_axes
+
+
+def split_rows(cfg, x_nd: jax.Array, in_name: str) -> jax.Array:
+  """x [N, .] with its rows split as `routed_experts` takes and returns them: over the batch
+  axes and then over the tensor ranks of tensor-parallel experts (identity without a mesh).
+  What runs on such rows outside (the latent down/up projections, the latent norm) then runs
+  once per row, not once per tensor rank."""
+  mesh = context_mesh()
+  if mesh is None:
+    return x_nd
+  plan = layout(cfg, x_nd.shape[0], in_name, mesh)
+  spec = fit_spec(P(plan.token_axes + plan.psum_axes or None), x_nd.shape, dict(mesh.shape))
+  if mesh.are_all_axes_explicit:
+    return jax.sharding.reshard(x_nd, spec)
+  return jax.lax.with_sharding_constraint(x_nd, spec)
 
 
 def _gather(w: jax.Array, spec: P) -> jax.Array:
@@ -191,8 +228,6 @@ def _local(plan: Layout, cfg, z_nh, experts_nk, weights_nk, w1, w3, w2):
   if plan.gather_axes:  # FSDP: the local experts' full input width, for this layer only
     w1, w3 = (jax.lax.all_gather(w, plan.gather_axes, axis=1, tiled=True) for w in (w1, w3))
     w2 = jax.lax.all_gather(w2, plan.gather_axes, axis=2, tiled=True)
-  if plan.psum_axes:  # tokens replicated over tensor: mark them varying here, so that the
-    z_nh = jax.lax.pcast(z_nh, plan.psum_axes, to="varying")  # backward's psum is of dz [n, h]
   n, k = experts_nk.shape
   m, e, ep = n * k, cfg.num_experts, plan.ep
   flat_e = experts_nk.reshape(-1)                    # padding pairs carry e: sorted last
@@ -232,8 +267,8 @@ def _local(plan: Layout, cfg, z_nh, experts_nk, weights_nk, w1, w3, w2):
   wide = wide_dtype(cfg.jnp_dtype)
   p = jnp.where(live, weights_nk.reshape(-1)[pair], 0).astype(wide)
   u = jnp.zeros((n, y_send.shape[-1]), wide).at[token].add(y_send.astype(wide) * p[:, None])
-  if plan.psum_axes:  # tensor-parallel experts: partial sums over F
-    u = jax.lax.psum(u, plan.psum_axes)
+  if plan.psum_axes:  # tensor-parallel experts: partial sums over F, each rank its rows' sum
+    u = jax.lax.psum_scatter(u, plan.psum_axes, scatter_dimension=0, tiled=True)
   dropped = jnp.sum(flat_e < e, dtype=jnp.int32) - jnp.sum(keep, dtype=jnp.int32)
   if plan.token_axes:
     dropped = jax.lax.psum(dropped, plan.token_axes)

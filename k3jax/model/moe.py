@@ -30,6 +30,7 @@ from k3jax.model.layers import (Projection, RMSNorm, annotated, fan_in_normal, m
 from k3jax.model.mlp import MLP, glu
 from k3jax.model.quantile_balancing import quantile_balancing_bias  # noqa: F401  (re-export)
 from sharding import expert_parallel
+from sharding.activations import constrain
 
 
 class RouterBias(nnx.Variable):
@@ -152,12 +153,20 @@ class MoE(nnx.Module):
     b, t, d = x_btd.shape
     x_nd = x_btd.reshape(b * t, d)
     latent = self.cfg.latent_size is not None
-    z = self.routed_down(x_nd) if latent else x_nd
     if expert_parallel.context_mesh() is None and self.cfg.moe_capacity_factor is None:
+      z = self.routed_down(x_nd) if latent else x_nd
       routing = self.gate(x_nd)
       u, dropped = self.experts(z, routing), jnp.zeros((), jnp.int32)
     else:  # router, dispatch and experts per device (or capped, on one device)
       ex = self.experts
+      # the rows as routed_experts splits them (over tensor too): the latent projections and
+      # the router then run once per row, not on every tensor rank. Pinned whole first: the
+      # constraint's transpose pins the cotangent whole there too, so the split stays inside
+      # this block (unpinned, XLA carried it into the MLA layer's remat and backward, whose
+      # attention then ran on every tensor rank: +0.43 of the K3 step's model FLOPs)
+      x_nd = expert_parallel.split_rows(self.cfg, constrain(x_nd, ("batch", "embed")),
+                                        ex.in_name)
+      z = self.routed_down(x_nd) if latent else x_nd
       u, routed, dropped = expert_parallel.routed_experts(
           self.cfg, functools.partial(route, self.cfg), x_nd, z, self.gate.kernel[...],
           self.gate.bias[...], ex.weight("w1"), ex.weight("w3"), ex.weight("w2"), in_name=ex.in_name)
@@ -167,7 +176,10 @@ class MoE(nnx.Module):
       if self.latent_norm is not None:
         u = self.latent_norm(u)
       u = self.routed_up(u)
-    y = u.reshape(b, t, d)
+    # routed_up's output on the split rows, then whole (left free, the partitioner gathers u,
+    # half y's bytes, and repeats routed_up on every tensor rank)
+    u = expert_parallel.split_rows(self.cfg, u, self.experts.in_name)
+    y = constrain(u.reshape(b, t, d), ("batch", "length", "embed"))  # rows whole again
     if self.shared_experts is not None:
       y = y + self.shared_experts(x_btd)
     return y, routing._replace(dropped_pairs=dropped)

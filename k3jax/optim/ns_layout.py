@@ -23,7 +23,12 @@ padding is cut off after): K3's 69 KDA layers do not divide fsdp = 2^k, and left
 partitioner the update of KDA g_proj / o_proj (whole [7168, 96 x 128] blocks) on
 fsdp=4,expert=2 all-gathers the blocks every iteration (16 collectives, 292 GiB of results per
 device and parameter, benchmarks/muon_sharded.py); padded to 72 layers it is 2 all-to-alls
-(11.8 GiB), for 4% more Newton-Schulz work.
+(11.8 GiB), for 4% more Newton-Schulz work. A stack of one block (K3's layer-0 dense MLP) would
+be padded to one zero block per device, every device orthogonalising a whole [7168, 33792]
+block: k3jax/optim/muon.py splits such a block's long side over the mesh instead (a psum of
+the Gram matrix per iteration). Other stacks that take much padding on a large mesh remain
+(K3 on fsdp=128 x tensor=8: the MLA g/o projections 43x, KDA g/o 15x, the shared experts 11x;
+together about 3% of the step's model FLOPs in zero blocks).
 
 It does so unless the split is on the long side only and the block is thin: per device and
 block of m x n (m <= n) split k ways along n, the partitioner's Gram all-reduces move about

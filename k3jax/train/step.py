@@ -28,8 +28,10 @@ shardings and traced under `jax.set_mesh(mesh)`: the state lives where the rules
 data x fsdp x expert, metrics come back replicated; the model is initialised by a jitted init
 whose outputs are already sharded (nothing is built whole on one device). Step 4 then runs
 inside a shard_map over the batch mesh axes: each device bins its own rows and the histogram
-method's only large reduction is one psum of the [layers, E, bins] counts (the exact method
-gathers the rows instead). Without a mesh nothing of this exists and the step is the
+method's only large reduction is one psum of a layer's [E, bins] counts per MoE layer (the
+exact method gathers the rows instead). The scores wait for step 4 with each device's rows
+split over the tensor ranks, as the MoE layers compute them (all micro-batches' scores of K3
+are 10 GiB per device whole), and are gathered one layer at a time. Without a mesh nothing of this exists and the step is the
 one-device program it always was.
 
 The compiled functions are cached per (model config, step config, mesh): repeated runs in one
@@ -60,6 +62,7 @@ from k3jax.train.loss import chunked_token_nll, token_nll  # noqa: F401  (token_
 from k3jax.model.quantile_balancing import (THRESHOLD_RULES, expert_load_stats,
                                             quantile_balancing_bias)
 from k3jax.optim import logical_axes_from_state, per_head_muon, qk_clip
+from sharding.expert_parallel import row_split_axes
 from sharding.placement import (batch_sharding, check_model_fits, like_params, replicated,
                                 variable_shardings)
 from sharding.rules import BATCH_MESH_AXES
@@ -283,17 +286,22 @@ def build(cfg: ModelConfig, sc: StepConfig, mesh: jax.sharding.Mesh | None = Non
                  "step": state["step"] + 1, "rng": jax.random.key_data(rng)}
     return new_state, metrics
 
-  def balance_rows(b_t, scores, experts, segment_ids, axis_name):
+  def balance_rows(b_t, scores, experts, segment_ids, axis_name, score_axes=()):
     """QB of every MoE layer from the rows at hand (all of them, or this device's with
     `axis_name` the mapped batch axes); load before and after. One layer at a time
     (lax.map): all layers at once (vmap) holds several [L, tokens, E] fp32 temporaries (the
     thresholds, the histogram's bin indices, the re-routing), 60 GiB per device for K3 on a
-    pod, where one layer's are 1/L of that."""
+    pod, where one layer's are 1/L of that. `scores` arrive with this device's rows split
+    further over `score_axes` (the tensor ranks: sharding/expert_parallel.py computes and keeps
+    them so), so each layer's are gathered whole here, one layer at a time."""
     mask = segment_ids.reshape(-1) != 0  # (micro-batch, row, position) order
 
     def layer(l):
       # [A, L, n, .] -> this layer's [A*n, .], rows in mask's order
-      s_ne = scores[:, l].reshape(-1, scores.shape[-1])
+      s_ane = scores[:, l]
+      if score_axes:
+        s_ane = jax.lax.all_gather(s_ane, score_axes, axis=1, tiled=True, to="invarying")
+      s_ne = s_ane.reshape(-1, s_ane.shape[-1])
       e_nk = experts[:, l].reshape(-1, experts.shape[-1])
       stats = lambda e: expert_load_stats(e, n_experts, mask=mask, axis_name=axis_name)  # noqa: E731
       b = b_t[l]
@@ -313,9 +321,11 @@ def build(cfg: ModelConfig, sc: StepConfig, mesh: jax.sharding.Mesh | None = Non
       b_next, load = balance_rows(b_t, scores, experts, segment_ids, None)
     else:  # each device its own rows; reductions over the batch axes inside
       rows_spec = P(None, None, BATCH_MESH_AXES, None)
+      score_axes = row_split_axes(cfg, mesh)
       b_next, load = jax.shard_map(
-          functools.partial(balance_rows, axis_name=BATCH_MESH_AXES), mesh=mesh,
-          in_specs=(P(), rows_spec, rows_spec, P(None, BATCH_MESH_AXES, None)),
+          functools.partial(balance_rows, axis_name=BATCH_MESH_AXES, score_axes=score_axes),
+          mesh=mesh, in_specs=(P(), P(None, None, BATCH_MESH_AXES + score_axes, None),
+                               rows_spec, P(None, BATCH_MESH_AXES, None)),
           out_specs=P())(b_t, scores, experts, segment_ids)
     return _set_path(bias, path, b_next.astype(b_t.dtype)), load
 

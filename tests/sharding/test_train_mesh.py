@@ -15,11 +15,11 @@ from flax import nnx
 from k3jax.model.transformer import K3Model
 
 from k3jax.train import step as step_lib
-from sharding.hlo import collectives, summary
+from sharding.hlo import collectives, matmul_flops, summary
 from sharding.mesh import make_mesh
 
-from .helpers import (assert_close, model_config, random_batch, run_options, run_steps,
-                      step_cfg)
+from .helpers import (ROWS, T, assert_close, model_config, random_batch, run_options,
+                      run_steps, step_cfg)
 
 MESH = "fsdp=2,expert=2,tensor=2"
 
@@ -35,6 +35,8 @@ def test_sharded_train_step(runs):
   tests of a module to both workers, which would each compile the two train steps."""
   check_three_sharded_steps_equal_three_one_device_steps(runs)
   check_sharded_step_reduces_qb_histograms_in_one_psum(runs)
+  check_sharded_step_keeps_router_scores_split_until_qb(runs)
+  check_moe_router_and_latent_projections_run_once_per_row(runs)
   check_sharded_step_never_gathers_expert_weights(runs)
 
 
@@ -86,6 +88,32 @@ def check_sharded_step_reduces_qb_histograms_in_one_psum(runs):
   assert f"s32[{len(cfg.moe_layers)},{cfg.num_experts},{sc.qb_bins}]" not in hlo
   # nothing else of that size moves: the histogram counts are never gathered
   assert not [c for c in collectives(hlo) if counts in c.result and c.op != "all-reduce"]
+
+
+def check_sharded_step_keeps_router_scores_split_until_qb(runs):
+  """The MoE layer routes (and keeps the scores of) only its tensor rank's half of the
+  device's rows, and QB gathers one layer's whole: one all-gather of [A, rows, E] (A = 1
+  micro-batch, this device's rows), which a step that kept the scores whole would not need."""
+  _, _, cfg, _, hlo = runs
+  scores = f"f64[1,{ROWS * T // 4},{cfg.num_experts}]"  # rows over fsdp x expert
+  gathers = [c for c in collectives(hlo) if c.op == "all-gather"]
+  assert len([c for c in gathers if scores in c.result]) == 1, gathers
+
+
+def check_moe_router_and_latent_projections_run_once_per_row(runs):
+  """The router and LatentMoE's routed_down / routed_up matmuls, summed over the 8 devices'
+  programs, do 3x their forward's hand count (forward, input and weight gradients; no remat
+  here): each tensor rank runs them on its share of the rows. With the rows replicated over
+  tensor = 2 they were 6x."""
+  _, _, cfg, _, hlo = runs
+  by_op = {}
+  matmul_flops(hlo, by_op)
+  n, d, l, e = ROWS * T, cfg.hidden_size, cfg.latent_size, cfg.num_experts
+  for einsum, forward in (("nd,de->ne", 2 * n * d * e), ("nd,dl->nl", 2 * n * d * l),
+                          ("nl,ld->nd", 2 * n * l * d)):
+    got = 8 * sum(f for op, f in by_op.items() if einsum in op)
+    print(f"{einsum}: {got / forward:.3f} x forward")
+    assert got == pytest.approx(3 * forward, rel=0.02), (einsum, got / forward)
 
 
 def check_sharded_step_never_gathers_expert_weights(runs):

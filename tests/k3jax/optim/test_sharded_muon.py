@@ -11,6 +11,8 @@ optimizer update (the update alone, jitted with the parameters' shardings; SPEC 
     communication and the bytes moved drop (numbers printed with -s)."""
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -21,7 +23,7 @@ from k3jax.optim import logical_axes_from_state, per_head_muon
 from k3jax.optim.groups import dimension_numbers
 from k3jax.optim.ns_layout import ns_plan
 from k3jax.train.step import plain
-from sharding.hlo import collectives, summary
+from sharding.hlo import collectives, matmul_flops, summary
 from sharding.mesh import make_mesh
 from sharding.placement import like_params, variable_shardings
 
@@ -109,3 +111,39 @@ def test_fsdp_split_blocks():
     assert len(auto) >= 5
     assert {c.op for c in whole} == {"all-to-all"}  # moves only; nothing inside the loop
     assert sum(c.bytes for c in whole) < sum(c.bytes for c in auto)
+
+
+def test_one_block_stack_is_split_over_the_mesh(tiny_tree):
+  """Layer 0's dense MLP, stacks of one block ([1, 128, 256]): orthogonalised with the long
+  side split over all 8 devices, one psum of the [128, 128] Gram matrix per iteration, not
+  padded with 7 zero blocks of which each device orthogonalises one whole. Per device
+  5 (4 m^2 n / 8 + 2 m^3) matmul FLOPs instead of 5 (4 m^2 n + 2 m^3); the update equals the
+  one-device update (float64: summation order only)."""
+  mesh = make_mesh("fsdp=2,expert=2,tensor=2")
+  path = ("dense_mlp", "gate_proj")
+  params = pick(tiny_tree, [path])
+  (_, var), = nnx.to_flat_state(params)
+  _, m, n = var.shape
+  axes = plain(logical_axes_from_state(params))
+  shardings = variable_shardings(params, mesh)
+  with jax.enable_x64(True):
+    tx = per_head_muon(0.01, logical_axes=axes)
+    grads = jax.tree.map(lambda s: jax.random.normal(jax.random.key(0), s.shape, jnp.float64),
+                         plain(nnx.as_pure(params)))
+    want, _ = jax.jit(tx.update)(grads, tx.init(grads), grads)
+    opt_sh = like_params(jax.eval_shape(tx.init, grads), grads, shardings, mesh)
+    update = jax.jit(tx.update, in_shardings=(shardings, opt_sh, shardings),
+                     out_shardings=(shardings, opt_sh))
+    placed = jax.device_put(grads, shardings)
+    state = jax.device_put(tx.init(grads), opt_sh)
+    with jax.set_mesh(mesh):
+      got, _ = update(placed, state, placed)
+      hlo = update.lower(placed, state, placed).compile().as_text()
+  for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0,
+                               atol=1e-10 * np.abs(np.asarray(a)).max())
+  gram = f"f64[{m},{m}]"
+  reduces = [c for c in collectives(hlo) if c.op == "all-reduce" and gram in c.result]
+  assert len(reduces) == 5, summary(collectives(hlo))
+  split = 5 * (4 * m * m * n / 8 + 2 * m**3)
+  assert matmul_flops(hlo) == pytest.approx(split, rel=0.01), (matmul_flops(hlo), split)
