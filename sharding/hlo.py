@@ -12,6 +12,8 @@ import math
 import re
 from typing import NamedTuple
 
+import numpy as np
+
 OPS = ("all-gather", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute",
        "reduce-scatter")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
@@ -99,15 +101,14 @@ def _window_taps(window: str, out_sizes: list[int], in_sizes: list[int]) -> floa
   pads = [tuple(int(v) for v in p.split("_")) for p in fields["pad"].split("x")] if "pad" in fields else [(0, 0)] * n
   total = 1.0
   for d in range(n):
-    if out_sizes[d] * size[d] > 10**7:  # too many to walk: every tap counts
-      total *= out_sizes[d] * size[d]
-      continue
     span = (in_sizes[d] - 1) * lhs[d]
+    k = np.arange(size[d], dtype=np.int64) * rhs[d] - pads[d][0]
     taps = 0
+    # one output position at a time over all taps: XLA:TPU writes batched contractions as
+    # base-dilated convolutions of 8192 x 8192 taps with one real input each (AttnRes on tpu7x)
     for o in range(out_sizes[d]):
-      for k in range(size[d]):
-        x = o * stride[d] + k * rhs[d] - pads[d][0]
-        taps += 0 <= x <= span and x % lhs[d] == 0
+      x = o * stride[d] + k
+      taps += int(np.count_nonzero((x >= 0) & (x <= span) & (x % lhs[d] == 0)))
     total *= taps
   return total
 
