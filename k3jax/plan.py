@@ -201,7 +201,7 @@ def moe_layer_bytes(cfg, mesh, tokens: int) -> float:
   if not cfg.num_experts or cfg.moe_layers == () or mesh.size == 1:
     return 0.0
   c = 2 if cfg.dtype == "bfloat16" else 4
-  in_name = "latent" if cfg.latent_size is not None else "embed"
+  in_name = expert_parallel.expert_input_name(cfg)
   h = cfg.latent_size if in_name == "latent" else cfg.hidden_size
   plan = expert_parallel.layout(cfg, tokens, in_name, mesh)
   size = lambda axes: math.prod(mesh.shape[a] for a in axes)  # noqa: E731
@@ -381,8 +381,7 @@ def routed_fill(cfg, mesh, tokens: int) -> float:
   from sharding import expert_parallel  # noqa: PLC0415
   if not cfg.num_experts:
     return 1.0
-  in_name = "latent" if cfg.latent_size is not None else "embed"
-  with_mesh = expert_parallel.layout(cfg, tokens, in_name, mesh)
+  with_mesh = expert_parallel.layout(cfg, tokens, expert_parallel.expert_input_name(cfg), mesh)
   if with_mesh.ep == 1:
     return 1.0
   return min(1.0, with_mesh.n * cfg.num_experts_per_token / with_mesh.recv)

@@ -35,7 +35,12 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.manual_axes:
     return x
-  spec = activation_spec(names, x.shape, mesh)
+  return pin(x, activation_spec(names, x.shape, mesh), mesh)
+
+
+def pin(x: jax.Array, spec: jax.sharding.PartitionSpec,
+        mesh: jax.sharding.AbstractMesh) -> jax.Array:
+  """x placed as `spec` on the context mesh: resharded under explicit axes, else constrained."""
   if mesh.are_all_axes_explicit:
     return jax.sharding.reshard(x, spec)
   return jax.lax.with_sharding_constraint(x, spec)

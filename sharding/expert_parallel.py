@@ -68,6 +68,7 @@ from k3jax.model.grouped_matmul import ROWS as GROUPED_ROWS
 from k3jax.model.grouped_matmul import grouped_matmul
 from k3jax.model.layers import wide_dtype
 from k3jax.model.mlp import glu
+from sharding.activations import pin
 from sharding.rules import ACTIVATION_RULES, MESH_AXES, fit_spec, logical_to_spec
 
 DISPATCHES = ("ragged", "padded")
@@ -193,11 +194,15 @@ def routed_experts(cfg, route, x_nd: jax.Array, z_nh: jax.Array, router_de: jax.
   return u[:n_tokens], (scores[:n_tokens], experts[:n_tokens], weights[:n_tokens]), dropped
 
 
+def expert_input_name(cfg) -> str:
+  """The logical name of the routed experts' input width: the latent l (LatentMoE) or d."""
+  return "latent" if cfg.latent_size is not None else "embed"
+
+
 def row_split_axes(cfg, mesh) -> tuple[str, ...]:
   """The mesh axes that split each device's rows further in and out of `routed_experts` (the
   tensor ranks of tensor-parallel experts; none without)."""
-  in_name = "latent" if cfg.latent_size is not None else "embed"
-  return layout(cfg, 1, in_name, mesh).psum_axes
+  return layout(cfg, 1, expert_input_name(cfg), mesh).psum_axes
 
 
 def split_rows(cfg, x_nd: jax.Array, in_name: str) -> jax.Array:
@@ -210,9 +215,7 @@ def split_rows(cfg, x_nd: jax.Array, in_name: str) -> jax.Array:
     return x_nd
   plan = layout(cfg, x_nd.shape[0], in_name, mesh)
   spec = fit_spec(P(plan.token_axes + plan.psum_axes or None), x_nd.shape, dict(mesh.shape))
-  if mesh.are_all_axes_explicit:
-    return jax.sharding.reshard(x_nd, spec)
-  return jax.lax.with_sharding_constraint(x_nd, spec)
+  return pin(x_nd, spec, mesh)
 
 
 def _gather(w: jax.Array, spec: P) -> jax.Array:

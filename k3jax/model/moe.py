@@ -80,7 +80,7 @@ class RoutedExperts(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, width_in: int, *, rngs: nnx.Rngs):
     e, f = cfg.num_experts, cfg.moe_intermediate_size
-    in_name = "latent" if cfg.latent_size is not None else "embed"
+    in_name = expert_parallel.expert_input_name(cfg)
     self.cfg = cfg
     pd = cfg.jnp_param_dtype
     self.w1 = make_param(rngs, fan_in_normal(width_in), (e, width_in, f),
@@ -153,12 +153,10 @@ class MoE(nnx.Module):
     b, t, d = x_btd.shape
     x_nd = x_btd.reshape(b * t, d)
     latent = self.cfg.latent_size is not None
-    if expert_parallel.context_mesh() is None and self.cfg.moe_capacity_factor is None:
-      z = self.routed_down(x_nd) if latent else x_nd
-      routing = self.gate(x_nd)
-      u, dropped = self.experts(z, routing), jnp.zeros((), jnp.int32)
-    else:  # router, dispatch and experts per device (or capped, on one device)
-      ex = self.experts
+    ex = self.experts
+    one_device = (expert_parallel.context_mesh() is None
+                  and self.cfg.moe_capacity_factor is None)
+    if not one_device:
       # the rows as routed_experts splits them (over tensor too): the latent projections and
       # the router then run once per row, not on every tensor rank. Pinned whole first: the
       # constraint's transpose pins the cotangent whole there too, so the split stays inside
@@ -166,7 +164,11 @@ class MoE(nnx.Module):
       # attention then ran on every tensor rank: +0.43 of the K3 step's model FLOPs)
       x_nd = expert_parallel.split_rows(self.cfg, constrain(x_nd, ("batch", "embed")),
                                         ex.in_name)
-      z = self.routed_down(x_nd) if latent else x_nd
+    z = self.routed_down(x_nd) if latent else x_nd
+    if one_device:
+      routing = self.gate(x_nd)
+      u, dropped = ex(z, routing), jnp.zeros((), jnp.int32)
+    else:  # router, dispatch and experts per device (or capped, on one device)
       u, routed, dropped = expert_parallel.routed_experts(
           self.cfg, functools.partial(route, self.cfg), x_nd, z, self.gate.kernel[...],
           self.gate.bias[...], ex.weight("w1"), ex.weight("w3"), ex.weight("w2"), in_name=ex.in_name)
@@ -178,7 +180,7 @@ class MoE(nnx.Module):
       u = self.routed_up(u)
     # routed_up's output on the split rows, then whole (left free, the partitioner gathers u,
     # half y's bytes, and repeats routed_up on every tensor rank)
-    u = expert_parallel.split_rows(self.cfg, u, self.experts.in_name)
+    u = expert_parallel.split_rows(self.cfg, u, ex.in_name)
     y = constrain(u.reshape(b, t, d), ("batch", "length", "embed"))  # rows whole again
     if self.shared_experts is not None:
       y = y + self.shared_experts(x_btd)
