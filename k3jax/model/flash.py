@@ -4,8 +4,14 @@
 
 computed over query blocks i and key blocks j without the [T, T] scores: per (i, j) the block
 scores S_ij, the running row max m, the running sum l = sum exp(S - m) and the running output
-acc = sum exp(S - m) V, rescaled whenever m grows; o = acc / l, lse = m + log l. Key blocks
-entirely above the causal diagonal are skipped (`lax.cond`), so the work is the causal half.
+acc = sum exp(S - m) V, rescaled whenever m grows; o = acc / l, lse = m + log l.
+The loops hold only the causal blocks (j <= i), with no branch, so the compiled program's
+FLOPs (loop bodies times trip counts, as `sharding.hlo.matmul_flops` reads them) are the work
+done: loops over all n blocks that skipped the upper ones with `lax.cond` counted n^2 blocks.
+Query block i needs key blocks 0..i, so query blocks p and n-1-p together need n + 1: the
+forward scans the n // 2 pairs, each a scan of n + 1 steps through a static table of (query
+block, key block) carrying both query blocks' statistics; the middle block of an odd n runs
+alone. The backward pairs key blocks the same way (key block j needs query blocks j..n-1).
 The backward (custom VJP, as in FlashAttention-2) keeps only o and lse and recomputes each
 block's probabilities P_ij = exp(S_ij - lse_i):
     dV_j = sum_i P_ij^T dO_i,   dS_ij = P_ij * (dO_i V_j^T - D_i),   D_i = rowsum(dO_i * O_i)
@@ -22,6 +28,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def flash_attention(q_bthd, k_bthd, v_bthv, segment_ids_bt=None, *, scale: float,
@@ -62,37 +69,67 @@ def _scores(q, k, sq, sk, i, j, block, scale, wide, precision):
   return jnp.where(visible, s, -jnp.inf)
 
 
+def _paired(n, visits, run, carry):
+  """Runs `carry, outs = run(carry, table, g)` once per group of outer blocks: the pairs
+  (p, n-1-p) in one scan, then the middle block of an odd n. `table` [steps, 3] int32 lists
+  the group's steps as (slot, outer block o, inner block), o's inner blocks being `visits(o)`
+  and slot o's place among the group's g outer blocks; `outs` leaves are [g, ...]. Returns the
+  last carry and `outs` in outer-block order, [n, ...]."""
+  def table(outer):
+    return np.asarray([(slot, o, x) for slot, o in enumerate(outer) for x in visits(o)],
+                      np.int32)
+  parts = []
+  if n // 2:  # every pair has the same number of steps, so the pairs stack into one scan
+    pairs = np.stack([table((p, n - 1 - p)) for p in range(n // 2)])
+    carry, outs = jax.lax.scan(lambda c, t: run(c, t, 2), carry, pairs)
+    parts.append(jax.tree.map(lambda x: x[:, 0], outs))
+  if n % 2:
+    carry, middle = run(carry, jnp.asarray(table((n // 2,))), 1)
+    parts.append(middle)
+  if n // 2:
+    parts.append(jax.tree.map(lambda x: x[::-1, 1], outs))
+  return carry, jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
+
+
+def _pick(stacked, slot):
+  return tuple(jax.lax.dynamic_index_in_dim(x, slot, keepdims=False) for x in stacked)
+
+
+def _put(stacked, values, slot):
+  return tuple(jax.lax.dynamic_update_index_in_dim(x, v, slot, 0)
+               for x, v in zip(stacked, values))
+
+
 def _forward(q, k, v, seg, scale, block, precision):
   wide = jnp.promote_types(q.dtype, jnp.float32)
   qb, kb, vb, sb = (_blocks(x, block) for x in (q, k, v, seg))
   n = qb.shape[0]
   bsz, blk, h, dv = vb.shape[1], block, q.shape[2], v.shape[-1]
 
-  def per_query_block(i):
-    q_i, s_i = qb[i], sb[i]
-    init = (jnp.full((bsz, h, blk), -jnp.inf, wide), jnp.zeros((bsz, h, blk), wide),
-            jnp.zeros((bsz, h, blk, dv), wide))
+  def rows(_, table, g):
+    init = (jnp.full((g, bsz, h, blk), -jnp.inf, wide), jnp.zeros((g, bsz, h, blk), wide),
+            jnp.zeros((g, bsz, h, blk, dv), wide))
 
-    def step(carry, j):
-      def update(carry):
-        m, l, acc = carry
-        s = _scores(q_i, kb[j], s_i, sb[j], i, j, block, scale, wide, precision)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.exp(s - m_safe[..., None])
-        alpha = jnp.exp(jnp.where(jnp.isfinite(m), m, -jnp.inf) - m_safe)
-        l = l * alpha + jnp.sum(p, axis=-1)
-        acc = acc * alpha[..., None] + jnp.einsum(
-            "bhqk,bkhv->bhqv", p.astype(v.dtype), vb[j], precision=precision,
-            preferred_element_type=wide)
-        return m_new, l, acc
-      return jax.lax.cond(j <= i, update, lambda c: c, carry), None  # causal blocks only
+    def step(state, x):
+      slot, i, j = x
+      m, l, acc = _pick(state, slot)
+      s = _scores(qb[i], kb[j], sb[i], sb[j], i, j, block, scale, wide, precision)
+      m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+      m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+      p = jnp.exp(s - m_safe[..., None])
+      alpha = jnp.exp(jnp.where(jnp.isfinite(m), m, -jnp.inf) - m_safe)
+      l = l * alpha + jnp.sum(p, axis=-1)
+      acc = acc * alpha[..., None] + jnp.einsum(
+          "bhqk,bkhv->bhqv", p.astype(v.dtype), vb[j], precision=precision,
+          preferred_element_type=wide)
+      return _put(state, (m_new, l, acc), slot), None
 
-    (m, l, acc), _ = jax.lax.scan(step, init, jnp.arange(n))
+    (m, l, acc), _ = jax.lax.scan(step, init, table)
     o = acc / l[..., None]
-    return jnp.moveaxis(o, 1, 2), m + jnp.log(l), m   # [B, blk, H, Dv], [B, H, blk] x 2
+    # [g, B, blk, H, Dv], [g, B, H, blk] x 2
+    return (), (jnp.moveaxis(o, 2, 3), m + jnp.log(l), m)
 
-  o, lse, m = jax.lax.map(per_query_block, jnp.arange(n))
+  _, (o, lse, m) = _paired(n, lambda i: range(i + 1), rows, ())
   o = _unblocks(o).astype(v.dtype)
   lse = jnp.moveaxis(lse, 0, 2).reshape(bsz, h, n * blk)
   m = jnp.moveaxis(m, 0, 2).reshape(bsz, h, n * blk)
@@ -120,30 +157,29 @@ def _flash_bwd(scale, block, precision, res, cts):
   db = jnp.moveaxis(d.reshape(d.shape[0], d.shape[1], -1, block), 2, 0)
   n = qb.shape[0]
 
-  def per_key_block(dq, j):
-    k_j, v_j, s_j = kb[j], vb[j], sb[j]
+  def columns(dq, table, g):
+    init = (jnp.zeros((g, *kb.shape[1:]), wide), jnp.zeros((g, *vb.shape[1:]), wide), dq)
 
-    def step(carry, i):
-      def update(carry):
-        dk, dv, dq = carry
-        s = _scores(qb[i], k_j, sb[i], s_j, i, j, block, scale, wide, precision)
-        p = jnp.exp(s - lseb[i][..., None])                       # [B, H, bq, bk]
-        dv = dv + jnp.einsum("bhqk,bqhv->bkhv", p, dob[i].astype(wide), precision=precision)
-        dp = jnp.einsum("bqhv,bkhv->bhqk", dob[i].astype(wide), v_j.astype(wide),
-                        precision=precision)
-        ds = p * (dp - db[i][..., None]) * scale
-        dk = dk + jnp.einsum("bhqk,bqhd->bkhd", ds, qb[i].astype(wide), precision=precision)
-        dq_i = jnp.einsum("bhqk,bkhd->bqhd", ds, k_j.astype(wide), precision=precision)
-        dq = jax.lax.dynamic_update_index_in_dim(dq, dq[i] + dq_i, i, 0)
-        return dk, dv, dq
-      return jax.lax.cond(i >= j, update, lambda c: c, carry), None  # causal blocks only
+    def step(carry, x):
+      slot, j, i = x
+      *dkv, dq = carry
+      dk, dv = _pick(dkv, slot)
+      k_j, v_j = kb[j], vb[j]
+      s = _scores(qb[i], k_j, sb[i], sb[j], i, j, block, scale, wide, precision)
+      p = jnp.exp(s - lseb[i][..., None])                       # [B, H, bq, bk]
+      dv = dv + jnp.einsum("bhqk,bqhv->bkhv", p, dob[i].astype(wide), precision=precision)
+      dp = jnp.einsum("bqhv,bkhv->bhqk", dob[i].astype(wide), v_j.astype(wide),
+                      precision=precision)
+      ds = p * (dp - db[i][..., None]) * scale
+      dk = dk + jnp.einsum("bhqk,bqhd->bkhd", ds, qb[i].astype(wide), precision=precision)
+      dq_i = jnp.einsum("bhqk,bkhd->bqhd", ds, k_j.astype(wide), precision=precision)
+      dq = jax.lax.dynamic_update_index_in_dim(dq, dq[i] + dq_i, i, 0)
+      return (*_put(dkv, (dk, dv), slot), dq), None
 
-    init = (jnp.zeros(k_j.shape, wide), jnp.zeros(v_j.shape, wide), dq)
-    (dk, dv, dq), _ = jax.lax.scan(step, init, jnp.arange(n))
+    (dk, dv, dq), _ = jax.lax.scan(step, init, table)
     return dq, (dk, dv)
 
-  dq0 = jnp.zeros(qb.shape, wide)
-  dq, (dk, dv) = jax.lax.scan(per_key_block, dq0, jnp.arange(n))
+  dq, (dk, dv) = _paired(n, lambda j: range(j, n), columns, jnp.zeros(qb.shape, wide))
   return (_unblocks(dq).astype(q.dtype), _unblocks(dk).astype(k.dtype),
           _unblocks(dv).astype(v.dtype), None)
 
