@@ -85,10 +85,10 @@ def main() -> None:
       ops = "+".join(sorted(op.replace("all-", "a").replace("collective-permute", "cp")
                             for op in summary(found)))
       row[whole] = f"{count:3d} {size / 2**20:9.2f} MiB {ops:10s}"
-    there, padded = ns_plan(home, var.shape, dn, dict(mesh.shape))
+    there, padded, split = ns_plan(home, var.shape, dn, dict(mesh.shape))
     grown = [f"{a}->{b}" for a, b in zip(var.shape, padded) if a != b]  # zero blocks
     layout = (f"[pad {grown[0]}] " if grown else "") + f"{home}" + (
-        "" if there == home else f" -> {there}")
+        "" if there == home else f" -> {there}") + (f" split {'x'.join(split)}" if split else "")
     print(f"{name[:34]:34s} {str(tuple(var.shape)):26s} {layout[:62]:62s} {row[False]} "
           f"{row[True]}")
   (n0, b0), (n1, b1) = totals[False], totals[True]

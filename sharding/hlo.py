@@ -161,9 +161,10 @@ def matmul_flops(hlo_text: str, by_op: dict | None = None) -> float:
               if op == "constant" and typ.startswith("s32[]")]
     return max(consts, default=1)
 
-  def cost(name: str, mult: float = 1.0) -> float:
-    """FLOPs of one run of computation `name`; with by_op, attributed `mult` times."""
-    if name in memo and by_op is None:
+  def cost(name: str, mult: float = 1.0, record: bool = True) -> float:
+    """FLOPs of one run of computation `name`; with by_op (and `record`), attributed `mult`
+    times."""
+    if name in memo and (by_op is None or not record):
       return memo[name]
     total = 0.0
     for _, typ, op, args in comps.get(name, ()):
@@ -183,20 +184,20 @@ def matmul_flops(hlo_text: str, by_op: dict | None = None) -> float:
       elif op == "while":
         body = re.search(r"body=%([\w.\-]+)", args).group(1)
         n = trips(re.search(r"condition=%([\w.\-]+)", args).group(1), args)
-        total += n * cost(body, mult * n)
+        total += n * cost(body, mult * n, record)
         continue
       elif op == "conditional":
         branches = re.findall(r"%([\w.\-]+)", args.split("branch_computations={")[1].split(
             "}")[0]) if "branch_computations={" in args else []
-        costs = {b: cost(b) for b in branches}
+        costs = {b: cost(b, record=False) for b in branches}  # sizes only: nothing recorded
         if costs:
           widest = max(costs, key=costs.get)
-          total += cost(widest, mult) if by_op is not None else costs[widest]
+          total += cost(widest, mult, record) if by_op is not None else costs[widest]
         continue
       elif op != "reduce" and called:  # fusion, call, async-start, map...
-        total += sum(cost(c, mult) for c in called)
+        total += sum(cost(c, mult, record) for c in called)
         continue
-      if by_op is not None and total > before:
+      if by_op is not None and record and total > before:
         where = re.search(r'op_name="(?:jit\([^)]*\)/)?([^"]*)"', args)
         key = where.group(1) if where else op
         by_op[key] = by_op.get(key, 0.0) + (total - before) * mult

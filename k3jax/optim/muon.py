@@ -150,71 +150,69 @@ def _orthogonalize_local(x: jax.Array, spec, mesh, dn: MuonDimensionNumbers, **n
   return jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=spec)(x)
 
 
-def _split_axes(n: int, mesh) -> tuple[str, ...]:
-  """The mesh axes (of size > 1, in mesh order) whose running product divides n."""
-  axes, ways = [], 1
-  for ax in mesh.axis_names:
-    if mesh.shape[ax] > 1 and n % (ways * mesh.shape[ax]) == 0:
-      axes.append(ax)
-      ways *= mesh.shape[ax]
-  return tuple(axes)
-
-
 def _newton_schulz_split(x_mn: jax.Array, axes, *, steps: int, coeffs, eps: float,
                          precision) -> jax.Array:
-  """newton_schulz of one [m, n] block (m <= n) whose columns are split over `axes`, inside
-  shard_map: the norm and each Gram matrix A = X X^T are psums over `axes`; A A and the
-  update of this device's columns are local. Equal to newton_schulz up to summation order."""
+  """newton_schulz of one [m, n/k] block (m <= n) whose columns are split over `axes` (k
+  ways), inside shard_map: the norm and each Gram matrix A = X X^T are psums over `axes`;
+  the rest is local. Where this device's n/k columns are fewer than m, the update is
+  a X + b (A X) + c A (A X), 6 m^2 n/k FLOPs, rather than a X + (b A + c A A) X, whose A A
+  costs every device of the split 2 m^3. Equal to newton_schulz up to summation order."""
   a, b, c = coeffs
+  psum = (lambda v: jax.lax.psum(v, axes)) if axes else (lambda v: v)  # noqa: E731
   x = x_mn.astype(jnp.promote_types(x_mn.dtype, jnp.float32))
-  x = x / (jnp.sqrt(jax.lax.psum(jnp.sum(x * x), axes)) + eps)
+  x = x / (jnp.sqrt(psum(jnp.sum(x * x))) + eps)
   mm = lambda p, q: jnp.matmul(p, q, precision=precision)  # noqa: E731
   for _ in range(steps):
-    gram = jax.lax.psum(mm(x, x.T), axes)
-    x = a * x + mm(b * gram + c * mm(gram, gram), x)
+    gram = psum(mm(x, x.T))
+    if x.shape[1] < x.shape[0]:
+      ax = mm(gram, x)
+      x = a * x + b * ax + c * mm(gram, ax)
+    else:
+      x = a * x + mm(b * gram + c * mm(gram, gram), x)
   return x
 
 
-def _orthogonalize_single(x: jax.Array, mesh, dn: MuonDimensionNumbers, **ns) -> jax.Array | None:
-  """orthogonalize of a stack of one block (K3's layer-0 dense MLP: [1, 7168, 33792]) on a
-  mesh, its long side split over every mesh axis that divides it: per device and iteration
-  4 m^2 n / k + 2 m^3 FLOPs and one psum of the [m, m] Gram matrix. The whole-block layout
-  (ns_layout.py) would pad the stack with k - 1 zero blocks, one whole block per device: on a
-  1024-chip pod the three dense-MLP matrices cost 4.4% of the step's model FLOPs that way,
-  0.4% split. None where no mesh axis divides the long side."""
+def _orthogonalize_split(x: jax.Array, there, split: tuple[str, ...], mesh,
+                         dn: MuonDimensionNumbers, **ns) -> jax.Array:
+  """orthogonalize on x placed as `there` (ns_layout.NSPlan): blocks as [batch..., m, n]
+  (m <= n), the batch axes where `there` has them, each block's long side split over
+  `split`; each device runs its blocks one at a time (a loop, so Newton-Schulz holds one
+  block's fp32 copies), psum-ing each Gram matrix over `split`."""
   red, out = tuple(dn.reduction_axis), tuple(dn.output_axis)
-  perm = tuple(a for a in range(x.ndim) if a not in red + out) + red + out
+  batch = tuple(a for a in range(x.ndim) if a not in red + out)
+  perm = batch + red + out
   _, fan_in, fan_out = block_shape(x.shape, dn)
   tall = fan_in > fan_out
-  axes = _split_axes(max(fan_in, fan_out), mesh)
-  if not axes:
-    return None
   x_t = jnp.transpose(x, perm)
-  x_mn = x_t.reshape(fan_in, fan_out)
-  x_mn = x_mn.T if tall else x_mn
-  spec = jax.P(None, axes)
-  o_mn = jax.shard_map(functools.partial(_newton_schulz_split, axes=axes, **ns), mesh=mesh,
-                       in_specs=spec, out_specs=spec)(
-                           jax.lax.with_sharding_constraint(x_mn, spec))
-  o_mn = o_mn.T if tall else o_mn
+  lead = x_t.shape[:len(batch)]
+  x_mn = x_t.reshape(lead + (fan_in, fan_out))
+  x_mn = jnp.swapaxes(x_mn, -1, -2) if tall else x_mn
+  there = tuple(there) + (None,) * (x.ndim - len(there))
+  spec = jax.P(*(there[a] for a in batch), None, split or None)
+
+  def local(blocks):
+    flat = blocks.reshape((-1,) + blocks.shape[-2:])
+    o = jax.lax.map(functools.partial(_newton_schulz_split, axes=split, **ns), flat)
+    return o.reshape(blocks.shape)
+
+  o_mn = jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=spec)(
+      jax.lax.with_sharding_constraint(x_mn, spec))
+  o_mn = jnp.swapaxes(o_mn, -1, -2) if tall else o_mn
   return jnp.transpose(o_mn.reshape(x_t.shape), tuple(perm.index(a) for a in range(x.ndim)))
 
 
 def _orthogonalize_placed(m_hat: jax.Array, names, dn: MuonDimensionNumbers,
                           whole_blocks: bool, **ns) -> jax.Array:
-  """orthogonalize, on a context mesh first moved to whole blocks per device (ns_layout.py)
-  and back to the parameter's placement after; a single block split over the mesh instead."""
+  """orthogonalize on a context mesh, in the placement ns_layout.ns_plan picks (whole blocks
+  per device, or blocks split along their long side) and back to the parameter's placement
+  after."""
   mesh = _context_mesh() if whole_blocks else None
   if mesh is None:
     return orthogonalize(m_hat, dn, **ns)
   shape = m_hat.shape
   home = logical_to_spec(names, mesh=mesh, shape=shape)
-  if block_shape(shape, dn)[0] == 1:
-    o = _orthogonalize_single(m_hat, mesh, dn, **ns)
-    if o is not None:
-      return jax.lax.with_sharding_constraint(o, home)
-  there, padded = ns_plan(home, shape, dn, dict(mesh.shape))
-  if there == home:
+  there, padded, split = ns_plan(home, shape, dn, dict(mesh.shape))
+  if there == home and not split:
     return orthogonalize(m_hat, dn, **ns)
   if padded != shape:  # zero blocks (a local pad where that axis is whole at home: layers)
     m_hat = jax.lax.with_sharding_constraint(
@@ -222,7 +220,10 @@ def _orthogonalize_placed(m_hat: jax.Array, names, dn: MuonDimensionNumbers,
   path = moves(home, there, m_hat.ndim)
   for spec in path:
     m_hat = jax.lax.with_sharding_constraint(m_hat, spec)
-  o = _orthogonalize_local(m_hat, there, mesh, dn, **ns)
+  if split:
+    o = _orthogonalize_split(m_hat, there, split, mesh, dn, **ns)
+  else:
+    o = _orthogonalize_local(m_hat, there, mesh, dn, **ns)
   for spec in reversed([home] + path):  # pinned where it was computed, then back
     o = jax.lax.with_sharding_constraint(o, spec)
   if padded != shape:

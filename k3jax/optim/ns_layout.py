@@ -23,12 +23,17 @@ padding is cut off after): K3's 69 KDA layers do not divide fsdp = 2^k, and left
 partitioner the update of KDA g_proj / o_proj (whole [7168, 96 x 128] blocks) on
 fsdp=4,expert=2 all-gathers the blocks every iteration (16 collectives, 292 GiB of results per
 device and parameter, benchmarks/muon_sharded.py); padded to 72 layers it is 2 all-to-alls
-(11.8 GiB), for 4% more Newton-Schulz work. A stack of one block (K3's layer-0 dense MLP) would
-be padded to one zero block per device, every device orthogonalising a whole [7168, 33792]
-block: k3jax/optim/muon.py splits such a block's long side over the mesh instead (a psum of
-the Gram matrix per iteration). Other stacks that take much padding on a large mesh remain
-(K3 on fsdp=128 x tensor=8: the MLA g/o projections 43x, KDA g/o 15x, the shared experts 11x;
-together about 3% of the step's model FLOPs in zero blocks).
+(11.8 GiB), for 4% more Newton-Schulz work.
+
+Padding stops paying when a stack has far fewer blocks than devices: on K3's fsdp=128 x
+tensor=8 pod mesh the MLA g/o projections (24 layers) would be padded to 1024 blocks, KDA g/o
+(69) and the shared experts (92) too, and layer 0's dense MLP (one block) to 1024 zero-block
+copies of itself: each device's Newton-Schulz 1.9x its share of the hand count. So `ns_plan`
+also tries leaving mesh axes split along each block's long side (k ways; the Gram matrix
+psummed every iteration, k3jax/optim/muon.py) and takes the plan of least `ns_cost`, matmul
+FLOPs plus the all-reduced bytes priced in FLOPs: K3's g/o and shared-expert stacks keep
+`tensor` on their long side and take `fsdp` on the layers (padded to 128), the dense MLP
+splits over both, and each device's Newton-Schulz is 1.09x its share.
 
 It does so unless the split is on the long side only and the block is thin: per device and
 block of m x n (m <= n) split k ways along n, the partitioner's Gram all-reduces move about
@@ -39,11 +44,15 @@ n < 5 k m (e.g. K3's KDA q/k/v, 7168 x 128 per head, with embed split over fsdp 
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 from jax.sharding import PartitionSpec
 from optax.contrib import MuonDimensionNumbers
+
+from k3jax.optim.groups import block_shape
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -54,29 +63,61 @@ def _entry(axes: Sequence[str]):
   return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
 
 
+class NSPlan(NamedTuple):
+  """Where Newton-Schulz runs. `there`: the placement (of the padded parameter) with every mesh
+  axis not in `split` moved off the block axes onto a batch axis; `shape`: the parameter's
+  shape with that batch axis padded with zero blocks (the parameter's own where no padding
+  is needed); `split`: mesh axes over which each block's long side stays split (one psum of
+  the [m, m] Gram matrix per iteration, k3jax/optim/muon.py), () for whole blocks."""
+  there: PartitionSpec
+  shape: tuple[int, ...]
+  split: tuple[str, ...] = ()
+
+
 def ns_layout(spec: PartitionSpec, shape: Sequence[int], dn: MuonDimensionNumbers,
               mesh_shape: Mapping[str, int]) -> PartitionSpec:
   """The placement to orthogonalise a parameter of placement `spec` in (`ns_plan`'s)."""
-  return ns_plan(spec, shape, dn, mesh_shape)[0]
+  return ns_plan(spec, shape, dn, mesh_shape).there
 
 
 def ns_plan(spec: PartitionSpec, shape: Sequence[int], dn: MuonDimensionNumbers,
-            mesh_shape: Mapping[str, int]) -> tuple[PartitionSpec, tuple[int, ...]]:
-  """(placement, shape) to orthogonalise a parameter of placement `spec` and `shape` in: mesh
-  axes (of size > 1) on block axes moved onto the first batch axis whose size they still
-  divide; when none does, onto the batch axis that needs the least zero-block padding to
-  become a multiple (the shape then has that axis padded)."""
+            mesh_shape: Mapping[str, int]) -> NSPlan:
+  """The cheapest `NSPlan` (by `ns_cost`) for a parameter of placement `spec` and `shape`:
+  each subset of the mesh axes on the block axes that divides the long side is tried as the
+  split; the other axes move onto the first batch axis whose size they still divide, or,
+  where none does, onto the batch axis that needs the least zero-block padding to become a
+  multiple."""
   ndim = len(shape)
-  shape = list(shape)
   entries = [_axes(e) for e in tuple(spec) + (None,) * (ndim - len(spec))]
   entries = [tuple(a for a in e if mesh_shape.get(a, 1) > 1) for e in entries]
-  block = set(dn.reduction_axis) | set(dn.output_axis)
-  batch = [i for i in range(ndim) if i not in block]
-  if _thin_long_side_split(entries, shape, dn, mesh_shape):
-    return PartitionSpec(*(_entry(e) for e in entries)), tuple(shape)
-  target = [list(e) if i in batch else [] for i, e in enumerate(entries)]
-  for i in sorted(block):
+  if _thin_long_side_split(entries, list(shape), dn, mesh_shape):
+    return NSPlan(PartitionSpec(*(_entry(e) for e in entries)), tuple(shape))
+  block = sorted(set(dn.reduction_axis) | set(dn.output_axis))
+  on_blocks = [a for i in block for a in entries[i]]
+  long_side = max(math.prod(shape[i] for i in dn.reduction_axis),
+                  math.prod(shape[i] for i in dn.output_axis))
+  plans = []
+  for r in range(len(on_blocks) + 1):
+    for split in itertools.combinations(on_blocks, r):
+      if long_side % math.prod(mesh_shape[a] for a in split) == 0:
+        plan = _batch_plan(entries, shape, block, split, mesh_shape)
+        leftover = [a for i in block for a in _axes(plan.there[i]) if a not in split]
+        if not (split and leftover):  # a split plan holds its blocks whole but for `split`
+          plans.append(plan)
+  return min(plans, key=lambda p: ns_cost(p, dn, mesh_shape))  # ties: fewest split axes
+
+
+def _batch_plan(entries, shape, block, split, mesh_shape) -> NSPlan:
+  """The NSPlan with `split` on the long side and the other block-axis mesh axes on batch
+  axes (padded where they divide none)."""
+  shape = list(shape)
+  batch = [i for i in range(len(shape)) if i not in block]
+  target = [list(e) if i in batch else [a for a in e if a in split]
+            for i, e in enumerate(entries)]
+  for i in block:
     for ax in entries[i]:
+      if ax in split:
+        continue
       multiple = lambda j: math.prod(mesh_shape[a] for a in target[j]) * mesh_shape[ax]  # noqa
       fits = [j for j in batch if shape[j] % multiple(j) == 0]
       if not fits and batch:  # pad the batch axis that grows least (zero blocks)
@@ -87,7 +128,39 @@ def ns_plan(spec: PartitionSpec, shape: Sequence[int], dn: MuonDimensionNumbers,
         target[fits[0]].append(ax)
       else:  # a single block (no batch axis): it stays split there
         target[i].append(ax)
-  return PartitionSpec(*(_entry(t) for t in target)), tuple(shape)
+  return NSPlan(PartitionSpec(*(_entry(t) for t in target)), tuple(shape), tuple(split))
+
+
+# Newton-Schulz runs at HIGHEST precision: fp32 matmuls, which a TPU computes at about a sixth
+# of its bf16 peak (v5p: ~75 of 459 TFLOP/s), while one ring axis of the torus all-reduces at
+# ~100-200 GB/s per chip: about 500 fp32 FLOPs for each byte a device all-reduces.
+FLOPS_PER_ALL_REDUCED_BYTE = 500.0
+
+
+def ns_cost(plan: NSPlan, dn: MuonDimensionNumbers, mesh_shape: Mapping[str, int]) -> float:
+  """Per device and iteration, in FLOPs: `ns_flops` plus FLOPS_PER_ALL_REDUCED_BYTE times the
+  bytes of the Gram all-reduces (2 (k-1)/k m^2 fp32 values per block on a ring of k). The
+  moves there and back cost about the same for every plan and are not counted."""
+  local, m, _, k = _local_blocks(plan, dn, mesh_shape)
+  comm = local * 2 * (k - 1) / k * m * m * 4 * FLOPS_PER_ALL_REDUCED_BYTE if k > 1 else 0.0
+  return ns_flops(plan, dn, mesh_shape) + comm
+
+
+def ns_flops(plan: NSPlan, dn: MuonDimensionNumbers, mesh_shape: Mapping[str, int]) -> float:
+  """Matmul FLOPs per device and Newton-Schulz iteration under `plan`: this device's blocks
+  (zero blocks included) of m x n (m <= n) with the long side split k ways, each
+  min(4 m^2 n/k + 2 m^3, 6 m^2 n/k); the second computes A (A X) instead of (A A) X, which
+  pays once n/k < m (k3jax/optim/muon.py)."""
+  local, m, n, k = _local_blocks(plan, dn, mesh_shape)
+  return local * min(4 * m * m * n / k + 2 * m**3, 6 * m * m * n / k)
+
+
+def _local_blocks(plan: NSPlan, dn: MuonDimensionNumbers, mesh_shape: Mapping[str, int]):
+  """(blocks per device, m, n, k): blocks m x n (m <= n), the long side split k ways."""
+  blocks, fan_in, fan_out = block_shape(plan.shape, dn)
+  m, n = sorted((fan_in, fan_out))
+  ways = math.prod(mesh_shape[a] for e in plan.there for a in _axes(e) if a not in plan.split)
+  return blocks / ways, m, n, math.prod(mesh_shape[a] for a in plan.split)
 
 
 def _thin_long_side_split(entries, shape, dn: MuonDimensionNumbers,

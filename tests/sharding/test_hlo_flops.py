@@ -89,3 +89,17 @@ def test_base_dilated_window_counts_real_taps_only():
   assert hlo._window_taps(window, [8192], [8192]) == 8192
   # and a plain window: 3 taps over 10 inputs with padding 1 on each side
   assert hlo._window_taps("size=3 pad=1_1", [10], [10]) == 3 * 10 - 2
+
+
+def test_conditional_attributes_its_widest_branch_once():
+  """A loop over a lax.cond whose branches multiply once and twice: the total counts the wider
+  branch per trip, and `by_op` sums to the same total (sizing the branches records nothing)."""
+  def f(x, w):
+    def body(c, i):
+      return jax.lax.cond(i % 2 == 0, lambda c: jnp.tanh(c @ w),
+                          lambda c: jnp.tanh((c @ w) @ w), c), None
+    return jax.lax.scan(body, x, jnp.arange(STEPS))[0]
+  text = jax.jit(f).lower(jnp.ones((M, D)), jnp.ones((D, D))).compile().as_text()
+  by_op: dict = {}
+  assert matmul_flops(text, by_op) == STEPS * 2 * ONE
+  assert sum(by_op.values()) == STEPS * 2 * ONE, by_op
