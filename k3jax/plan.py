@@ -213,14 +213,16 @@ def moe_layer_bytes(cfg, mesh, tokens: int) -> float:
 
 
 def analytic_temp(cfg, rows_per_device: int, seq: int, tensor: int, state_per_device: float,
-                  params_per_device: float, moe_bytes: float = 0.0,
-                  one_block_per_device: float = 0.0) -> float:
+                  params_per_device: float, moe_bytes: float = 0.0, accum: int = 1,
+                  largest_per_device: float = 0.0) -> float:
   """Per-device temporaries by hand count (bytes), with the compute dtype's width c:
-    gradients           one fp32 copy of the parameters (the accumulator), as sharded;
-    optimizer           the Muon / AdamW update (one more copy) and the Newton-Schulz layout
-                        moves: a copy of every stack but the one-block stacks
-                        (`one_block_per_device`: layer 0's dense MLP), which Newton-Schulz
-                        orthogonalises split where they are;
+    gradients           one fp32 copy of the parameters (`params_per_device`, as sharded),
+                        two under gradient accumulation (the accumulator and the
+                        micro-batch's gradients);
+    optimizer           the state is donated and updated in place, one parameter at a time:
+                        beyond the gradients, one parameter's Newton-Schulz (its momentum
+                        moved to the layout, the iterate, the output: three fp32 copies of
+                        the largest parameter's share, `largest_per_device`);
     saved per layer     under remat only the layer's input carry survives the forward:
                         the partial sum [b, T, d] (c bytes) per layer; without remat every
                         activation of the layer, counted as ~30 [b, T, d]-sized tensors;
@@ -255,8 +257,8 @@ def analytic_temp(cfg, rows_per_device: int, seq: int, tensor: int, state_per_de
   loss = b * t * (cfg.vocab_size // tensor) * 4 * 3
   if getattr(cfg, "loss_chunk", None):
     loss = b * cfg.loss_chunk * (cfg.vocab_size // tensor) * 4 * 3
-  return (3 * params_per_device - one_block_per_device + saved + blocks + working + loss
-          + moe_bytes)
+  grads = params_per_device * (2 if accum > 1 else 1)
+  return grads + 3 * largest_per_device + saved + blocks + working + loss + moe_bytes
 
 
 def _mesh_size(mesh) -> dict:
@@ -289,9 +291,7 @@ def plan_one(cfg, sc, devices, topology: str, mesh_spec, *, batch: int, seq: int
   state_bytes = sum(_bytes_per_device(x) for x in jax.tree.leaves(state))
   batch_bytes = sum(_bytes_per_device(x) for x in jax.tree.leaves(data)) + 4
   params_bytes = sum(_bytes_per_device(x) for x in jax.tree.leaves(state["params"]))
-  # stacks of one layer (every parameter is stacked over `layers`): layer 0's own matrices
-  one_block = sum(_bytes_per_device(x) for x in jax.tree.leaves(state["params"])
-                  if x.ndim >= 3 and x.shape[0] == 1)
+  largest = max(_bytes_per_device(x) for x in jax.tree.leaves(state["params"]))
   n_params = step_lib.count_params(state["params"])
   trainable = step_lib.partition(state["params"], steps.trainable)[0]
   if lora:  # the temporaries' gradients are the adapters'; the experts are dequantised per
@@ -312,7 +312,7 @@ def plan_one(cfg, sc, devices, topology: str, mesh_spec, *, batch: int, seq: int
     arg = state_bytes + batch_bytes
     temp = analytic_temp(cfg, rows_dev, seq, sizes["tensor"], state_bytes, params_bytes,
                          moe_layer_bytes(cfg, mesh, batch // accum * seq),
-                         one_block_per_device=0.0 if lora else one_block)
+                         accum=accum, largest_per_device=0.0 if lora else largest)
     peak = arg + temp
     # per device: the model FLOPs share plus remat's recompute (one more forward)
     per_dev = model_flops / n * (4 / 3 if cfg.remat not in ("none", False) else 1.0)
