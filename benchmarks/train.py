@@ -2,6 +2,7 @@
 
     python benchmarks/train.py                      # tiny and the ~100M K3-shaped config
     python benchmarks/train.py --configs k3_100m --batch 4 --seq 512 --breakdown
+    python benchmarks/train.py --configs k3_100m --grad-accum 4   # 4 micro-batches a step
 
 MFU = model FLOPs of the step / step time / peak, where
   * model FLOPs = 3 x forward FLOPs x tokens, forward FLOPs per token as counted by
@@ -12,7 +13,8 @@ MFU = model FLOPs of the step / step time / peak, where
     the same device (the practical peak: what XLA's best kernel reaches here).
 The step is the real one (Per-Head Muon with clipping, Quantile Balancing, fp32 loss), on one
 batch of random tokens (full rows, one segment each), timed after compilation.
-`--breakdown` also times the parts of the step (one KDA, MLA and MoE layer forward+backward,
+`--breakdown` also times the parts of the step (the whole model's loss forward and
+forward+backward without the optimizer, one KDA, MLA and MoE layer forward+backward,
 the routed-expert grouped matmul against a dense matmul of the same FLOPs, the optimizer update)
 to show where the time goes.
 """
@@ -38,14 +40,15 @@ def k3_100m():
   """~100M parameters with every K3 part: [KDA, KDA, KDA, MLA] x 2 + the trailing MLA, a
   dense first layer, LatentMoE (32 experts, top 4, latent 256, 2 shared) with QB, AttnRes blocks
   of 3, SiTU, KDA head_dim 128 as in K3. A 32k vocabulary keeps the head K3-like in proportion
-  (byte-level would make the model all layers)."""
+  (byte-level would make the model all layers); the loss in chunks of 512 positions, as K3's
+  recipe runs it (k3jax/train/loss.py: its own backward, no [tokens, vocab] buffers)."""
   import configs  # noqa: PLC0415
   return configs.get("tiny").replace(
       vocab_size=32768, hidden_size=512, num_layers=9, mla_layers=(3, 7, 8),
       kda_num_heads=4, kda_head_dim=128, mla_num_heads=4, q_lora_rank=192, kv_lora_rank=128,
       qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, intermediate_size=1536,
       num_experts=32, num_experts_per_token=4, num_shared_experts=2, moe_intermediate_size=256,
-      latent_size=256, attn_res_block_size=3)
+      latent_size=256, attn_res_block_size=3, loss_chunk=512)
 
 
 def model_config(name: str, dtype: str, remat: bool):
@@ -62,17 +65,18 @@ def timed(fn, *args, iters: int) -> tuple[float, float]:
   return compile_s, median_seconds(lambda: jax.block_until_ready(compiled(*args)), iters)
 
 
-def bench_step(cfg, batch: int, seq: int, iters: int, peak: float) -> dict:
+def bench_step(cfg, batch: int, seq: int, iters: int, peak: float, accum: int = 1) -> dict:
   from k3jax.train import flops as flops_lib  # noqa: PLC0415
   from k3jax.train import step as step_lib  # noqa: PLC0415
   steps = step_lib.build(cfg, step_lib.StepConfig(decay_steps=1000))
   params, bias = step_lib.init_params(cfg, 0)
   state = step_lib.place(steps.init(params, bias, step_lib.new_rng(0)))
   rng = np.random.default_rng(0)
-  data = {"inputs": rng.integers(0, cfg.vocab_size, (1, batch, seq)).astype(np.int32),
-          "targets": rng.integers(0, cfg.vocab_size, (1, batch, seq)).astype(np.int32),
-          "segment_ids": np.ones((1, batch, seq), np.int32),
-          "loss_mask": np.ones((1, batch, seq), bool)}
+  shape = (accum, batch, seq)  # micro-batches, rows, positions
+  data = {"inputs": rng.integers(0, cfg.vocab_size, shape).astype(np.int32),
+          "targets": rng.integers(0, cfg.vocab_size, shape).astype(np.int32),
+          "segment_ids": np.ones(shape, np.int32),
+          "loss_mask": np.ones(shape, bool)}
   t0 = time.perf_counter()
   train = steps.train.lower(state, data, step_lib.NO_QK_CLIP).compile()
   compile_s = time.perf_counter() - t0
@@ -83,7 +87,7 @@ def bench_step(cfg, batch: int, seq: int, iters: int, peak: float) -> dict:
     jax.block_until_ready(m)
   step_s = median_seconds(one_step, iters)
   count = flops_lib.count(cfg, seq)
-  tokens = batch * seq
+  tokens = accum * batch * seq
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
   return {
       "params": n_params, "active_matmul_params": count.active_matmul_params,
@@ -92,6 +96,7 @@ def bench_step(cfg, batch: int, seq: int, iters: int, peak: float) -> dict:
       "model_tflops_per_step": count.train_per_token * tokens / 1e12,
       "achieved_gflops": count.train_per_token * tokens / step_s / 1e9,
       "mfu": count.train_per_token * tokens / step_s / peak,
+      "newton_schulz_tflops_per_step": flops_lib.newton_schulz_flops(cfg) / 1e12,
       "flops_per_token_fwd": {"matmul": count.matmul, "mla_attention": count.mla_attention,
                               "kda_core": count.kda_core, "attn_res": count.attn_res},
   }
@@ -108,6 +113,23 @@ def breakdown(cfg, batch: int, seq: int, iters: int) -> dict[str, float]:
   x = jax.random.normal(jax.random.key(0), (batch, seq, cfg.hidden_size), cfg.jnp_dtype)
   seg = jnp.ones((batch, seq), jnp.int32)
   out = {}
+  # the whole model's loss, forward and forward+backward (no optimizer, no QB)
+  from k3jax.model.transformer import K3Model  # noqa: PLC0415
+  from k3jax.train.loss import chunked_token_nll, token_nll  # noqa: PLC0415
+  graphdef, params, rest = nnx.split(K3Model(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+  ids = jax.random.randint(jax.random.key(3), (batch, seq + 1), 0, cfg.vocab_size)
+  mask = jnp.ones((batch, seq), bool)
+
+  def model_loss(params):
+    model = nnx.merge(graphdef, params, rest)
+    if cfg.loss_chunk is None:
+      logits = model(ids[:, :-1], segment_ids=seg).logits
+      return jnp.mean(token_nll(logits, ids[:, 1:], mask))
+    feats = model(ids[:, :-1], segment_ids=seg, logits=False).features
+    return jnp.mean(chunked_token_nll(feats, model.head(), ids[:, 1:], mask, cfg.loss_chunk))
+
+  out["model_fwd_s"] = timed(model_loss, params, iters=iters)[1]
+  out["model_fwd_bwd_s"] = timed(jax.value_and_grad(model_loss), params, iters=iters)[1]
   for name, make in (("kda_layer", KDA), ("mla_layer", MLA), ("moe_layer", MoE)):
     graphdef, state = nnx.split(make(cfg, rngs=nnx.Rngs(0)))
 
@@ -153,6 +175,8 @@ def main(argv=None) -> int:
   p.add_argument("--seq", type=int, default=None, help="positions per row (default 128 / 512)")
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   p.add_argument("--remat", action="store_true")
+  p.add_argument("--grad-accum", type=int, default=1,
+                 help="micro-batches of --batch rows per optimizer step")
   p.add_argument("--iters", type=int, default=3)
   p.add_argument("--breakdown", action="store_true", help="also time the parts of the step")
   p.add_argument("--json", action="store_true", help="print one JSON object per config")
@@ -166,11 +190,15 @@ def main(argv=None) -> int:
     big = name == "k3_100m"
     batch, seq = a.batch or (4 if big else 8), a.seq or (512 if big else 128)
     cfg = model_config(name, a.dtype, a.remat)
-    r = bench_step(cfg, batch, seq, a.iters, peak)
+    r = bench_step(cfg, batch, seq, a.iters, peak, a.grad_accum)
     print(f"{name}: {r['params'] / 1e6:.1f}M params ({r['active_matmul_params'] / 1e6:.1f}M "
-          f"active matmul), batch {batch} x {seq}: compile {r['compile_s']:.0f}s, step "
+          f"active matmul), batch {a.grad_accum} x {batch} x {seq}: compile "
+          f"{r['compile_s']:.0f}s, step "
           f"{r['step_s']:.3f}s, {r['tokens_per_s']:.0f} tokens/s, "
           f"{r['achieved_gflops']:.1f} model GFLOP/s = MFU {100 * r['mfu']:.1f}%", flush=True)
+    print(f"  per step: model {r['model_tflops_per_step']:.3f} TFLOP, Per-Head Muon's "
+          f"Newton-Schulz {r['newton_schulz_tflops_per_step']:.3f} TFLOP (not in the MFU; once "
+          "per step whatever the batch: --grad-accum amortises it)", flush=True)
     fwd = r["flops_per_token_fwd"]
     total = sum(fwd.values())
     print("  forward FLOPs/token: " + ", ".join(

@@ -17,6 +17,8 @@ head's train FLOPs), as with any rematerialisation.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -43,18 +45,58 @@ def chunked_token_nll(x_btd: jax.Array, head_dv: jax.Array, targets_bt: jax.Arra
   n = (t + pad) // chunk
   x_nbcd = jnp.moveaxis(x_btd.reshape(b, n, chunk, d), 1, 0)
   tgt_nbc = jnp.moveaxis(targets_bt.reshape(b, n, chunk), 1, 0)
-  wide = jnp.promote_types(x_btd.dtype, jnp.float32)
-  head = head_dv.astype(x_btd.dtype)
-
-  @jax.checkpoint
-  def one(x_bcd, tgt_bc):
-    logits = jnp.einsum("bcd,dv->bcv", x_bcd, head, precision=precision).astype(wide)
-    picked = jnp.take_along_axis(logits, tgt_bc[..., None], axis=-1)[..., 0]
-    return jax.nn.logsumexp(logits, axis=-1) - picked
-
-  def body(_, xs):
-    return None, one(*xs)
-
-  _, nll_nbc = jax.lax.scan(body, None, (x_nbcd, tgt_nbc))
+  nll_nbc = _chunked_nll(x_nbcd, head_dv.astype(x_btd.dtype), tgt_nbc, precision)
   nll = jnp.moveaxis(nll_nbc, 0, 1).reshape(b, n * chunk)[:, :t]
   return jnp.where(mask_bt, nll, 0.0)
+
+
+def _logits(x_bcd, head_dv, precision):
+  wide = jnp.promote_types(x_bcd.dtype, jnp.float32)
+  return jnp.einsum("bcd,dv->bcv", x_bcd, head_dv, precision=precision).astype(wide)
+
+
+def _picked(logits_bcv, tgt_bc):
+  return jnp.take_along_axis(logits_bcv, tgt_bc[..., None], axis=-1)[..., 0]
+
+
+def _nll_fwd(x_nbcd, head_dv, tgt_nbc, precision):
+  def body(_, xs):
+    x_bcd, tgt_bc = xs
+    logits = _logits(x_bcd, head_dv, precision)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    return None, (lse - _picked(logits, tgt_bc), lse)
+
+  _, (nll, lse) = jax.lax.scan(body, None, (x_nbcd, tgt_nbc))
+  return nll, (x_nbcd, head_dv, tgt_nbc, lse)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _chunked_nll(x_nbcd, head_dv, tgt_nbc, precision):
+  return _nll_fwd(x_nbcd, head_dv, tgt_nbc, precision)[0]
+
+
+def _nll_bwd(precision, res, ct_nbc):
+  """d nll / d logits = softmax - onehot(target), per chunk from the saved logsumexp: one
+  recomputed head matmul per chunk and the two gradient matmuls, written in the layouts they
+  are used in (no transposed copy of the [B, C, V] cotangent, no scatter for the target)."""
+  x_nbcd, head_dv, tgt_nbc, lse_nbc = res
+  wide = jnp.promote_types(x_nbcd.dtype, jnp.float32)
+  vocab = jnp.arange(head_dv.shape[1])
+
+  def body(dw_dv, xs):
+    x_bcd, tgt_bc, lse_bc, ct_bc = xs
+    logits = _logits(x_bcd, head_dv, precision)
+    g = (jnp.exp(logits - lse_bc[..., None])
+         - (vocab == tgt_bc[..., None]).astype(wide)) * ct_bc[..., None].astype(wide)
+    g = g.astype(x_bcd.dtype)
+    dx = jnp.einsum("bcv,dv->bcd", g, head_dv, precision=precision)
+    dw_dv = dw_dv + jnp.einsum("bcd,bcv->dv", x_bcd, g, precision=precision,
+                               preferred_element_type=wide)
+    return dw_dv, dx
+
+  dw, dx = jax.lax.scan(body, jnp.zeros(head_dv.shape, wide),
+                        (x_nbcd, tgt_nbc, lse_nbc, ct_nbc))
+  return dx, dw.astype(head_dv.dtype), None
+
+
+_chunked_nll.defvjp(_nll_fwd, _nll_bwd)
