@@ -17,7 +17,7 @@ machine, no TPU needed) and compiled ahead of time. XLA's own figures are then r
 Without `--mesh` a small set of meshes the model can be split on is tried (smallest analytic
 footprint first) and the fastest estimate that fits is reported. `--analytic` skips the
 compile: argument bytes exactly from the sharded state's shapes, temporaries from a
-hand count of what a layer keeps (see `analytic`), a cross-check, not a replacement.
+hand count of what a layer keeps (k3jax/plan_analytic.py), a cross-check, not a replacement.
 
 `--mode lora` plans LoRA fine-tuning instead (`k3jax train --lora RANK`, the same step
 function): adapters of rank `--lora` on `--lora-targets`, the base frozen in bf16 with its
@@ -40,6 +40,8 @@ import re
 import time
 
 from k3jax.cli import UserError
+from k3jax.plan_analytic import (_bytes_per_device, _dequantised_layer_bytes, analytic_temp,
+                                  moe_layer_bytes, routed_fill)
 from sharding import hlo
 
 GIB = 1024**3
@@ -109,11 +111,6 @@ def plan_config(cfg, remat: str | None = None, attention: str | None = None,
   if capacity_factor is not None:
     changes["moe_capacity_factor"] = capacity_factor
   return cfg.replace(**changes)
-
-
-def _bytes_per_device(sds) -> int:
-  shape = sds.sharding.shard_shape(sds.shape) if sds.sharding is not None else sds.shape
-  return math.prod(shape) * sds.dtype.itemsize
 
 
 def abstract_inputs(steps, cfg, batch: int, seq: int, accum: int, spec=None):
@@ -186,79 +183,6 @@ class Plan:
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
-
-
-def moe_layer_bytes(cfg, mesh, tokens: int) -> float:
-  """Per-device transient bytes of one routed-experts layer on `mesh` (sharding/
-  expert_parallel.py's layout for `tokens` tokens a step), in the compute dtype (c bytes):
-    gathered experts  when E does not split over expert x fsdp, each layer all-gathers its
-                      E/EP local experts over fsdp (3 matrices h x F/tensor), and its backward
-                      holds their gradient before the reduce-scatter: x 2;
-    dispatch          the receive buffer (`recv` rows of width h, sized for the worst case
-                      unless a capacity factor bounds it), the expert outputs, the return: x 3.
-  0 without experts or on one device."""
-  from sharding import expert_parallel  # noqa: PLC0415
-  if not cfg.num_experts or cfg.moe_layers == () or mesh.size == 1:
-    return 0.0
-  c = 2 if cfg.dtype == "bfloat16" else 4
-  in_name = expert_parallel.expert_input_name(cfg)
-  h = cfg.latent_size if in_name == "latent" else cfg.hidden_size
-  plan = expert_parallel.layout(cfg, tokens, in_name, mesh)
-  size = lambda axes: math.prod(mesh.shape[a] for a in axes)  # noqa: E731
-  gathered = 0.0
-  if plan.gather_axes:
-    gathered = 2 * cfg.num_experts / plan.ep * 3 * h * cfg.moe_intermediate_size / size(
-        plan.psum_axes) * c
-  return gathered + 3 * plan.recv * h * c
-
-
-def analytic_temp(cfg, rows_per_device: int, seq: int, tensor: int, state_per_device: float,
-                  params_per_device: float, moe_bytes: float = 0.0, accum: int = 1,
-                  largest_per_device: float = 0.0) -> float:
-  """Per-device temporaries by hand count (bytes), with the compute dtype's width c:
-    gradients           one fp32 copy of the parameters (`params_per_device`, as sharded),
-                        two under gradient accumulation (the accumulator and the
-                        micro-batch's gradients);
-    optimizer           the state is donated and updated in place, one parameter at a time:
-                        beyond the gradients, one parameter's Newton-Schulz (its momentum
-                        moved to the layout, the iterate, the output: three fp32 copies of
-                        the largest parameter's share, `largest_per_device`);
-    saved per layer     under remat only the layer's input carry survives the forward:
-                        the partial sum [b, T, d] (c bytes) per layer; without remat every
-                        activation of the layer, counted as ~30 [b, T, d]-sized tensors;
-    AttnRes blocks      the sealed-block buffer [n_seals, b, T, d]: under full remat once,
-                        with its fp32 gradient (block_scan rebuilds each layer's buffer from
-                        the final one); otherwise in fp32 once per scanned unit (a plain
-                        scan saves the carry per iteration);
-    one layer's working set in the backward: ~12 [b, T, d] + the widest per-head tensors
-                        (MLA's [b, H/tensor, T, T] scores and probs in fp32 when the plain
-                        attention runs, KDA's [b, T, H/tensor, 128] x 8 otherwise),
-    the loss            logits [b, T, V/tensor] fp32 x 3 (logits, softmax, gradient);
-    one MoE layer       `moe_bytes` (moe_layer_bytes: gathered experts, dispatch buffers).
-  A cross-check of the compiled figures (tests/k3jax/test_plan.py), not a replacement."""
-  from k3jax.model import schedule  # noqa: PLC0415
-  c = 2 if cfg.dtype == "bfloat16" else 4
-  d, b, t = cfg.hidden_size, rows_per_device, seq
-  btd = b * t * d
-  L = cfg.num_layers
-  remat = cfg.remat not in ("none", False)
-  saved = L * btd * (c if remat else 30 * c)
-  blocks = 0.0
-  if cfg.attn_res_block_size is not None:
-    if cfg.remat == "full":
-      blocks = schedule.num_seals(cfg) * btd * (c + 4)
-    else:
-      blocks = schedule.num_seals(cfg) * btd * 4 * max(1, L // 4)
-  h = cfg.mla_num_heads // tensor
-  attn = b * h * t * t * 4 * 3 if getattr(cfg, "attention", "dense") == "dense" else (
-      b * t * h * (cfg.qk_head_dim * 2 + cfg.v_head_dim * 2) * c)
-  kda = b * t * (cfg.kda_num_heads // tensor) * cfg.kda_head_dim * 8 * 4
-  working = 12 * btd * 4 + max(attn, kda)
-  loss = b * t * (cfg.vocab_size // tensor) * 4 * 3
-  if getattr(cfg, "loss_chunk", None):
-    loss = b * cfg.loss_chunk * (cfg.vocab_size // tensor) * 4 * 3
-  grads = params_per_device * (2 if accum > 1 else 1)
-  return grads + 3 * largest_per_device + saved + blocks + working + loss + moe_bytes
 
 
 def _mesh_size(mesh) -> dict:
@@ -373,34 +297,6 @@ def plan_one(cfg, sc, devices, topology: str, mesh_spec, *, batch: int, seq: int
               step_seconds_estimate=est,
               buffer_row_flops=buffer_rows,
               other_flops=work - model_flops - remat_flops - optimizer_flops - buffer_rows)
-
-
-def routed_fill(cfg, mesh, tokens: int) -> float:
-  """Expected routed pairs over the rows of the experts' receive buffer on a device (1 with
-  no exchange: the pairs are the rows)."""
-  from sharding import expert_parallel  # noqa: PLC0415
-  if not cfg.num_experts:
-    return 1.0
-  with_mesh = expert_parallel.layout(cfg, tokens, expert_parallel.expert_input_name(cfg), mesh)
-  if with_mesh.ep == 1:
-    return 1.0
-  return min(1.0, with_mesh.n * cfg.num_experts_per_token / with_mesh.recv)
-
-
-def _dequantised_layer_bytes(params) -> int:
-  """One MoE layer's packed routed experts as bf16 (2 bytes per weight; codes hold 2 per
-  byte), this device's share: what a layer's matmuls dequantise at a time."""
-  total = 0
-  for path, x in _flat(params):
-    if path[-1].endswith("_packed"):
-      total += _bytes_per_device(x) * 2 * 2 // x.shape[0]  # per layer of the [L, ...] stack
-  return total
-
-
-def _flat(tree):
-  import jax  # noqa: PLC0415
-  return [(tuple(str(getattr(k, "key", k)) for k in p), x)
-          for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 _OOM = re.compile(r"HLO temporaries \(([\d.]+)([KMGT]?)\)")

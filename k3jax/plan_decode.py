@@ -33,6 +33,7 @@ import time
 
 from k3jax.cli import UserError
 from k3jax.plan import chip_of, gib, oom_temporaries, topology_devices
+from k3jax.plan_analytic import _bytes_per_device
 from sharding import hlo
 
 
@@ -75,10 +76,6 @@ def serve_config(cfg):
   return cfg.replace(dtype="bfloat16", param_dtype="bfloat16", matmul_precision="default",
                      moe_grouped_matmul="ragged_dot",
                      kda_backend=cfg.kda_backend or "pallas_tpu")
-
-
-def _bytes_per_device(sds) -> int:
-  return math.prod(sds.sharding.shard_shape(sds.shape)) * sds.dtype.itemsize
 
 
 def abstract_inputs(cfg, mesh, batch: int, seq: int):
@@ -143,7 +140,7 @@ def plan_one(cfg, devices, topology: str, mesh_spec, *, batch: int, seq: int,
 
   from k3jax.generate.engine import decode_block, extend_jit  # noqa: PLC0415
   from k3jax.generate.sampling import Sampling  # noqa: PLC0415
-  from k3jax.plan import moe_layer_bytes  # noqa: PLC0415
+  from k3jax.plan_analytic import moe_layer_bytes  # noqa: PLC0415
   from k3jax.train import flops as flops_lib  # noqa: PLC0415
   from sharding.mesh import format_sizes, make_mesh  # noqa: PLC0415
   from sharding.placement import batch_rows_ways, check_batch  # noqa: PLC0415

@@ -120,23 +120,23 @@ def test_plan_lora_holds_a_frozen_bf16_base_and_mxfp4_experts(config_file, capsy
 
 
 def test_analytic_counts_one_moe_layer_on_the_mesh():
-  """The analytic count's MoE term (plan.moe_layer_bytes) on K3 at 512 x 8192 tokens, from the
-  expert-parallel layout: on fsdp=512 x tensor=2 (896 experts do not split over expert x fsdp)
+  """The analytic count's MoE term (plan_analytic.moe_layer_bytes) on K3 at 512 x 8192 tokens,
+  from the expert-parallel layout: on fsdp=512 x tensor=2 (896 experts do not split over expert x fsdp)
   a layer all-gathers all 896 experts over fsdp (bf16, F split by tensor; x 2 with the
   backward's gradient): the term that brings the hand count of temporaries for this mesh
   (107.6 GiB) near the 111.3 GiB the TPU compiler reports for the full K3 step; the dropless
   receive buffer holds every local pair (8192 tokens x 16); a capacity factor bounds the buffer
   on an expert-parallel mesh."""
   import jax  # noqa: PLC0415
-  from k3jax import plan  # noqa: PLC0415
+  from k3jax import plan, plan_analytic  # noqa: PLC0415
   cfg = plan.plan_config(k3.config())
   l, f = cfg.latent_size, cfg.moe_intermediate_size
   fsdp = jax.sharding.AbstractMesh((1, 512, 1, 2), ("data", "fsdp", "expert", "tensor"))
   gathered = 2 * 896 * 3 * l * (f // 2) * 2
-  assert plan.moe_layer_bytes(cfg, fsdp, 512 * 8192) == gathered + 3 * 8192 * 16 * l * 2
+  assert plan_analytic.moe_layer_bytes(cfg, fsdp, 512 * 8192) == gathered + 3 * 8192 * 16 * l * 2
   ep = jax.sharding.AbstractMesh((1, 4, 128, 2), ("data", "fsdp", "expert", "tensor"))
-  dropless = plan.moe_layer_bytes(cfg, ep, 512 * 8192)
-  bounded = plan.moe_layer_bytes(cfg.replace(moe_capacity_factor=1.25), ep, 512 * 8192)
+  dropless = plan_analytic.moe_layer_bytes(cfg, ep, 512 * 8192)
+  bounded = plan_analytic.moe_layer_bytes(cfg.replace(moe_capacity_factor=1.25), ep, 512 * 8192)
   # 7 local experts each taking <= ceil(1.25 x 16 x 128 x 8192 / 896) pairs, not 128 x 8192 x 7;
   # the rows rounded up to a multiple of 32 (what XLA:TPU's ragged_dot kernel takes)
   capacity = -(-int(1.25 * 16 * 128 * 8192) // 896)
