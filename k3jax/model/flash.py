@@ -153,7 +153,8 @@ def _flash_bwd(scale, block, precision, res, cts):
   wide = jnp.promote_types(q.dtype, jnp.float32)
   qb, kb, vb, sb, dob = (_blocks(x, block) for x in (q, k, v, seg, do))
   lseb = jnp.moveaxis(lse.reshape(lse.shape[0], lse.shape[1], -1, block), 2, 0)  # [n,B,H,blk]
-  d = jnp.einsum("bthv,bthv->bht", do.astype(wide), o.astype(wide))
+  # an elementwise product and a sum (no dot: D is not a matmul, and is not counted as one)
+  d = jnp.swapaxes(jnp.sum(do.astype(wide) * o.astype(wide), axis=-1), 1, 2)  # [B, H, T]
   db = jnp.moveaxis(d.reshape(d.shape[0], d.shape[1], -1, block), 2, 0)
   n = qb.shape[0]
 

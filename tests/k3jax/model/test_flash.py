@@ -65,8 +65,7 @@ def test_flash_flops_are_the_causal_blocks(t):
   both = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, k, v, w).compile().as_text()
   assert matmul_flops(forward) == pairs * (qk + pv)
   # backward per block pair: S recomputed (qk), dV = P^T dO (pv), dP = dO V^T (pv), dK = dS^T Q
-  # (qk), dQ = dS K (qk). D = rowsum(dO * O) is a dot_general in the jaxpr, but XLA:CPU
-  # compiles it to a multiply and a reduce, no dot, so it is not in the count.
+  # (qk), dQ = dS K (qk). D = rowsum(dO * O) is a product and a sum, no matmul.
   assert matmul_flops(both) == pairs * (qk + pv) + pairs * (3 * qk + 2 * pv)
   assert " conditional(" not in forward and " conditional(" not in both  # no branch per step
 
