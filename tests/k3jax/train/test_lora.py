@@ -102,9 +102,14 @@ def test_lora_run_trains_adapters_only(trained):
   sizes = [x.size for x in jax.tree.leaves(state["opt_state"]) if x.ndim]
   assert sum(sizes) == 2 * n_adapter
   # the loss falls: bytes start near uniform (ln 256 = 5.5 nats); this text's byte
-  # frequencies alone are worth > 2 nats of that, a fraction of which 12 steps must find
-  assert summary["last_loss"] < summary["first_loss"] - 0.5, summary
-  assert summary["eval_loss"] < summary["first_loss"] - 0.5, summary
+  # frequencies alone are worth > 2 nats of that, a fraction of which 12 steps must find.
+  # The same run at learning rate 0 (adapters that never move: the base) ends at train 7.33,
+  # eval 7.38 against a first loss of 7.40 (drops 0.08, 0.02); trained, 6.78 and 6.93 (drops
+  # 0.62, 0.47 on one x86 CPU; a 0.5 bound on the eval drop failed there and held on another).
+  # 0.25 nats sits midway: it tells a run that learns from one that does not, with ~0.2 of
+  # margin either side, far above float32 differences between machines.
+  assert summary["last_loss"] < summary["first_loss"] - 0.25, summary
+  assert summary["eval_loss"] < summary["first_loss"] - 0.25, summary
   # a resumed run (same OUT, more steps) restores the adapters' optimizer state and goes on;
   # the base is still the one it started from
   # (in a copy: the export test reads this run's model, and TensorStore caches what it read)
