@@ -207,12 +207,9 @@ def test_k3_stacks_are_split_rather_than_padded():
     home = logical_to_spec(names, mesh=mesh, shape=var.shape)
     plan = ns_plan(home, var.shape, dn, dict(mesh.shape))
     split += ns_flops(plan, dn, dict(mesh.shape))
-    monkey = ns_layout.FLOPS_PER_ALL_REDUCED_BYTE
-    try:  # the whole-block plan: split psums priced out
-      ns_layout.FLOPS_PER_ALL_REDUCED_BYTE = float("inf")
+    with pytest.MonkeyPatch.context() as mp:  # the whole-block plan: split psums priced out
+      mp.setattr(ns_layout, "FLOPS_PER_ALL_REDUCED_BYTE", float("inf"))
       whole += ns_flops(ns_plan(home, var.shape, dn, dict(mesh.shape)), dn, dict(mesh.shape))
-    finally:
-      ns_layout.FLOPS_PER_ALL_REDUCED_BYTE = monkey
     if path[:2] in (("kda", "g_proj"), ("mla", "o_proj"), ("moe", "shared_experts")):
       assert plan.split == ("tensor",) and plan.shape[0] == 128, (path, plan)
   hand = newton_schulz_flops(cfg) / 5 / 1024
