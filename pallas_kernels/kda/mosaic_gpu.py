@@ -36,9 +36,11 @@ the state and Vp in-kernel, and the state lives in shared memory as hi + lo (exa
 float32 value). tf32 wgmma needs both operands K-major, which is why everything is transposed
 as above (each B operand is stored [N, contraction] and read through `.T`).
 
-Backward: not a Mosaic GPU kernel yet. The custom_vjp recomputes the forward in jnp and takes
-the VJP of `reference.chunk_kda` (the plain chunked form), which is exact in float32 but runs at
-XLA speed. Raw-input options (K3 gate, beta sigmoid, q/k l2norm) are applied in the jnp prologue
+Backward (`mosaic_gpu_bwd`): the recurrence is a custom_vjp (`recurrence`) whose forward kernel
+also writes the state entering every chunk; a reverse-time kernel of the same shape carries dS
+and writes it per chunk, and every chunk operand's gradient is then chunk-parallel jnp. The jnp
+prologue (and the raw-input preparation before it) is differentiated by JAX itself.
+Raw-input options (K3 gate, beta sigmoid, q/k l2norm) are applied in the jnp prologue
 (`reference.prepare_inputs`, which XLA fuses into the chunk-parallel work), not in the kernel.
 
 Decode (`kda_step_mosaic_gpu`): one warpgroup per (batch, head) holds the [K, V] state in
@@ -64,6 +66,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda import _chunk_math as cm
 from pallas_kernels.kda import _layout
+from pallas_kernels.kda import _mgpu as mg
+from pallas_kernels.kda import mosaic_gpu_bwd
 from pallas_kernels.kda import reference
 
 C = cm.C
@@ -71,20 +75,7 @@ BV = 64
 BK = 64
 MAX_K = 128
 _f32 = jnp.float32
-
-
-def tf32_split(x):
-  """x = hi + lo exactly (float32): hi is x truncated to TF32 (what a tensor core would read
-  of x), lo the exact remainder (|lo| < 2^-10 |x|)."""
-  hi = jax.lax.bitcast_convert_type(
-      jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFFE000), _f32)
-  return hi, x - hi
-
-
-def _interpret_arg(interpret):
-  if interpret is True:
-    return plgpu.InterpretGPUParams()
-  return interpret or None
+tf32_split = mg.tf32_split
 
 
 # --- chunk-parallel prologue (jnp) ------------------------------------------------------------
@@ -112,39 +103,22 @@ def _prologue(q, k, v, g, beta, rc, rr, scale):
 
 # --- the recurrence kernel --------------------------------------------------------------------
 
-_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
-
-
-def _smem(*shape):
-  return plgpu.SMEM(shape, _f32, transforms=_TRANSFORMS)
-
-
-def _acc(*shape):
-  """A zeroed wgmma accumulator; reading it waits for the matmuls in flight."""
-  return plgpu.ACC(shape, _f32)
-
-
-def _recurrence(wn, qd, m, klT, uT, a, h0T, *, interpret):
-  """wn, qd [B,H,NT,2,C,K] (TF32 hi and lo planes); m [B,H,NT,2,C,C]; klT [B,H,NT,2,K,C];
-  uT [B,H,NT,V,C]; a [B,H,NT,K]; h0T [B,H,V,K] -> oT [B,H,NT,V,C], htT [B,H,V,K]."""
-  B, H, NT, _, _, K = wn.shape  # flattened to (B H NT) / (B H) rows: TMA takes <= 5 dims
+def _recurrence(wn, qd, m, klT, uT, a, h0T, *, save_states, interpret):
+  """wn, qd [B,H,NT,C,K]; m [B,H,NT,C,C]; klT [B,H,NT,K,C]; uT [B,H,NT,V,C]; a [B,H,NT,K];
+  h0T [B,H,V,K] (float32; the matmul operands go in as TF32 hi and lo planes) -> oT
+  [B,H,NT,V,C], htT [B,H,V,K], and with save_states the state entering every chunk, s0T
+  [B,H,NT,V,K] (the backward's residual)."""
+  B, H, NT, _, K = wn.shape  # flattened to (B H NT) / (B H) rows: TMA takes <= 5 dims
   V = uT.shape[3]
   NK = K // BK
 
-  def body(wn_g, qd_g, m_g, klT_g, uT_g, a_g, h0T_g, oT_g, htT_g,
-           s_s, slo_s, t_s, vp_s, m_s, u_s, a_s, bar):
+  def body(wn_g, qd_g, m_g, klT_g, uT_g, a_g, h0T_g, oT_g, htT_g, *rest):
+    s0T_g = rest[0] if save_states else None
+    s_s, slo_s, t_s, vp_s, m_s, u_s, a_s, bar = rest[1:] if save_states else rest
     b, h, j = (jax.lax.axis_index(n) for n in ("b", "h", "v"))
     rows = pl.ds(j * BV, BV)
     bh = b * H + h
-
-    def load(*pairs):  # TMA copies (src, dst), in flight together, then wait for all
-      for i, (src, dst) in enumerate(pairs):
-        plgpu.copy_gmem_to_smem(src, dst, bar.at[i])
-      for i in range(len(pairs)):
-        plgpu.barrier_wait(bar.at[i])
-
-    def split_tile(src, dst):  # the (hi, lo) planes of one operand tile: 2-D copies for TMA
-      return (src.at[0], dst.at[0]), (src.at[1], dst.at[1])
+    load = mg.loader(bar)
 
     def put_state(kt, s):  # the float32 state tile as its exact TF32 split hi + lo
       s_s[kt], slo_s[kt] = tf32_split(s)
@@ -154,91 +128,104 @@ def _recurrence(wn, qd, m, klT, uT, a, h0T, *, interpret):
       put_state(kt, u_s[...])
     plgpu.commit_smem()
 
-    # acc += a b in 3xTF32 (drops a_lo b_lo, 2^-20 |a||b|); b stored [N, contraction]
-    def mm3(acc, a_hi, a_lo, b_hi, b_lo):
-      plgpu.wgmma(acc, a_hi, b_hi.T)
-      plgpu.wgmma(acc, a_hi, b_lo.T)
-      plgpu.wgmma(acc, a_lo, b_hi.T)
-
     def chunk(c, carry):
       i = bh * NT + c
-      load((uT_g.at[i, rows], u_s), *split_tile(m_g.at[i], m_s), (a_g.at[i], a_s))
+      if save_states:
+        mg.store_state(s_s, slo_s, u_s, lambda kt: s0T_g.at[i, rows, pl.ds(kt * BK, BK)])
+      load((uT_g.at[i, rows], u_s), *mg.split_tile(m_g.at[i], m_s), (a_g.at[i], a_s))
 
       vp, o = u_s[...], jnp.zeros((BV, C), _f32)
       for kt in range(NK):  # run_state bodies may not start copies: load, then multiply
         cols = pl.ds(kt * BK, BK)
-        load(*split_tile(wn_g.at[i, :, :, cols], t_s.at[0:2]),
-             *split_tile(qd_g.at[i, :, :, cols], t_s.at[2:4]))
+        load(*mg.split_tile(wn_g.at[i, :, :, cols], t_s.at[0:2]),
+             *mg.split_tile(qd_g.at[i, :, :, cols], t_s.at[2:4]))
 
         def phase_a(vp_acc, o_acc, kt=kt):
-          mm3(vp_acc, s_s.at[kt], slo_s.at[kt], t_s.at[0], t_s.at[1])
-          mm3(o_acc, s_s.at[kt], slo_s.at[kt], t_s.at[2], t_s.at[3])
+          mg.mm3(vp_acc, s_s.at[kt], slo_s.at[kt], t_s.at[0], t_s.at[1])
+          mg.mm3(o_acc, s_s.at[kt], slo_s.at[kt], t_s.at[2], t_s.at[3])
           return vp_acc[...], o_acc[...]
 
-        dvp, do = pl.run_scoped(phase_a, _acc(BV, C), _acc(BV, C))
+        dvp, do = pl.run_scoped(phase_a, mg.acc(BV, C), mg.acc(BV, C))
         vp, o = vp + dvp, o + do
       vp_s[0], vp_s[1] = tf32_split(vp)
       plgpu.commit_smem()
 
       def phase_b(o_acc):
-        mm3(o_acc, vp_s.at[0], vp_s.at[1], m_s.at[0], m_s.at[1])
+        mg.mm3(o_acc, vp_s.at[0], vp_s.at[1], m_s.at[0], m_s.at[1])
         return o_acc[...]
 
-      o = o + pl.run_scoped(phase_b, _acc(BV, C))
+      o = o + pl.run_scoped(phase_b, mg.acc(BV, C))
       u_s[...] = o
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(u_s, oT_g.at[i, rows])
 
       for kt in range(NK):
         cols = pl.ds(kt * BK, BK)
-        load(*split_tile(klT_g.at[i, :, cols], t_s.at[0:2]))
+        load(*mg.split_tile(klT_g.at[i, :, cols], t_s.at[0:2]))
         a_row = jax.lax.broadcast_in_dim(a_s[cols], (BV, BK), (1,))
 
         def phase_c(s_acc):
-          mm3(s_acc, vp_s.at[0], vp_s.at[1], t_s.at[0], t_s.at[1])
+          mg.mm3(s_acc, vp_s.at[0], vp_s.at[1], t_s.at[0], t_s.at[1])
           return s_acc[...]
 
-        s = (s_s[kt] + slo_s[kt]) * a_row + pl.run_scoped(phase_c, _acc(BV, BK))
+        s = (s_s[kt] + slo_s[kt]) * a_row + pl.run_scoped(phase_c, mg.acc(BV, BK))
         put_state(kt, s)
       plgpu.commit_smem()
       plgpu.wait_smem_to_gmem(0)
       return carry
 
     jax.lax.fori_loop(0, NT, chunk, 0)
-    for kt in range(NK):
-      u_s[...] = s_s[kt] + slo_s[kt]
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(u_s, htT_g.at[bh, rows, pl.ds(kt * BK, BK)])
-      plgpu.wait_smem_to_gmem(0)
+    mg.store_state(s_s, slo_s, u_s, lambda kt: htT_g.at[bh, rows, pl.ds(kt * BK, BK)])
 
-  oT, htT = plgpu.kernel(
+  out_type = (jax.ShapeDtypeStruct((B * H * NT, V, C), _f32),
+              jax.ShapeDtypeStruct((B * H, V, K), _f32))
+  if save_states:
+    out_type += (jax.ShapeDtypeStruct((B * H * NT, V, K), _f32),)
+  outs = plgpu.kernel(
       body,
-      out_type=(jax.ShapeDtypeStruct((B * H * NT, V, C), _f32),
-                jax.ShapeDtypeStruct((B * H, V, K), _f32)),
-      scratch_types=[_smem(NK, BV, BK), _smem(NK, BV, BK), _smem(4, C, BK), _smem(2, BV, C),
-                     _smem(2, C, C), _smem(BV, C), plgpu.SMEM((K,), _f32),
-                     plgpu.Barrier(num_barriers=4)],
+      out_type=out_type,
+      scratch_types=[mg.smem(NK, BV, BK), mg.smem(NK, BV, BK), mg.smem(4, C, BK),
+                     mg.smem(2, BV, C), mg.smem(2, C, C), mg.smem(BV, C),
+                     plgpu.SMEM((K,), _f32), plgpu.Barrier(num_barriers=4)],
       grid=(B, H, V // BV), grid_names=("b", "h", "v"),
-      interpret=_interpret_arg(interpret),
+      interpret=mg.interpret_arg(interpret),
       kernel_name="kda_fwd_mosaic_gpu",
-  )(*(x.reshape((-1,) + x.shape[3:]) for x in (wn, qd, m, klT, uT, a)),
+  )(*(x.reshape((-1,) + x.shape[3:]) for x in (mg.pair(wn), mg.pair(qd), mg.pair(m),
+                                                 mg.pair(klT), uT, a)),
     h0T.reshape((-1,) + h0T.shape[2:]))
-  return oT.reshape(B, H, NT, V, C), htT.reshape(B, H, V, K)
+  oT, htT = outs[0].reshape(B, H, NT, V, C), outs[1].reshape(B, H, V, K)
+  return (oT, htT) + ((outs[2].reshape(B, H, NT, V, K),) if save_states else ())
 
 
-def _pair(x):
-  """[..., R, N] -> [..., 2, R, N]: x's TF32 split (hi, lo), for the 3xTF32 products."""
-  return jnp.stack(tf32_split(x), axis=-3)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def recurrence(wn, qd, m, klT, uT, a, h0T, interpret):
+  """The chunk recurrence on the prologue's float32 operands (per chunk: wn, qd [C,K], m
+  [C,C], klT [K,C], uT [V,C], a [K]; h0T [V,K]) -> (oT [..,NT,V,C], htT [..,V,K]),
+  differentiable through mosaic_gpu_bwd's reverse-time kernel."""
+  return _recurrence(wn, qd, m, klT, uT, a, h0T, save_states=False, interpret=interpret)
+
+
+def _recurrence_fwd(wn, qd, m, klT, uT, a, h0T, interpret):
+  oT, htT, s0T = _recurrence(wn, qd, m, klT, uT, a, h0T, save_states=True,
+                             interpret=interpret)
+  return (oT, htT), ((wn, qd, m, klT, uT, a), s0T)
+
+
+def _recurrence_bwd(interpret, res, cts):
+  operands, s0T = res
+  d_operands, dh0T = mosaic_gpu_bwd.recurrence_bwd(operands, s0T, *cts, interpret=interpret)
+  return (*d_operands, dh0T)
+
+
+recurrence.defvjp(_recurrence_fwd, _recurrence_bwd)
 
 
 def _forward(q, k, v, g, beta, h0, rc, rr, *, scale, interpret):
   """Prepared inputs in kernel layout [B,H,Tp,*] -> o [B,H,Tp,V] (v's dtype), ht [B,H,K,V]."""
   B, H, Tp, K = q.shape
   V = v.shape[-1]
-  NT = Tp // C
   wn, qd, m, klT, uT, a = _prologue(q, k, v, g, beta, rc, rr, scale)
-  oT, htT = _recurrence(_pair(wn), _pair(qd), _pair(m), _pair(klT), uT, a,
-                        jnp.swapaxes(h0, -1, -2), interpret=interpret)
+  oT, htT = recurrence(wn, qd, m, klT, uT, a, jnp.swapaxes(h0, -1, -2), interpret)
   o = jnp.swapaxes(oT, -1, -2).reshape(B, H, Tp, V).astype(v.dtype)
   return o, jnp.swapaxes(htT, -1, -2)
 
@@ -267,46 +254,27 @@ def kda_mosaic_gpu(
     use_beta_sigmoid: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
   """KDA on Hopper+ GPUs, with reference.naive_kda's contract and raw-input options.
-  Differentiable in q, k, v, g, beta, initial_state (and A_log, dt_bias with a gate); the
-  gradient is the VJP of reference.chunk_kda (see the module docstring). `interpret=True` runs
-  the kernel in Mosaic GPU interpret mode on the CPU."""
+  Differentiable in q, k, v, g, beta, initial_state (and A_log, dt_bias with a gate): the
+  recurrence through mosaic_gpu_bwd's kernel, the rest by JAX (see the module docstring).
+  `interpret=True` runs the kernels in Mosaic GPU interpret mode on the CPU."""
   reference.check_gate(g, A_log, dt_bias, gate, lower_bound)
   B, T, H, K = q.shape
   V = v.shape[-1]
   if _layout.tile_multiple(K) > MAX_K:
     raise ValueError(f"pallas_mosaic_gpu supports K <= {MAX_K} (shared memory); got K={K}")
   scale = float(K**-0.5 if scale is None else scale)
-  opts = dict(A_log=A_log, dt_bias=dt_bias, gate=gate, lower_bound=lower_bound,
-              use_qk_l2norm=use_qk_l2norm, l2norm_eps=l2norm_eps,
-              use_beta_sigmoid=use_beta_sigmoid)
   h0 = jnp.zeros((B, H, K, V), _f32) if initial_state is None else initial_state
-  # segment ids ride as float32 so that every custom_vjp operand is differentiable-typed.
-  seg = (jnp.zeros((B, T), _f32) if segment_ids is None
-         else jnp.broadcast_to(segment_ids, (B, T)).astype(_f32))
-  params = {n: x for n, x in (("A_log", A_log), ("dt_bias", dt_bias)) if x is not None}
-
-  def reference_fn(q, k, v, g, beta, h0, seg, params):
-    o, ht = reference.chunk_kda(q, k, v, g, beta, scale=scale, initial_state=h0,
-                                output_final_state=True, segment_ids=seg.astype(jnp.int32),
-                                **{**opts, **params})
-    return o.astype(v.dtype), ht
-
-  @jax.custom_vjp
-  def run(q, k, v, g, beta, h0, seg, params):
-    qp, kp, gp, bp = reference.prepare_inputs(q, k, g, beta, **{**opts, **params})
-    xs = _layout.to_kernel_layout(qp, kp, v, gp, bp, h0, feature_size=_layout.tile_multiple)
-    rc, rr = _layout.reset_counts(seg.astype(jnp.int32), B, T, xs[0].shape[2])
-    o, ht = _forward_jit(*xs, rc, rr, scale=scale, interpret=interpret)
-    return _layout.from_kernel_layout(o, ht, T=T, V=V, K=K)
-
-  def run_fwd(*args):
-    return run(*args), args
-
-  def run_bwd(args, cts):
-    return jax.vjp(reference_fn, *args)[1](cts)
-
-  run.defvjp(run_fwd, run_bwd)
-  o, ht = run(q, k, v, g, beta, h0.astype(_f32), seg, params)
+  seg = (jnp.zeros((B, T), jnp.int32) if segment_ids is None
+         else jnp.broadcast_to(segment_ids, (B, T)).astype(jnp.int32))
+  qp, kp, gp, bp = reference.prepare_inputs(q, k, g, beta, A_log=A_log, dt_bias=dt_bias,
+                                            gate=gate, lower_bound=lower_bound,
+                                            use_qk_l2norm=use_qk_l2norm, l2norm_eps=l2norm_eps,
+                                            use_beta_sigmoid=use_beta_sigmoid)
+  xs = _layout.to_kernel_layout(qp, kp, v, gp, bp, h0.astype(_f32),
+                                feature_size=_layout.tile_multiple)
+  rc, rr = _layout.reset_counts(seg, B, T, xs[0].shape[2])
+  o, ht = _forward_jit(*xs, rc, rr, scale=scale, interpret=interpret)
+  o, ht = _layout.from_kernel_layout(o, ht, T=T, V=V, K=K)
   return o, (ht if output_final_state else None)
 
 
@@ -353,7 +321,7 @@ def kda_step_mosaic_gpu(q, k, v, g, beta, state, *, scale=None, interpret=False)
       out_type=(jax.ShapeDtypeStruct((B, H, Vp), _f32),
                 jax.ShapeDtypeStruct((B, H, Kp, Vp), _f32)),
       grid=(B, H), grid_names=("b", "h"),
-      interpret=_interpret_arg(interpret),
+      interpret=mg.interpret_arg(interpret),
       kernel_name="kda_step_mosaic_gpu",
   )(*(pad(x.astype(_f32), n) for x, n in ((q, Kp), (k, Kp), (v, Vp), (g, Kp))), beta_v, state)
   return o[..., :V].astype(v.dtype), s[:, :, :K, :V]
