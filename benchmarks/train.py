@@ -17,6 +17,11 @@ batch of random tokens (full rows, one segment each), timed after compilation.
 forward+backward without the optimizer, one KDA, MLA and MoE layer forward+backward,
 the routed-expert grouped matmul against a dense matmul of the same FLOPs, the optimizer update)
 to show where the time goes.
+
+Run as a script, it restarts itself with tcmalloc preloaded when tcmalloc is installed (see
+k3jax/allocator.py: glibc malloc re-faults the step's temporaries every step, ~15% of the
+~100M step on a CPU); K3JAX_ALLOCATOR=system keeps the system allocator. The header line says
+which allocator ran.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks._timing import median_seconds  # noqa: E402
+from k3jax import allocator  # noqa: E402
 
 
 def k3_100m():
@@ -115,18 +121,14 @@ def breakdown(cfg, batch: int, seq: int, iters: int) -> dict[str, float]:
   out = {}
   # the whole model's loss, forward and forward+backward (no optimizer, no QB)
   from k3jax.model.transformer import K3Model  # noqa: PLC0415
-  from k3jax.train.loss import chunked_token_nll, token_nll  # noqa: PLC0415
+  from k3jax.train.loss import model_nll  # noqa: PLC0415
   graphdef, params, rest = nnx.split(K3Model(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
   ids = jax.random.randint(jax.random.key(3), (batch, seq + 1), 0, cfg.vocab_size)
   mask = jnp.ones((batch, seq), bool)
 
   def model_loss(params):
-    model = nnx.merge(graphdef, params, rest)
-    if cfg.loss_chunk is None:
-      logits = model(ids[:, :-1], segment_ids=seg).logits
-      return jnp.mean(token_nll(logits, ids[:, 1:], mask))
-    feats = model(ids[:, :-1], segment_ids=seg, logits=False).features
-    return jnp.mean(chunked_token_nll(feats, model.head(), ids[:, 1:], mask, cfg.loss_chunk))
+    out, nll_of = model_nll(nnx.merge(graphdef, params, rest), cfg, ids[:, :-1], seg)
+    return jnp.mean(nll_of(out, ids[:, 1:], mask))
 
   out["model_fwd_s"] = timed(model_loss, params, iters=iters)[1]
   out["model_fwd_bwd_s"] = timed(jax.value_and_grad(model_loss), params, iters=iters)[1]
@@ -184,8 +186,9 @@ def main(argv=None) -> int:
   from k3jax.train.flops import measure_matmul_peak  # noqa: PLC0415
   dtype = jnp.dtype(a.dtype)
   peak = max(measure_matmul_peak(dtype, n=2048), measure_matmul_peak(dtype, n=1024))
-  print(f"platform {jax.default_backend()}, {os.cpu_count()} CPUs; dense matmul peak "
-        f"({a.dtype}, measured now): {peak / 1e9:.1f} GFLOP/s", flush=True)
+  print(f"platform {jax.default_backend()}, {os.cpu_count()} CPUs, {allocator.active()} "
+        f"malloc; dense matmul peak ({a.dtype}, measured now): {peak / 1e9:.1f} GFLOP/s",
+        flush=True)
   for name in a.configs.split(","):
     big = name == "k3_100m"
     batch, seq = a.batch or (4 if big else 8), a.seq or (512 if big else 128)
@@ -215,4 +218,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+  allocator.reexec_with_tcmalloc(sys.argv)
   sys.exit(main())

@@ -58,7 +58,7 @@ from k3jax.model.moe import RouterBias
 from k3jax.train.adapted import (WEIGHTS, adapt_params, combine, count_params,  # noqa: F401
                                  make_model, partition, plain, split_for_training, split_model,
                                  trainable_mask)
-from k3jax.train.loss import chunked_token_nll, token_nll  # noqa: F401  (token_nll re-exported)
+from k3jax.train.loss import model_nll, token_nll  # noqa: F401  (token_nll re-exported)
 from k3jax.model.quantile_balancing import (THRESHOLD_RULES, expert_load_stats,
                                             quantile_balancing_bias)
 from k3jax.optim import logical_axes_from_state, per_head_muon, qk_clip
@@ -212,14 +212,8 @@ def build(cfg: ModelConfig, sc: StepConfig, mesh: jax.sharding.Mesh | None = Non
 
   def forward(params, bias, inputs, segment_ids):
     """(ModelOutput, per-position NLL function of (out, targets, mask))."""
-    model = nnx.merge(graphdef, nnx.State(params), nnx.State(bias))
-    if cfg.loss_chunk is None:
-      return model(inputs, segment_ids=segment_ids), lambda out, tg, m: token_nll(out.logits,
-                                                                                tg, m)
-    out = model(inputs, segment_ids=segment_ids, logits=False)
-    head = model.head()
-    return out, lambda out, tg, m: chunked_token_nll(out.features, head, tg, m,
-                                                     cfg.loss_chunk, cfg.precision)
+    return model_nll(nnx.merge(graphdef, nnx.State(params), nnx.State(bias)), cfg, inputs,
+                     segment_ids)
 
   def nll(params, bias, inputs, targets, segment_ids, mask):
     out, nll_of = forward(params, bias, inputs, segment_ids)
