@@ -269,7 +269,8 @@ got = orbax_io.restore({ckpt!r}, experts)
 read = bytes_read() - before
 w1 = got["moe", "experts", "w1"]
 blocks = sorted({{(s.index[1].start, s.index[1].stop) for s in w1.addressable_shards}})
-print("RESULT", json.dumps({{"read": read, "experts": blocks}}))
+with open({result!r}, "w") as f:  # a file: gloo writes to this process's stdout too
+  json.dump({{"read": read, "experts": blocks}}, f)
 """
 
 
@@ -281,14 +282,16 @@ def test_each_process_reads_only_its_shards(ckpt, tmp_path):
     port = s.getsockname()[1]
   env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
   env.pop("XLA_FLAGS", None)
+  result = [str(tmp_path / f"result{pid}.json") for pid in range(2)]
   procs = [subprocess.Popen([sys.executable, "-c", RESTORE_ONE_PROCESS.format(
-      port=port, pid=pid, ckpt=ckpt)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-      text=True) for pid in range(2)]
+      port=port, pid=pid, ckpt=ckpt, result=result[pid])], env=env, stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True) for pid in range(2)]
   results = []
-  for proc in procs:
-    out, err = proc.communicate(timeout=300)
+  for proc, path in zip(procs, result):
+    _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
-    results.append(json.loads(next(l for l in out.splitlines() if l.startswith("RESULT"))[7:]))
+    with open(path) as f:
+      results.append(json.load(f))
   stacks = [v for p, v in abstract_variables(configs.resolve(ckpt)).items()
             if p[:2] == ("moe", "experts")]
   whole = sum(int(np.prod(v.shape)) * 2 for v in stacks)  # bf16 on disk
