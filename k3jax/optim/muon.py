@@ -133,23 +133,6 @@ def _context_mesh():
   return mesh
 
 
-def _orthogonalize_local(x: jax.Array, spec, mesh, dn: MuonDimensionNumbers, **ns) -> jax.Array:
-  """orthogonalize on x placed as `spec` (whole blocks on every device), each device's blocks
-  one leading index at a time. Batched at once, Newton-Schulz holds several fp32 copies of all
-  the local blocks (K3's experts on a 1024-device pod: [12, 7, 3072, 3584], 3.4 GiB a copy,
-  the step's live peak on tpu7x); in a loop over the local leading axis, one slice's."""
-  red, out = tuple(dn.reduction_axis), tuple(dn.output_axis)
-  if 0 in red + out or x.ndim < 4:  # no batch axis of blocks to loop over
-    return orthogonalize(x, dn, **ns)
-  inner = MuonDimensionNumbers(reduction_axis=tuple(a - 1 for a in red),
-                               output_axis=tuple(a - 1 for a in out))
-
-  def local(x_local):
-    return jax.lax.map(lambda xi: orthogonalize(xi, inner, **ns), x_local)
-
-  return jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=spec)(x)
-
-
 def _newton_schulz_split(x_mn: jax.Array, axes, *, steps: int, coeffs, eps: float,
                          precision) -> jax.Array:
   """newton_schulz of one [m, n/k] block (m <= n) whose columns are split over `axes` (k
@@ -176,8 +159,10 @@ def _orthogonalize_split(x: jax.Array, there, split: tuple[str, ...], mesh,
                          dn: MuonDimensionNumbers, **ns) -> jax.Array:
   """orthogonalize on x placed as `there` (ns_layout.NSPlan): blocks as [batch..., m, n]
   (m <= n), the batch axes where `there` has them, each block's long side split over
-  `split`; each device runs its blocks one at a time (a loop, so Newton-Schulz holds one
-  block's fp32 copies), psum-ing each Gram matrix over `split`."""
+  `split` (or whole: split = ()); each device runs its blocks one at a time (a loop, so
+  Newton-Schulz holds one block's fp32 copies, not those of all its blocks: K3's experts on a
+  1024-device pod hold [12, 7, 3072, 3584] a device, 3.4 GiB a copy), psum-ing each Gram
+  matrix over `split`."""
   red, out = tuple(dn.reduction_axis), tuple(dn.output_axis)
   batch = tuple(a for a in range(x.ndim) if a not in red + out)
   perm = batch + red + out
@@ -220,10 +205,7 @@ def _orthogonalize_placed(m_hat: jax.Array, names, dn: MuonDimensionNumbers,
   path = moves(home, there, m_hat.ndim)
   for spec in path:
     m_hat = jax.lax.with_sharding_constraint(m_hat, spec)
-  if split:
-    o = _orthogonalize_split(m_hat, there, split, mesh, dn, **ns)
-  else:
-    o = _orthogonalize_local(m_hat, there, mesh, dn, **ns)
+  o = _orthogonalize_split(m_hat, there, split, mesh, dn, **ns)
   for spec in reversed([home] + path):  # pinned where it was computed, then back
     o = jax.lax.with_sharding_constraint(o, spec)
   if padded != shape:
