@@ -70,3 +70,27 @@ def mm3(acc_ref, a_hi, a_lo, b_hi, b_lo):
   plgpu.wgmma(acc_ref, a_hi, b_hi.T)
   plgpu.wgmma(acc_ref, a_hi, b_lo.T)
   plgpu.wgmma(acc_ref, a_lo, b_hi.T)
+
+
+TILE = 64  # C, BV and BK: one warpgroup wgmma's M and contraction (see mosaic_gpu's docstring)
+
+
+def recurrence_kernel(body, out_type, pair_scratch, *, B: int, H: int, V: int, K: int,
+                      name: str, interpret):
+  """plgpu.kernel for a chunk recurrence (the forward's, or the backward's reverse one) on the
+  grid (B, H, V/64) with their shared-memory plan: the state's hi and lo planes [K/64, 64, 64]
+  each, four operand tiles, two [2, 64, 64] pairs (Vp^T, and `pair_scratch`: M or dO^T), one
+  staging tile, a [K] vector and four TMA barriers (208.5 KiB at K = 128)."""
+  nk = K // TILE
+  return plgpu.kernel(
+      body, out_type=out_type,
+      scratch_types=[smem(nk, TILE, TILE), smem(nk, TILE, TILE), smem(4, TILE, TILE),
+                     smem(2, TILE, TILE), pair_scratch, smem(TILE, TILE),
+                     plgpu.SMEM((K,), _f32), plgpu.Barrier(num_barriers=4)],
+      grid=(B, H, V // TILE), grid_names=("b", "h", "v"),
+      interpret=interpret_arg(interpret), kernel_name=name)
+
+
+def rows_of(x, lead: int = 3):
+  """x with its `lead` leading axes merged into one (TMA takes at most 5 dimensions)."""
+  return x.reshape((-1,) + x.shape[lead:])

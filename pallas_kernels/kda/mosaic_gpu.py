@@ -181,18 +181,11 @@ def _recurrence(wn, qd, m, klT, uT, a, h0T, *, save_states, interpret):
               jax.ShapeDtypeStruct((B * H, V, K), _f32))
   if save_states:
     out_type += (jax.ShapeDtypeStruct((B * H * NT, V, K), _f32),)
-  outs = plgpu.kernel(
-      body,
-      out_type=out_type,
-      scratch_types=[mg.smem(NK, BV, BK), mg.smem(NK, BV, BK), mg.smem(4, C, BK),
-                     mg.smem(2, BV, C), mg.smem(2, C, C), mg.smem(BV, C),
-                     plgpu.SMEM((K,), _f32), plgpu.Barrier(num_barriers=4)],
-      grid=(B, H, V // BV), grid_names=("b", "h", "v"),
-      interpret=mg.interpret_arg(interpret),
-      kernel_name="kda_fwd_mosaic_gpu",
-  )(*(x.reshape((-1,) + x.shape[3:]) for x in (mg.pair(wn), mg.pair(qd), mg.pair(m),
-                                                 mg.pair(klT), uT, a)),
-    h0T.reshape((-1,) + h0T.shape[2:]))
+  outs = mg.recurrence_kernel(
+      body, out_type, mg.smem(2, C, C), B=B, H=H, V=V, K=K, name="kda_fwd_mosaic_gpu",
+      interpret=interpret,
+  )(*map(mg.rows_of, (mg.pair(wn), mg.pair(qd), mg.pair(m), mg.pair(klT), uT, a)),
+    mg.rows_of(h0T, 2))
   oT, htT = outs[0].reshape(B, H, NT, V, C), outs[1].reshape(B, H, V, K)
   return (oT, htT) + ((outs[2].reshape(B, H, NT, V, K),) if save_states else ())
 

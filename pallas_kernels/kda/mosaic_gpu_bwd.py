@@ -101,18 +101,11 @@ def _recurrence_bwd(xT, do, kl, qdT, wnT, a, dhtT, *, interpret):
     jax.lax.fori_loop(0, NT, chunk, 0)
     mg.store_state(s_s, slo_s, u_s, lambda kt: dh0T_g.at[bh, rows, pl.ds(kt * BK, BK)])
 
-  ds1T, dh0T = plgpu.kernel(
-      body,
-      out_type=(jax.ShapeDtypeStruct((B * H * NT, V, K), _f32),
-                jax.ShapeDtypeStruct((B * H, V, K), _f32)),
-      scratch_types=[mg.smem(NK, BV, BK), mg.smem(NK, BV, BK), mg.smem(4, C, BK),
-                     mg.smem(2, BV, C), mg.smem(2, BV, C), mg.smem(BV, C),
-                     plgpu.SMEM((K,), _f32), plgpu.Barrier(num_barriers=4)],
-      grid=(B, H, V // BV), grid_names=("b", "h", "v"),
-      interpret=mg.interpret_arg(interpret),
-      kernel_name="kda_bwd_mosaic_gpu",
-  )(*(x.reshape((-1,) + x.shape[3:]) for x in (xT, do, kl, qdT, wnT, a)),
-    dhtT.reshape((-1,) + dhtT.shape[2:]))
+  ds1T, dh0T = mg.recurrence_kernel(
+      body, (jax.ShapeDtypeStruct((B * H * NT, V, K), _f32),
+             jax.ShapeDtypeStruct((B * H, V, K), _f32)),
+      mg.smem(2, BV, C), B=B, H=H, V=V, K=K, name="kda_bwd_mosaic_gpu", interpret=interpret,
+  )(*map(mg.rows_of, (xT, do, kl, qdT, wnT, a)), mg.rows_of(dhtT, 2))
   return ds1T.reshape(B, H, NT, V, K), dh0T.reshape(B, H, V, K)
 
 
