@@ -6,9 +6,10 @@
 the head W [d, V] instead and computes the same numbers over chunks of C positions: a scan over
 T / C chunks whose body forms one chunk's logits [B, C, V] in fp32 (fp64 for a float64 model),
 their logsumexp and the target's logit. Only the logsumexp is kept: the backward (its own
-custom VJP, d nll / d logits = softmax - onehot(target)) recomputes a chunk's logits from x and
-W instead of keeping them: the largest live buffer is [B, C, V] fp32 rather than three [B, T, V] (logits, softmax, its gradient). At K3's
-vocabulary of 163,840 and T = 8192 that is 5 GiB per row of the batch in the forward alone.
+custom VJP, d nll / d logits = softmax - onehot(target)) recomputes a chunk's logits from x
+and W instead of keeping them: the largest live buffer is [B, C, V] fp32 rather than three
+[B, T, V] (logits, softmax, its gradient). At K3's vocabulary of 163,840 and T = 8192 that
+is 5 GiB per row of the batch in the forward alone.
 The chunks split positions, not rows, so a batch sharded over rows stays sharded, and a
 vocabulary sharded over `tensor` is reduced by the partitioner as in the unchunked loss.
 The cost is one more head matmul per chunk in the backward (2 N d V FLOPs, a third of the

@@ -56,6 +56,15 @@ def split_tile(src, dst):
   return (src.at[0], dst.at[0]), (src.at[1], dst.at[1])
 
 
+def load_state(load, src_of, s_s, slo_s, stage):
+  """Read the float32 state tile src_of(kt) for each K tile, through `stage`, into its exact
+  TF32 split hi + lo (the form the 3xTF32 products read)."""
+  for kt in range(s_s.shape[0]):
+    load((src_of(kt), stage))
+    s_s[kt], slo_s[kt] = tf32_split(stage[...])
+  plgpu.commit_smem()
+
+
 def store_state(s_s, slo_s, stage, dst_of):
   """Write the state held as hi + lo tiles to dst_of(kt) for each K tile, through `stage`."""
   for kt in range(s_s.shape[0]):

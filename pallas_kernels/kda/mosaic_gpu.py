@@ -71,8 +71,7 @@ from pallas_kernels.kda import mosaic_gpu_bwd
 from pallas_kernels.kda import reference
 
 C = cm.C
-BV = 64
-BK = 64
+BV = BK = mg.TILE
 MAX_K = 128
 _f32 = jnp.float32
 tf32_split = mg.tf32_split
@@ -120,13 +119,7 @@ def _recurrence(wn, qd, m, klT, uT, a, h0T, *, save_states, interpret):
     bh = b * H + h
     load = mg.loader(bar)
 
-    def put_state(kt, s):  # the float32 state tile as its exact TF32 split hi + lo
-      s_s[kt], slo_s[kt] = tf32_split(s)
-
-    for kt in range(NK):
-      load((h0T_g.at[bh, rows, pl.ds(kt * BK, BK)], u_s))
-      put_state(kt, u_s[...])
-    plgpu.commit_smem()
+    mg.load_state(load, lambda kt: h0T_g.at[bh, rows, pl.ds(kt * BK, BK)], s_s, slo_s, u_s)
 
     def chunk(c, carry):
       i = bh * NT + c
@@ -169,7 +162,7 @@ def _recurrence(wn, qd, m, klT, uT, a, h0T, *, save_states, interpret):
           return s_acc[...]
 
         s = (s_s[kt] + slo_s[kt]) * a_row + pl.run_scoped(phase_c, mg.acc(BV, BK))
-        put_state(kt, s)
+        s_s[kt], slo_s[kt] = tf32_split(s)
       plgpu.commit_smem()
       plgpu.wait_smem_to_gmem(0)
       return carry

@@ -42,7 +42,7 @@ from pallas_kernels.kda import _chunk_math as cm
 from pallas_kernels.kda import _mgpu as mg
 
 C = cm.C
-BV = BK = 64  # as the forward kernel's tiles (mosaic_gpu)
+BV = BK = mg.TILE
 _f32 = jnp.float32
 
 
@@ -60,10 +60,7 @@ def _recurrence_bwd(xT, do, kl, qdT, wnT, a, dhtT, *, interpret):
     rows = pl.ds(j * BV, BV)
     bh = b * H + h
     load = mg.loader(bar)
-    for kt in range(NK):
-      load((dhtT_g.at[bh, rows, pl.ds(kt * BK, BK)], u_s))
-      s_s[kt], slo_s[kt] = mg.tf32_split(u_s[...])
-    plgpu.commit_smem()
+    mg.load_state(load, lambda kt: dhtT_g.at[bh, rows, pl.ds(kt * BK, BK)], s_s, slo_s, u_s)
 
     def chunk(c, carry):
       i = bh * NT + (NT - 1 - c)
