@@ -122,3 +122,26 @@ def test_projection_keeps_master_weights_fp32():
   y = mlp(jnp.ones((1, 2, 32), jnp.bfloat16))
   assert y.dtype == jnp.bfloat16
   assert mlp.gate_proj.kernel.get_metadata()["out_sharding"] == ("embed", "mlp")
+
+
+@pytest.mark.parametrize("eq,x_shape,k_shape", [
+    ("btd,dhk->bthk", (2, 5, 6), (6, 3, 4)),       # KDA / MLA head projections
+    ("bthv,hvd->btd", (2, 5, 3, 4), (3, 4, 6)),    # their output projections
+    ("...d,df->...f", (7, 6), (6, 5)),             # the MLP (any leading dims)
+    ("...d,df->...f", (2, 3, 4, 6), (6, 5)),
+    ("btd,dh->bth", (1, 1, 6), (6, 3)),            # a single token
+    ("btd,hd->bth", (2, 5, 6), (3, 6)),            # not a projection layout: plain einsum
+])
+def test_flat_einsum_is_the_einsum(x64, eq, x_shape, k_shape):
+  """The [tokens, in] @ [in, out] form of a projection equals its einsum, values and both
+  gradients, in float64 (same products, summed in another order at most)."""
+  from k3jax.model.layers import flat_einsum  # noqa: PLC0415
+  rng = np.random.default_rng(0)
+  x, k = (jnp.asarray(rng.standard_normal(s)) for s in (x_shape, k_shape))
+  ct = jnp.asarray(rng.standard_normal(jnp.einsum(eq, x, k).shape))
+  got, vjp_got = jax.vjp(lambda x, k: flat_einsum(eq, x, k), x, k)
+  want, vjp_want = jax.vjp(lambda x, k: jnp.einsum(eq, x, k), x, k)
+  assert got.shape == want.shape and got.dtype == jnp.float64
+  np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+  for g, w in zip(vjp_got(ct), vjp_want(ct)):
+    np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
