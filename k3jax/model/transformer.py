@@ -34,7 +34,7 @@ from k3jax.config import ModelConfig
 from k3jax.model import block_scan, schedule
 from k3jax.model.attn_res import AttnResQuery
 from k3jax.model.kda import KDA
-from k3jax.model.layers import RMSNorm, fan_in_normal, make_param
+from k3jax.model.layers import RMSNorm, fan_in_normal, flat_einsum, make_param
 from k3jax.model.mla import MLA
 from k3jax.model.mlp import MLP
 from k3jax.model.moe import MoE, Routing
@@ -137,8 +137,8 @@ class K3Model(nnx.Module):
     features = self.final_norm(h)
     out = None
     if logits:
-      out = jnp.einsum("btd,dv->btv", features, self.head().astype(cfg.jnp_dtype),
-                       precision=cfg.precision)
+      out = flat_einsum("btd,dv->btv", features, self.head().astype(cfg.jnp_dtype),
+                        cfg.precision)
       out = constrain(out, ("batch", "length", "vocab"))
     return ModelOutput(out, tuple(routings), jnp.stack(max_logits) if max_logits else None,
                        tuple(layer_out), h, features)

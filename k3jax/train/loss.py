@@ -23,6 +23,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from k3jax.model.layers import flat_einsum
+
 
 def token_nll(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
   """Per-position NLL [..., T] in fp32, or fp64 for a float64 model (0 where mask is False)."""
@@ -53,7 +55,7 @@ def chunked_token_nll(x_btd: jax.Array, head_dv: jax.Array, targets_bt: jax.Arra
 
 def _logits(x_bcd, head_dv, precision):
   wide = jnp.promote_types(x_bcd.dtype, jnp.float32)
-  return jnp.einsum("bcd,dv->bcv", x_bcd, head_dv, precision=precision).astype(wide)
+  return flat_einsum("bcd,dv->bcv", x_bcd, head_dv, precision).astype(wide)
 
 
 def _picked(logits_bcv, tgt_bc):
@@ -90,8 +92,11 @@ def _nll_bwd(precision, res, ct_nbc):
     g = (jnp.exp(logits - lse_bc[..., None])
          - (vocab == tgt_bc[..., None]).astype(wide)) * ct_bc[..., None].astype(wide)
     g = g.astype(x_bcd.dtype)
-    dx = jnp.einsum("bcv,dv->bcd", g, head_dv, precision=precision)
-    dw_dv = dw_dv + jnp.einsum("bcd,bcv->dv", x_bcd, g, precision=precision,
+    # as [tokens, .] matrices: one contracted dim each (see layers.flat_einsum)
+    b, c, d = x_bcd.shape
+    g_nv = g.reshape(b * c, -1)
+    dx = jnp.einsum("nv,dv->nd", g_nv, head_dv, precision=precision).reshape(b, c, d)
+    dw_dv = dw_dv + jnp.einsum("nd,nv->dv", x_bcd.reshape(b * c, d), g_nv, precision=precision,
                                preferred_element_type=wide)
     return dw_dv, dx
 
