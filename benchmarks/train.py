@@ -15,7 +15,8 @@ The step is the real one (Per-Head Muon with clipping, Quantile Balancing, fp32 
 batch of random tokens (full rows, one segment each), timed after compilation.
 `--breakdown` also times the parts of the step (the whole model's loss forward and
 forward+backward without the optimizer, one KDA, MLA and MoE layer forward+backward,
-the routed-expert grouped matmul against a dense matmul of the same FLOPs, the optimizer update)
+the routed-expert grouped matmul, both implementations, against a dense matmul of the same
+FLOPs, the optimizer update)
 to show where the time goes.
 
 Run as a script, it restarts itself with tcmalloc preloaded when tcmalloc is installed (see
@@ -147,10 +148,12 @@ def breakdown(cfg, batch: int, seq: int, iters: int) -> dict[str, float]:
   z = jax.random.normal(jax.random.key(1), (m, h), cfg.jnp_dtype)
   w = jax.random.normal(jax.random.key(2), (e, h, f), cfg.jnp_dtype)
   sizes = jnp.asarray(np.random.default_rng(0).multinomial(m, np.ones(e) / e), jnp.int32)
-  ragged = lambda z, w: jnp.sum(jax.lax.ragged_dot(z, w, sizes) ** 2)  # noqa: E731
+  from k3jax.model.grouped_matmul import grouped_matmul  # noqa: PLC0415
   dense = lambda z, w: jnp.sum((z @ w[0]) ** 2)  # noqa: E731
-  out["expert_ragged_dot_fwd_bwd_s"] = timed(jax.grad(ragged, argnums=(0, 1)), z, w,
-                                             iters=iters)[1]
+  for impl in ("tiled", "ragged_dot"):  # the model runs "tiled" on a CPU (default_impl)
+    gmm = lambda z, w, impl=impl: jnp.sum(grouped_matmul(z, w, sizes, impl=impl) ** 2)  # noqa: E731
+    out[f"expert_gmm_{impl}_fwd_bwd_s"] = timed(jax.grad(gmm, argnums=(0, 1)), z, w,
+                                                iters=iters)[1]
   out["same_flops_dense_matmul_fwd_bwd_s"] = timed(jax.grad(dense, argnums=(0, 1)), z, w,
                                                    iters=iters)[1]
   steps = step_lib.build(cfg, step_lib.StepConfig(decay_steps=1000))
