@@ -87,13 +87,10 @@ def flat_einsum(eq: str, x: jax.Array, kernel: jax.Array, precision=None) -> jax
   dim (batch) or kernel dim (heads) stays the major factor of its merged dim."""
   lhs, rest = eq.split(",")
   rhs, out = rest.split("->")
-  lead = lhs.replace("...", "")
   n_in = len([c for c in lhs if c in rhs])
-  if (not lhs.endswith(rhs[:n_in]) or out.replace("...", "") != lead[:len(lead) - n_in]
-      + rhs[n_in:]):  # not a plain projection: leave it to einsum
-    return jnp.einsum(eq, x, kernel, precision=precision)
   batch, k_in, k_out = x.shape[:x.ndim - n_in], kernel.shape[:n_in], kernel.shape[n_in:]
-  if len(batch) == len(k_in) == len(k_out) == 1:  # already [tokens, in] @ [in, out]
+  projection = lhs.endswith(rhs[:n_in]) and out == lhs[:len(lhs) - n_in] + rhs[n_in:]
+  if not projection or len(batch) == len(k_in) == len(k_out) == 1:  # einsum as written
     return jnp.einsum(eq, x, kernel, precision=precision)
   with jax.named_scope(eq):  # profiles and HLO op names still show the projection's own eq
     y = jnp.einsum("ni,io->no", x.reshape(-1, math.prod(k_in)),
