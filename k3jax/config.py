@@ -77,8 +77,10 @@ class ModelConfig:
     matmul_precision: jax.lax.Precision name for matmuls ("default" or "highest"); parity
       work wants "highest".
     kda_backend: KDA op backend; None picks by platform (see pallas_kernels.kda.ops).
-    moe_grouped_matmul: routed experts' grouped matmul, "ragged_dot" or "tiled"; None picks by
-      platform (tiled on CPU, where ragged_dot is slow; see k3jax.model.grouped_matmul).
+    moe_grouped_matmul: routed experts' grouped matmul, "ragged_dot", "megablox" (a Pallas
+      TPU kernel) or "tiled"; None picks by platform (tiled on CPU, where ragged_dot is slow;
+      megablox on TPU, whose work stops at the group sizes; ragged_dot on GPU; see
+      k3jax.model.grouped_matmul).
     moe_capacity_factor: None (default) keeps the routed experts dropless: every selected
       (token, expert) pair is computed and the exchange buffers are sized for the worst case.
       A float c caps every expert at ceil(c * k * n / E) pairs per step, n the tokens of its
@@ -156,7 +158,7 @@ class ModelConfig:
   param_dtype: str = "float32"
   matmul_precision: Literal["default", "high", "highest"] = "default"
   kda_backend: str | None = None
-  moe_grouped_matmul: Literal["ragged_dot", "tiled"] | None = None
+  moe_grouped_matmul: Literal["ragged_dot", "megablox", "tiled"] | None = None
   moe_capacity_factor: float | None = None
   moe_dispatch: Literal["ragged", "padded"] | None = None
   remat: str = "none"

@@ -25,10 +25,11 @@ routed experts MXFP4-packed (`--base-experts`), AdamW state for the adapters onl
 FLOPs are 2/3 of training's (forward 2N and the activation gradient 2N per token; no weight
 gradient for a frozen base).
 
-The plan compiles for TPU what TPU runs: bf16 compute over fp32 master weights, ragged_dot
-experts, the ragged all-to-all dispatch, and KDA's Pallas TPU kernels (forward and backward,
-per shard inside a shard_map: sharding/kda_parallel.py), whose FLOPs reach the cost analysis
-through their cost estimates.
+The plan compiles for TPU what TPU runs: bf16 compute over fp32 master weights, the
+megablox grouped matmul for the experts (its work counted at the group sizes, not at the
+receive buffer: `Plan.skipped_row_flops`), the ragged all-to-all dispatch, and KDA's Pallas
+TPU kernels (forward and backward, per shard inside a shard_map: sharding/kda_parallel.py),
+whose FLOPs reach the cost analysis through their cost estimates.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import time
 
 from k3jax.cli import UserError
 from k3jax.plan_analytic import (_bytes_per_device, _dequantised_layer_bytes, analytic_temp,
-                                  moe_layer_bytes, routed_fill)
+                                  grouped_rows_run, moe_layer_bytes, routed_fill)
 from sharding import hlo
 
 GIB = 1024**3
@@ -97,10 +98,10 @@ def topology_devices(topology: str):
 
 def plan_config(cfg, remat: str | None = None, attention: str | None = None,
                 loss_chunk: int | None = None, capacity_factor: float | None = None):
-  """The config `k3jax train` runs on TPU: bf16 compute, fp32 master weights, ragged_dot;
+  """The config `k3jax train` runs on TPU: bf16 compute, fp32 master weights, megablox;
   remat / attention / loss_chunk / the experts' capacity factor override the config's when
   given (loss_chunk 0: whole)."""
-  changes = dict(dtype="bfloat16", param_dtype="float32", moe_grouped_matmul="ragged_dot",
+  changes = dict(dtype="bfloat16", param_dtype="float32", moe_grouped_matmul="megablox",
                  kda_backend=cfg.kda_backend or "pallas_tpu")
   if remat is not None:
     changes["remat"] = remat
@@ -165,24 +166,34 @@ class Plan:
                              # arguments from the shapes, no cost analysis
   remat_flops: float = 0.0      # the forward that remat recomputes (full: all of it)
   optimizer_flops: float = 0.0  # Per-Head Muon's Newton-Schulz over every block (hand count)
-  other_flops: float | None = None  # matmul - model - remat - optimizer - buffer rows:
+  other_flops: float | None = None  # work - model - remat - optimizer - buffer rows:
                                     # padding, masked dense compute, replicated work (waste)
-  buffer_row_flops: float | None = None  # the routed experts' ragged_dot on the rows of their
-                  # static receive buffer past the expected routed pairs (n k per device):
-                  # XLA counts a ragged_dot at its buffer's size (capacity c: 1 - 1/c of it;
-                  # dropless: the worst case); a kernel that stops at the group sizes skips them
+  buffer_row_flops: float | None = None  # the routed experts' grouped matmuls on rows of their
+                  # static receive buffer past the expected routed pairs (n k per device), as
+                  # run: ragged_dot, at its buffer's size as XLA counts it (capacity c: 1 - 1/c
+                  # of it; dropless: the worst case); megablox, only its row tiles' rounding
+  skipped_row_flops: float = 0.0  # counted at the buffer's size (the megablox kernels' cost
+                  # estimates are static) but never run: its grid stops at the group sizes
   loops: int = 0  # while loops in the compiled program (layer scan, micro-batches, QB's map):
                   # cost_analysis counts each loop body once, so with loops its FLOPs and
                   # bytes are lower bounds, not the step's work
   compiled_matmul_flops: float | None = None  # sharding/hlo.matmul_flops x devices: the
-                  # matmuls (and Pallas kernels' estimates) with loops by their trip counts;
-                  # flops_ratio and the split use this
+                  # matmuls (and Pallas kernels' estimates) with loops by their trip counts
+  work_flops: float | None = None  # compiled_matmul_flops - skipped_row_flops: the work the
+                  # program does; flops_ratio, the split and the estimate use this
   lora_rank: int | None = None         # --mode lora: the adapters' rank
   trainable_param_count: int | None = None  # --mode lora: the adapters' parameters
 
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
+
+
+def _grouped_matmul_op(op_name: str) -> bool:
+  """The routed experts' grouped matmuls in `hlo.matmul_flops`'s by-op names: ragged_dot, or
+  megablox's kernels (gmm, tgmm) under grouped_matmul's named scope."""
+  from k3jax.model.grouped_matmul import SCOPE  # noqa: PLC0415
+  return "ragged_dot" in op_name or (SCOPE in op_name and "pallas_call" in op_name)
 
 
 def _mesh_size(mesh) -> dict:
@@ -283,8 +294,14 @@ def plan_one(cfg, sc, devices, topology: str, mesh_spec, *, batch: int, seq: int
   # and its split come from the matmul FLOPs with loops by their trip counts instead
   by_op: dict = {}
   work = hlo.matmul_flops(text, by_op) * n
-  ragged = sum(f for op, f in by_op.items() if "ragged" in op) * n
-  buffer_rows = ragged * (1.0 - routed_fill(cfg, mesh, batch // accum * seq))
+  counted = work
+  grouped = sum(f for op, f in by_op.items() if _grouped_matmul_op(op)) * n
+  tokens = batch // accum * seq
+  buffer_rows = grouped * (1.0 - routed_fill(cfg, mesh, tokens))
+  skipped = 0.0
+  if cfg.moe_grouped_matmul == "megablox":  # its grid stops at the group sizes
+    skipped = grouped * (1.0 - grouped_rows_run(cfg, mesh, tokens))
+  work, buffer_rows = counted - skipped, buffer_rows - skipped
   est = max(work / n / chip.peak_flops, dev_bytes / chip.hbm_bandwidth)
   return Plan(**common, analytic=False, loops=text.count(" while("),
               argument_bytes_per_device=arg,
@@ -292,7 +309,7 @@ def plan_one(cfg, sc, devices, topology: str, mesh_spec, *, batch: int, seq: int
               alias_bytes_per_device=alias, peak_bytes_per_device=peak,
               fits=peak <= chip.hbm_bytes, compile_seconds=seconds,
               compiled_flops=dev_flops * n, compiled_bytes_accessed=dev_bytes * n,
-              compiled_matmul_flops=work,
+              compiled_matmul_flops=counted, work_flops=work, skipped_row_flops=skipped,
               flops_ratio=work / model_flops if model_flops else None,
               step_seconds_estimate=est,
               buffer_row_flops=buffer_rows,
@@ -425,9 +442,12 @@ def report(plan: Plan) -> str:
   elif plan.compile_seconds is not None:
     lines += [
         f"  compile         {plan.compile_seconds:8.1f} s",
-        f"  FLOPs           compiled matmuls {plan.compiled_matmul_flops:.3e} / model "
+        f"  FLOPs           compiled matmuls {plan.work_flops:.3e} / model "
         f"{plan.model_flops:.3e} = {plan.flops_ratio:.3f} (loops by trip count; XLA's "
         f"cost_analysis, each of {plan.loops} loop bodies once: {plan.compiled_flops:.3e})",
+        *([f"                  (counted {plan.compiled_matmul_flops:.3e}, less "
+           f"{plan.skipped_row_flops:.3e} of expert buffer rows past the group sizes that "
+           "the megablox kernels' grid never runs)"] if plan.skipped_row_flops else []),
         f"    split         model 1.000, remat recompute "
         f"{plan.remat_flops / plan.model_flops:.3f}, optimizer (Newton-Schulz) "
         f"{plan.optimizer_flops / plan.model_flops:.3f}, expert buffer rows past the "

@@ -98,6 +98,22 @@ def routed_fill(cfg, mesh, tokens: int) -> float:
   return min(1.0, with_mesh.n * cfg.num_experts_per_token / with_mesh.recv)
 
 
+def grouped_rows_run(cfg, mesh, tokens: int) -> float:
+  """The share of the receive buffer's rows that the "megablox" grouped matmul computes (its
+  grid stops at the group sizes, k3jax/model/grouped_matmul.py): the expected routed pairs,
+  plus the row tiles that group boundaries share, at most one per local expert and one more
+  for the last group's end (an upper bound). 1 with no exchange (the rows are the pairs)."""
+  from k3jax.model.grouped_matmul import TILE  # noqa: PLC0415
+  from sharding import expert_parallel  # noqa: PLC0415
+  if not cfg.num_experts:
+    return 1.0
+  with_mesh = expert_parallel.layout(cfg, tokens, expert_parallel.expert_input_name(cfg), mesh)
+  if with_mesh.ep == 1:
+    return 1.0
+  tiles = cfg.num_experts // with_mesh.ep + 1
+  return min(1.0, routed_fill(cfg, mesh, tokens) + tiles * TILE / with_mesh.recv)
+
+
 def _dequantised_layer_bytes(params) -> int:
   """One MoE layer's packed routed experts as bf16 (2 bytes per weight; codes hold 2 per
   byte), this device's share: what a layer's matmuls dequantise at a time."""

@@ -72,9 +72,9 @@ class DecodePlan:
 
 def serve_config(cfg):
   """The config `k3jax generate --dtype bfloat16` runs on TPU: bf16 weights and compute,
-  ragged_dot experts, KDA's Pallas TPU kernel for prefill (decode runs its fused step)."""
+  megablox experts, KDA's Pallas TPU kernel for prefill (decode runs its fused step)."""
   return cfg.replace(dtype="bfloat16", param_dtype="bfloat16", matmul_precision="default",
-                     moe_grouped_matmul="ragged_dot",
+                     moe_grouped_matmul="megablox",
                      kda_backend=cfg.kda_backend or "pallas_tpu")
 
 

@@ -64,7 +64,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from k3jax.model.grouped_matmul import ROWS as GROUPED_ROWS
+from k3jax.model.grouped_matmul import ALIGN as GROUPED_ROWS
 from k3jax.model.grouped_matmul import grouped_matmul
 from k3jax.model.layers import wide_dtype
 from k3jax.model.mlp import glu
@@ -136,7 +136,7 @@ def layout(cfg, n_tokens: int, in_name: str, mesh=None) -> Layout:
     capacity = math.ceil(cfg.moe_capacity_factor * k * ep * n / e)
     recv = min(recv, e // ep * capacity)
   # aligned: the experts' grouped matmuls run on these rows (a misaligned count would cost
-  # grouped_matmul a padded copy; K3 at fsdp=128, capacity 1: 131,075 -> 131,104)
+  # grouped_matmul a padded copy; K3 at fsdp=128, capacity 1: 131,075 -> 131,200)
   recv = -(-recv // GROUPED_ROWS) * GROUPED_ROWS
   return Layout(ep_axes, ep, gather_axes, psum_axes, token_axes, n, capacity, recv,
                 min(per_dest, recv))

@@ -313,3 +313,39 @@ def test_other_meshes_keep_the_one_device_code():
       assert expert_parallel.context_mesh() is None
       jaxpr = str(jax.make_jaxpr(lambda x: moe(x)[0])(x))
     assert "shard_map" not in jaxpr
+
+
+@pytest.mark.parametrize("case", ["expert8", "ragged_emulated_fsdp2_expert2_tensor2"])
+def test_megablox_expert_parallel_equals_one_device(case, monkeypatch):
+  """The "megablox" grouped matmul (JAX's Pallas TPU kernels, interpreted on the CPU) inside
+  the expert-parallel body, in float32, against the one-device MoE in float64 on the same
+  (float32) weights and input: forward, routing and every gradient. This covers its casts
+  inside shard_map: a weight replicated over some mesh axes gets its gradient summed over
+  them, and rows past the filled part of the receive buffer stay zero.
+
+  Tolerance: the module docstring's bound with float32's u = 2^-24 in place of float64's:
+  160 * 6.0e-8 * 1600 = 0.015 (float32 rounding of each intermediate is of the same order,
+  u * |value|). A misrouted or dropped row, or an unsummed gradient, moves results by O(0.1)
+  or more. The routing must agree exactly, which float32 cannot upset when the float64 run's
+  k-th and (k+1)-th biased scores of every token are more than 1e-4 apart (checked)."""
+  mesh_spec, _, dispatch, overrides = CASES[case]
+  if dispatch == "ragged":
+    monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
+  cfg32 = tiny_cfg(dtype="float32", param_dtype="float32", moe_dispatch=dispatch,
+                   moe_grouped_matmul="megablox", **overrides)
+  moe32 = make_moe(cfg32)
+  bias = np.asarray(moe32.gate.bias.get_value())
+  x32 = jnp.asarray(np.random.default_rng(1).standard_normal((8, 5, cfg32.hidden_size)),
+                    jnp.float32)
+  ep = run(moe32, x32, make_mesh(mesh_spec))
+  with jax.enable_x64(True):
+    cfg64 = cfg32.replace(dtype="float64", param_dtype="float64", moe_grouped_matmul=None)
+    moe64 = make_moe(cfg64, bias=bias)
+    want = dict(nnx.to_flat_state(nnx.state(moe32, nnx.Param)))
+    for path, var in nnx.to_flat_state(nnx.state(moe64, nnx.Param)):
+      var.set_value(jnp.asarray(want[path].get_value(), jnp.float64))
+    one = run(moe64, jnp.asarray(x32, jnp.float64))
+    biased = np.sort(np64(one[1].scores_ne) + bias, axis=-1)[..., ::-1]
+    k = cfg32.num_experts_per_token
+    assert np.min(biased[..., k - 1] - biased[..., k]) > 1e-4
+    assert_same(one, ep, atol=0.015)

@@ -80,6 +80,30 @@ def test_grouped_matmul_keeps_tpu_ragged_dot_off_its_dense_fallback(rows):
   assert raw == (need if rows % 8 == 0 else e * need)
 
 
+def test_megablox_compiles_for_tpu_and_counts_at_its_buffer_size():
+  """grouped_matmul's "megablox" impl compiled ahead of time for TPU (forward and both
+  gradients): three Pallas kernels (gmm, the input gradient's gmm, the weight gradient's
+  tgmm), each counted by its static cost estimate at the whole buffer, 2 m k f, and each
+  under grouped_matmul's scope, where `k3jax plan` finds them to count the rows they skip."""
+  from k3jax import plan  # noqa: PLC0415
+  sh = _tpu_device()
+  e, m, k, f = 8, 4096, 1024, 384
+  x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16, sharding=sh)
+  w = jax.ShapeDtypeStruct((e, k, f), jnp.bfloat16, sharding=sh)
+  gs = jax.ShapeDtypeStruct((e,), jnp.int32, sharding=sh)
+
+  def loss(x, w, g):
+    return jnp.sum(grouped_matmul(x, w, g, impl="megablox").astype(jnp.float32) ** 2)
+
+  text = jax.jit(jax.grad(loss, (0, 1))).trace(x, w, gs).lower(
+      lowering_platforms=("tpu",)).compile().as_text()
+  assert text.count('custom_call_target="tpu_custom_call"') == 3
+  by = {}
+  assert matmul_flops(text, by) == 3 * 2 * m * k * f
+  assert len(by) == 3 and all(plan._grouped_matmul_op(op) for op in by)
+  assert {op.split("/")[-2] for op in by} == {"jit(gmm)", "jit(tgmm)"}
+
+
 def test_base_dilated_window_counts_real_taps_only():
   """XLA:TPU (tpu7x) writes AttnRes's batched contraction over 8192 positions as a
   base-dilated convolution: window 8192, stride 8191, lhs_dilate 8192. Each output position

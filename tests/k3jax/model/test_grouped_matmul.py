@@ -1,5 +1,6 @@
-"""The grouped matmul of expert-sorted rows: "tiled" and "ragged_dot" against a numpy loop
-over groups, forward and gradients, with empty groups, groups spanning several tiles and a
+"""The grouped matmul of expert-sorted rows against a numpy loop over groups, forward and
+gradients: "tiled" and "ragged_dot" in float64, "megablox" (Pallas TPU kernels, interpreted)
+in float32 against the float64 loop; with empty groups, groups spanning several tiles and a
 row count that is no multiple of the tile."""
 
 import jax
@@ -69,3 +70,44 @@ def test_rows_past_the_groups_give_zeros(x64, impl):
   want_dw = np.stack([x[a:b].T @ dy[a:b] for a, b in zip(bounds[:-1], bounds[1:])])
   np.testing.assert_allclose(np.asarray(dx), want_dx, atol=1e-12, rtol=0)
   np.testing.assert_allclose(np.asarray(dw), want_dw, atol=1e-12, rtol=0)
+
+
+def _float32_bound(a, b, terms):
+  """|fl32(a @ b) - a @ b| <= (terms + 3) u (|a| @ |b|), u = 2^-24: the float32 rounding of a
+  and b (u each, 2u per product), a sum of `terms` products (gamma_terms), and the rounding
+  of the result (u); the standard bound on a computed dot product."""
+  return (terms + 3) * 2.0**-24 * (np.abs(a) @ np.abs(b))
+
+
+@pytest.mark.parametrize("groups,extra", [(GROUPS, 7), ([130, 0, 3, 0, 0, 140, 1, 0], 0),
+                                          ([0] * 7 + [129], 200)])
+def test_megablox_matches_a_loop_over_groups(groups, extra):
+  """The Pallas TPU kernels (interpret mode) in float32 against the float64 loop: groups that
+  share a row tile, span several tiles (TILE = 128), are empty, and `extra` unfilled rows past
+  the last group (zeros out, no gradient in), with m no multiple of the tile."""
+  rng = np.random.default_rng(2)
+  used, h, f = sum(groups), 6, 3
+  m = used + extra
+  x, w = rng.normal(size=(m, h)), rng.normal(size=(len(groups), h, f))
+  dy = rng.normal(size=(m, f))
+  x32, w32, dy32 = (jnp.asarray(a, jnp.float32) for a in (x, w, dy))
+  sizes = jnp.asarray(groups, jnp.int32)
+  fn = lambda x, w: grouped_matmul(x, w, sizes, impl="megablox", interpret=True)  # noqa: E731
+  y, vjp = jax.vjp(fn, x32, w32)
+  dx, dw = vjp(dy32)
+  assert y.dtype == dx.dtype == dw.dtype == jnp.float32
+  bounds = np.cumsum([0] + groups)
+  spans = list(zip(bounds[:-1], bounds[1:]))
+  zero = lambda a: np.zeros((extra, a.shape[1]))  # noqa: E731
+  want_y = np.concatenate([x[a:b] @ w[g] for g, (a, b) in enumerate(spans)] + [zero(y)])
+  tol_y = np.concatenate([_float32_bound(x[a:b], w[g], h) for g, (a, b) in enumerate(spans)]
+                         + [zero(y)])
+  assert np.all(np.abs(np.asarray(y) - want_y) <= tol_y)
+  wt = np.swapaxes(w, 1, 2)
+  want_dx = np.concatenate([dy[a:b] @ wt[g] for g, (a, b) in enumerate(spans)] + [zero(dx)])
+  tol_dx = np.concatenate([_float32_bound(dy[a:b], wt[g], f) for g, (a, b) in enumerate(spans)]
+                          + [zero(dx)])
+  assert np.all(np.abs(np.asarray(dx) - want_dx) <= tol_dx)
+  for g, (a, b) in enumerate(spans):  # dW_g over the group's rows only; empty groups: 0
+    want = x[a:b].T @ dy[a:b]
+    assert np.all(np.abs(np.asarray(dw[g]) - want) <= _float32_bound(x[a:b].T, dy[a:b], b - a))
