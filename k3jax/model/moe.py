@@ -1,8 +1,8 @@
 """Router, routed experts and the Stable LatentMoE block (SPEC §2.6).
 
 Dropless: every selected (token, expert) pair is computed. The pairs are sorted by expert and
-run as grouped matmuls (`grouped_matmul`: `jax.lax.ragged_dot`, or padded tiles on CPU), never
-as a loop over all experts. Traced under a k3jax device mesh (`jax.set_mesh`), the routed
+run as grouped matmuls (`grouped_matmul`: megablox's Pallas kernels on TPU, `jax.lax.ragged_dot`
+on GPU, padded tiles on CPU), never as a loop over all experts. Traced under a k3jax device mesh (`jax.set_mesh`), the routed
 experts run expert-parallel inside `shard_map` (sharding/expert_parallel.py); an optional
 capacity factor (`moe_capacity_factor`) drops and counts the pairs past each expert's cap.
 
