@@ -293,8 +293,7 @@ def plan_one(cfg, sc, devices, topology: str, mesh_spec, *, batch: int, seq: int
   # cost_analysis counts each loop body once (the layer scan, the micro-batches): the ratio
   # and its split come from the matmul FLOPs with loops by their trip counts instead
   by_op: dict = {}
-  work = hlo.matmul_flops(text, by_op) * n
-  counted = work
+  counted = hlo.matmul_flops(text, by_op) * n
   grouped = sum(f for op, f in by_op.items() if _grouped_matmul_op(op)) * n
   tokens = batch // accum * seq
   buffer_rows = grouped * (1.0 - routed_fill(cfg, mesh, tokens))
