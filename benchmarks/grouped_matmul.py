@@ -22,7 +22,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks._timing import timed  # noqa: E402
-from k3jax.model.grouped_matmul import grouped_matmul  # noqa: E402
+from pallas_kernels.grouped_matmul import grouped_matmul  # noqa: E402
 
 
 def main(argv=None):

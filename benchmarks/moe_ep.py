@@ -12,7 +12,7 @@ step = forward + backward (gradient of sum(sin(y)) w.r.t. every parameter and x)
   plain jit    the same sharded parameters and tokens under jit without a mesh context: the
                one-device code, partitioned by XLA (it gathers every token's choices to every
                device and all-reduces [N*k, l] rows per expert matmul)
-  EP dropless  under `jax.set_mesh`: sharding/expert_parallel.py with worst-case buffers
+  EP dropless  under `jax.set_mesh`: k3jax/model/expert_parallel.py with worst-case buffers
   EP cap c     the same with moe_capacity_factor=c (pairs past each expert's cap dropped)
 
 Bytes are read from each compiled program's HLO: for every collective its operand size (what
@@ -55,7 +55,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 
 import configs  # noqa: E402
 from k3jax.model.moe import MoE  # noqa: E402
-from sharding import expert_parallel  # noqa: E402
+from k3jax.model import expert_parallel  # noqa: E402
 from sharding.activations import activation_spec  # noqa: E402
 from sharding.mesh import make_mesh  # noqa: E402
 from sharding.placement import variable_spec  # noqa: E402

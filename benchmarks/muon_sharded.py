@@ -8,7 +8,7 @@ laptop) the update alone is jitted with the parameter's sharding on the mesh (CP
 faked to the mesh size) and compiled twice: with the whole-block layout
 (k3jax/optim/ns_layout.py, the default) and leaving split blocks to XLA's partitioner. Printed
 side by side: the placement, the layout Newton-Schulz runs in, and per variant the number of
-collectives and the bytes of their results on one device (sharding/hlo.py), then the totals
+collectives and the bytes of their results on one device (k3jax/plan/hlo.py), then the totals
 and their ratio. Compiling for fake CPU devices shows what is communicated, not how fast.
 """
 
@@ -47,7 +47,7 @@ def main() -> None:
   from k3jax.model.transformer import K3Model  # noqa: PLC0415
   from k3jax.optim import dimension_numbers, per_head_muon  # noqa: PLC0415
   from k3jax.optim.ns_layout import ns_plan  # noqa: PLC0415
-  from sharding.hlo import collectives, summary  # noqa: PLC0415
+  from k3jax.plan.hlo import collectives, summary  # noqa: PLC0415
   from sharding.mesh import make_mesh  # noqa: PLC0415
   from sharding.placement import like_params, variable_spec  # noqa: PLC0415
 

@@ -148,7 +148,7 @@ def breakdown(cfg, batch: int, seq: int, iters: int) -> dict[str, float]:
   z = jax.random.normal(jax.random.key(1), (m, h), cfg.jnp_dtype)
   w = jax.random.normal(jax.random.key(2), (e, h, f), cfg.jnp_dtype)
   sizes = jnp.asarray(np.random.default_rng(0).multinomial(m, np.ones(e) / e), jnp.int32)
-  from k3jax.model.grouped_matmul import grouped_matmul  # noqa: PLC0415
+  from pallas_kernels.grouped_matmul import grouped_matmul  # noqa: PLC0415
   dense = lambda z, w: jnp.sum((z @ w[0]) ** 2)  # noqa: E731
   for impl in ("tiled", "ragged_dot"):  # the model runs "tiled" on a CPU (default_impl)
     gmm = lambda z, w, impl=impl: jnp.sum(grouped_matmul(z, w, sizes, impl=impl) ** 2)  # noqa: E731

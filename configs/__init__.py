@@ -11,7 +11,8 @@ import json
 import os
 from typing import Any
 
-from k3jax.config import ConfigError, ModelConfig, from_hf_config
+from k3jax.errors import ConfigError
+from k3jax.config import ModelConfig, from_hf_config
 
 PRESETS = ("k3", "kimi_linear_48b", "tiny")
 

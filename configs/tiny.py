@@ -2,7 +2,7 @@
 dense first layer, LatentMoE with shared experts, SiTU. Trains byte-level on a CPU.
 
 8 experts, top 2: the routed experts' grouped matmuls dominate a CPU train step (padding and
-weight gathers, see k3jax/model/grouped_matmul.py); 8 / 2 keeps routing and Quantile Balancing
+weight gathers, see pallas_kernels/grouped_matmul/ops.py); 8 / 2 keeps routing and Quantile Balancing
 meaningful at a fraction of the 16 / 4 cost (`k3jax train`'s embedded default)."""
 
 from k3jax.config import ModelConfig

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from convert.errors import CheckpointError
+from k3jax.errors import CheckpointError
 from convert.source import open_source, plan, read_weight, to_k3jax
 from convert.variables import Path, abstract_variables
 from k3jax.config import ModelConfig

@@ -17,8 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from convert import mxfp4, orbax_io
-from convert.errors import CheckpointError
+from pallas_kernels import mxfp4
+from convert import orbax_io
+from k3jax.errors import CheckpointError
 from convert.hf_load import build_model, load_model
 from convert.to_orbax import CONFIG, MANIFEST, packed_paths
 from convert.variables import abstract_variables
@@ -145,7 +146,7 @@ def _dequantized_block(codes, scales, index, shape, dtype) -> np.ndarray:
   w = np.empty((*c.shape[:2], b - a, c.shape[2]), dtype)
   for j in range(w.shape[0]):
     for e in range(w.shape[1]):
-      m = mxfp4.dequantize(c[j, e], s[j, e], dtype)  # [out block, whole groups]
+      m = mxfp4.dequantize_np(c[j, e], s[j, e], dtype)  # [out block, whole groups]
       w[j, e] = m[:, a - g0 * mxfp4.GROUP:b - g0 * mxfp4.GROUP].T
   return w
 
@@ -159,7 +160,7 @@ def _dequantize_experts(arrays: dict, variables: dict) -> None:
     w = np.empty(var.shape, np.dtype(var.get_value().dtype))
     for j in range(w.shape[0]):
       for e in range(w.shape[1]):
-        w[j, e] = mxfp4.dequantize(codes[j, e], scales[j, e]).T  # [out, in] -> [in, out]
+        w[j, e] = mxfp4.dequantize_np(codes[j, e], scales[j, e]).T  # [out, in] -> [in, out]
     arrays[path] = w
 
 

@@ -23,8 +23,9 @@ import os
 
 import numpy as np
 
-from convert import mxfp4, orbax_io
-from convert.errors import CheckpointError
+from pallas_kernels import mxfp4
+from convert import orbax_io
+from k3jax.errors import CheckpointError
 from convert.load import checkpoint_config
 from convert.outdir import staged
 from convert.safetensors_io import ShardWriter, plan_header
@@ -76,7 +77,7 @@ class Merger:
     elif packed_paths(path)[0] in self.saved:  # frozen MXFP4 experts: dequantised (exact)
       codes, scales = (read_saved(p, index) for p in packed_paths(path))
       lead = codes.shape[:-2]
-      flat = [mxfp4.dequantize(c, s).T for c, s in zip(codes.reshape(-1, *codes.shape[-2:]),
+      flat = [mxfp4.dequantize_np(c, s).T for c, s in zip(codes.reshape(-1, *codes.shape[-2:]),
                                                       scales.reshape(-1, *scales.shape[-2:]))]
       base = np.stack(flat).reshape(*lead, 2 * codes.shape[-1], codes.shape[-2])
     else:

@@ -60,7 +60,7 @@ import numpy as np
 import tensorstore as ts
 from etils import epath
 
-from convert.errors import CheckpointError
+from k3jax.errors import CheckpointError
 
 Path = tuple[str, ...]
 CHUNK_BYTES = 4 << 20

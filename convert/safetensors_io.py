@@ -28,7 +28,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, which safe_open'
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from convert.errors import CheckpointError
+from k3jax.errors import CheckpointError
 
 # safetensors' own limit on the header (the Rust crate refuses larger ones).
 MAX_HEADER_BYTES = 100_000_000

@@ -18,13 +18,14 @@ from collections.abc import Callable
 
 import numpy as np
 
-from convert import mxfp4
-from convert.errors import CheckpointError
+from pallas_kernels import mxfp4
+from k3jax.errors import CheckpointError
 from convert.name_map import (DIALECTS, PACKED, SCALE, Dialect, Entry, Slot, full_name,
                               hf_shape, slots)
 from convert.safetensors_io import Header, ShardReader, TensorInfo
 from convert.variables import param_shapes
-from k3jax.config import ConfigError, ModelConfig, from_hf_config
+from k3jax.errors import ConfigError
+from k3jax.config import ModelConfig, from_hf_config
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -252,7 +253,7 @@ def read_weight(source: Source, item: Item, rows: slice | None = None) -> np.nda
   """The item's HF-layout weight (MXFP4 dequantised exactly to bf16); only `rows` if given."""
   if item.mxfp4:
     codes, scales = (source.reader.read(p.path, p.info.name, rows) for p in item.parts)
-    return mxfp4.dequantize(codes, scales, dtype=np.dtype("bfloat16"))
+    return mxfp4.dequantize_np(codes, scales, dtype=np.dtype("bfloat16"))
   p = item.parts[0]
   return source.reader.read(p.path, p.info.name, rows)
 

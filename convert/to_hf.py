@@ -21,8 +21,9 @@ import shutil
 import ml_dtypes
 import numpy as np
 
-from convert import mxfp4, orbax_io
-from convert.errors import CheckpointError
+from pallas_kernels import mxfp4
+from convert import orbax_io
+from k3jax.errors import CheckpointError
 from convert.load import checkpoint_config, read_manifest
 from convert.name_map import DIALECTS, PACKED, SCALE, Slot, full_name, hf_shape, slots
 from convert.outdir import staged
@@ -66,7 +67,7 @@ class _Producer:
       codes, scales = packed_paths(slot.entry.paths[0])
       return self._read(codes if kind == "packed" else scales, slot.index)
     if self._quantized is None or self._quantized[0] != slot.hf_name:
-      self._quantized = (slot.hf_name, mxfp4.quantize(self.weight(slot)))
+      self._quantized = (slot.hf_name, mxfp4.quantize_np(self.weight(slot)))
     return self._quantized[1][0 if kind == "packed" else 1]
 
 

@@ -32,7 +32,7 @@ import ml_dtypes
 import numpy as np
 
 from convert import orbax_io
-from convert.errors import CheckpointError
+from k3jax.errors import CheckpointError
 from convert.name_map import ENTRIES
 from convert.outdir import resumable
 from convert.progress import Progress

@@ -18,12 +18,10 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
+from k3jax.errors import ConfigError
+
 
 REMAT_POLICIES = ("none", "full", "save-dots", "offload")
-
-
-class ConfigError(ValueError):
-  """A config that k3jax cannot run exactly as the official code would."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -80,7 +78,7 @@ class ModelConfig:
     moe_grouped_matmul: routed experts' grouped matmul, "ragged_dot", "megablox" (a Pallas
       TPU kernel) or "tiled"; None picks by platform (tiled on CPU, where ragged_dot is slow;
       megablox on TPU, whose work stops at the group sizes; ragged_dot on GPU; see
-      k3jax.model.grouped_matmul).
+      pallas_kernels.grouped_matmul).
     moe_capacity_factor: None (default) keeps the routed experts dropless: every selected
       (token, expert) pair is computed and the exchange buffers are sized for the worst case.
       A float c caps every expert at ceil(c * k * n / E) pairs per step, n the tokens of its
@@ -88,7 +86,7 @@ class ModelConfig:
       without a mesh): pairs past the cap, later tokens first, are dropped (they add nothing
       to their token's output, the other weights are not renormalised) and counted
       (`Routing.dropped_pairs`). Bounds the exchange buffers and the grouped matmuls to about
-      c times the balanced load instead of the worst case (sharding/expert_parallel.py).
+      c times the balanced load instead of the worst case (k3jax/model/expert_parallel.py).
     moe_dispatch: expert-parallel exchange, "ragged" (jax.lax.ragged_all_to_all: moves only
       the routed rows) or "padded" (all_to_all of fixed-size per-device buffers, for XLA:CPU,
       which lacks ragged_all_to_all); None picks by the platform the program is lowered for.
@@ -102,7 +100,7 @@ class ModelConfig:
       logits recomputed in the backward (k3jax/train/loss.py): the same numbers, without
       the [tokens, vocab] fp32 buffers.
     attention: MLA's training attention, "dense" (the [B, H, T, T] scores; the reference) or
-      "flash" (blockwise online softmax, k3jax/model/flash.py: the same numbers, no [T, T]
+      "flash" (blockwise online softmax, pallas_kernels/flash_attention/ops.py: the same numbers, no [T, T]
       buffer).
     attention_block: query and key block of the flash attention (positions).
     scan_layers: run the longest stretch of identical repeating layer units under one

@@ -41,7 +41,7 @@ import os
 
 import numpy as np
 
-from k3jax.cli import UserError
+from k3jax.errors import UserError
 
 TOLERANCE = {"float64": 1e-5, "float32": 2e-3}
 FLOAT32_NOISE = 2e-3
@@ -275,37 +275,3 @@ def format_report(r: dict) -> str:
     lines += [f"  layer {i:3d}: {d:.3e}" for i, d in r["layer_max_abs_diff"].items()]
   lines.append("PASS" if r["passed"] else "FAIL")
   return "\n".join(lines)
-
-
-def run(args: argparse.Namespace) -> int:
-  if not os.path.exists(args.model_dir):
-    raise UserError(f"{args.model_dir}: no such folder")
-  ref = load_reference(args.reference)
-  report = compare(args.model_dir, ref, args.dtype, decode=args.decode,
-                   save_logits=args.save_logits, mesh=args.mesh)
-  report["reference"] = args.reference
-  if args.json:
-    print(json.dumps(report))
-  else:
-    print(format_report(report))
-  return 0 if report["passed"] else 1
-
-
-def register(sub) -> None:
-  p = sub.add_parser("parity", help="compare a model's logits with a PyTorch reference file",
-                     description=__doc__.splitlines()[0],
-                     epilog="Exit 0 within tolerance, 1 outside it, 2 on bad input.")
-  p.add_argument("model_dir", metavar="MODEL_DIR",
-                 help="official K3 / Kimi-Linear folder, or a converted k3jax checkpoint")
-  p.add_argument("--reference", required=True, metavar="NPZ",
-                 help=".npz with input_ids and logits (and logits_fp64, layer_out_i)")
-  p.add_argument("--dtype", choices=tuple(NUMERICS), default="float32")
-  p.add_argument("--mesh", default=None, metavar="SPEC",
-                 help="run sharded on a device mesh, e.g. data=2,expert=2,tensor=2 (SPEC 6)")
-  p.add_argument("--json", action="store_true", help="print one JSON object")
-  p.add_argument("--decode", action="store_true",
-                 help="also prefill decode_prefill_len tokens and decode the rest one by one "
-                      "through the cache, against decode_logits_fp64")
-  p.add_argument("--save-logits", metavar="OUT.npz",
-                 help="write the computed logits (and decode logits) to an .npz")
-  p.set_defaults(func=run)

@@ -9,6 +9,7 @@
 """
 
 from sharding.activations import constrain
+from sharding.mesh import MeshError
 from sharding.rules import MESH_AXES
 
-__all__ = ["MESH_AXES", "constrain"]
+__all__ = ["MESH_AXES", "MeshError", "constrain"]

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from k3jax.cli import UserError
+from sharding.mesh import MeshError
 
 TPU_MULTIHOST_ENV = ("TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES")
 _HOST_PORT = re.compile(r"^\[?[A-Za-z0-9_.:-]+\]?:\d+$")
@@ -40,16 +40,16 @@ def _multihost_env() -> bool:
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
                process_id: int | None = None) -> bool:
   """Join the multi-process run the arguments or the environment describe; True if one was
-  joined (or already is). Validates the arguments in one line (UserError)."""
+  joined (or already is). Validates the arguments in one line (MeshError)."""
   explicit = coordinator not in (None, "auto")
   if explicit or num_processes is not None or process_id is not None:
     if not (explicit and num_processes is not None and process_id is not None):
-      raise UserError("--coordinator HOST:PORT, --num-processes and --process-id go together "
+      raise MeshError("--coordinator HOST:PORT, --num-processes and --process-id go together "
                       "(or --coordinator auto alone)")
     if not _HOST_PORT.match(coordinator):
-      raise UserError(f"--coordinator {coordinator!r} is not HOST:PORT")
+      raise MeshError(f"--coordinator {coordinator!r} is not HOST:PORT")
     if num_processes < 1 or not 0 <= process_id < num_processes:
-      raise UserError(f"--process-id {process_id} is not in [0, --num-processes "
+      raise MeshError(f"--process-id {process_id} is not in [0, --num-processes "
                       f"{num_processes})")
   auto = coordinator == "auto" or (not explicit and _multihost_env())
   if not (explicit or auto):
@@ -93,7 +93,7 @@ def rows_by_process(sharding: jax.sharding.Sharding, shape: tuple[int, ...],
     for a, b in pieces:
       covered[a - start:b - start] = True
     if not covered.all():
-      raise UserError(f"process {proc} holds batch rows that are not one contiguous range; "
+      raise MeshError(f"process {proc} holds batch rows that are not one contiguous range; "
                       "use a mesh whose batch axes split the processes evenly")
     out[proc] = (start, stop)
   return out

@@ -26,14 +26,15 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 
-from k3jax.cli import UserError
 from sharding.rules import MESH_AXES
 
 _ENTRY = re.compile(r"^\s*([a-z]+)\s*=\s*(-?\d+)\s*$")
 
 
-class MeshError(UserError):
-  """An impossible mesh: bad spec, wrong device count, or a size the model cannot split."""
+class MeshError(ValueError):
+  """An impossible mesh or process layout: bad spec, wrong device count, a size the model
+  cannot split, or inconsistent multi-process flags. The k3jax command line prints it as one
+  line (sharding imports nothing of k3jax, so it has its own error type)."""
 
 
 def parse_mesh_spec(spec: str) -> dict[str, int]:

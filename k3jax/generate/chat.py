@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 
-from k3jax.cli import UserError
+from k3jax.errors import UserError
 
 CONFIG = "tokenizer_config.json"
 

@@ -33,7 +33,7 @@ from k3jax.config import ModelConfig
 from k3jax.model.layers import Projection, make_param, ones_param, rms_normalize, wide_dtype
 from pallas_kernels.kda import ops as kda_ops
 from pallas_kernels.kda.ops import prepare_inputs
-from sharding import kda_parallel
+from k3jax.model import kda_parallel
 
 
 class KDAState(NamedTuple):

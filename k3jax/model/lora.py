@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.model import mxfp4 as mx
+from pallas_kernels import mxfp4 as mx
 from k3jax.model.layers import Projection
 
 # attention (MLA and KDA projections), shared experts, dense MLP: what LoRA recipes adapt

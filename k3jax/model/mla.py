@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import ModelConfig
-from k3jax.model.flash import flash_attention
+from pallas_kernels.flash_attention import flash_attention
 from k3jax.model.layers import Projection, RMSNorm, wide_dtype
 
 

@@ -3,7 +3,7 @@
 Dropless: every selected (token, expert) pair is computed. The pairs are sorted by expert and
 run as grouped matmuls (`grouped_matmul`: megablox's Pallas kernels on TPU, `jax.lax.ragged_dot`
 on GPU, padded tiles on CPU), never as a loop over all experts. Traced under a k3jax device mesh (`jax.set_mesh`), the routed
-experts run expert-parallel inside `shard_map` (sharding/expert_parallel.py); an optional
+experts run expert-parallel inside `shard_map` (k3jax/model/expert_parallel.py); an optional
 capacity factor (`moe_capacity_factor`) drops and counts the pairs past each expert's cap.
 
     s = sigmoid(x W_r)                           # fp32 [N, E]
@@ -23,13 +23,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import ModelConfig
-from k3jax.model import mxfp4
-from k3jax.model.grouped_matmul import grouped_matmul
+from pallas_kernels import mxfp4
+from pallas_kernels.grouped_matmul import grouped_matmul
 from k3jax.model.layers import (Projection, RMSNorm, annotated, fan_in_normal, make_param,
                                 wide_dtype)
 from k3jax.model.mlp import MLP, glu
 from k3jax.model.quantile_balancing import quantile_balancing_bias  # noqa: F401  (re-export)
-from sharding import expert_parallel
+from k3jax.model import expert_parallel
 from sharding.activations import constrain
 
 

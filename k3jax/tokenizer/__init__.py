@@ -25,7 +25,7 @@ import importlib.util
 
 import numpy as np
 
-from k3jax.cli import UserError
+from k3jax.errors import UserError
 from k3jax.tokenizer.folder import TIKTOKEN_FILE, find_tiktoken_file, read_pattern
 
 __all__ = ["ByteTokenizer", "TIKTOKEN_FILE", "find_tiktoken_file", "load_tokenizer",

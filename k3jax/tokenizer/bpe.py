@@ -24,7 +24,7 @@ import re
 
 import numpy as np
 
-from k3jax.cli import UserError
+from k3jax.errors import UserError
 from k3jax.tokenizer.folder import FolderSpec, read_folder
 
 

@@ -46,14 +46,10 @@ from datetime import datetime
 
 import numpy as np
 
-from k3jax.cli import UserError
+from k3jax.errors import ChatError, UserError
 
 ROLES = ("system", "user", "assistant", "tool")
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-
-
-class ChatError(UserError):
-  """A conversation that cannot be rendered / trained on (the message says why)."""
 
 
 # ---- the Jinja environment ------------------------------------------------------------------

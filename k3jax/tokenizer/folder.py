@@ -24,7 +24,7 @@ import dataclasses
 import json
 import os
 
-from k3jax.cli import UserError
+from k3jax.errors import UserError
 
 TIKTOKEN_FILE = "tiktoken.model"
 CONFIG_FILE = "tokenizer_config.json"

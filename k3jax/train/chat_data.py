@@ -27,8 +27,8 @@ import os
 
 import numpy as np
 
-from k3jax.cli import UserError
-from k3jax.train.data import EVAL_EVERY
+from k3jax.errors import UserError
+from k3jax.train.holdout import is_held_out
 
 BAD_ROWS_FILE = "bad_rows.jsonl"
 SHOWN = 3  # bad rows named in the refusal line
@@ -47,7 +47,7 @@ class ChatCorpus:
 
   def split(self) -> tuple[tuple[list, list], tuple[list, list], bool]:
     """((train tokens, weights), (eval tokens, weights), eval is held out)."""
-    held = [i % EVAL_EVERY == EVAL_EVERY // 2 for i in range(len(self.tokens))]
+    held = [is_held_out(i) for i in range(len(self.tokens))]
     if not any(held):
       return (self.tokens, self.weights), (self.tokens, self.weights), False
     pick = lambda xs, keep: [x for x, h in zip(xs, held) if h == keep]  # noqa: E731
@@ -82,7 +82,7 @@ def encode_row(tokenizer, row, seq_len: int | None):
 
 def read_chat(path: str, tokenizer, seq_len: int) -> ChatCorpus:
   """Every row of the JSONL file(s) at `path`, tokenized, bad ones collected (not raised)."""
-  from k3jax.tokenizer.chat import ChatError  # noqa: PLC0415
+  from k3jax.errors import ChatError  # noqa: PLC0415
   if getattr(tokenizer, "spec", None) is None:
     tokenizer.render_chat([])  # the byte tokenizer: its UserError (no chat format)
   if not tokenizer.spec.chat_templates or tokenizer.spec.remote.chat_override:

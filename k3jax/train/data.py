@@ -41,9 +41,10 @@ from collections.abc import Iterator, Sequence
 import grain
 import numpy as np
 
-from k3jax.cli import UserError
+from k3jax.errors import UserError
+from k3jax.train import chat_data
+from k3jax.train.holdout import EVAL_EVERY, is_held_out
 
-EVAL_EVERY = 16          # one document in 16 is held out for eval (by sorted position)
 MIN_DOCS_FOR_DOC_SPLIT = 2 * EVAL_EVERY
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".json", ".jsonl", ".c", ".h", ".html")
 
@@ -91,9 +92,8 @@ def split_documents(docs: Sequence[Document]) -> tuple[list[Document], list[Docu
   """(train, eval): with >= 32 documents every 16th (positions 8, 24, ...) is held out whole;
   with fewer, the last 1/16 of every document is (so a single big file still has an eval set)."""
   if len(docs) >= MIN_DOCS_FOR_DOC_SPLIT:
-    held = lambda i: i % EVAL_EVERY == EVAL_EVERY // 2  # noqa: E731
-    return ([d for i, d in enumerate(docs) if not held(i)],
-            [d for i, d in enumerate(docs) if held(i)])
+    return ([d for i, d in enumerate(docs) if not is_held_out(i)],
+            [d for i, d in enumerate(docs) if is_held_out(i)])
   train, held_out = [], []
   for d in docs:
     cut = len(d.data) - len(d.data) // EVAL_EVERY
@@ -309,7 +309,6 @@ def load_training_data(path: str | None, data_format: str, tokenizer, cfg: Pipel
     raise UserError(f"--format {data_format}: expected text or chat")
   if path is None:
     raise UserError("--format chat needs --data FILE.jsonl (rows of {\"messages\": [...]})")
-  from k3jax.train import chat_data  # noqa: PLC0415  (jinja2)
   corpus = chat_data.read_chat(path, tokenizer, cfg.seq_len)
   report = chat_data.check_bad_rows(corpus, path, skip=skip_bad_rows, out=out)
   (train_t, train_w), (eval_t, eval_w), held_out = corpus.split()

@@ -31,7 +31,7 @@ from flax import nnx
 
 from k3jax.config import ModelConfig
 from k3jax.optim.groups import dimension_numbers, logical_axes_from_state
-from pallas_kernels.kda._chunk_math import flops_per_token as kda_flops_per_token
+from pallas_kernels.kda import flops_per_token as kda_flops_per_token
 
 
 

@@ -62,7 +62,7 @@ from k3jax.train.loss import model_nll, token_nll  # noqa: F401  (token_nll re-e
 from k3jax.model.quantile_balancing import (THRESHOLD_RULES, expert_load_stats,
                                             quantile_balancing_bias)
 from k3jax.optim import logical_axes_from_state, per_head_muon, qk_clip
-from sharding.expert_parallel import row_split_axes
+from k3jax.model.expert_parallel import row_split_axes
 from sharding.placement import (batch_sharding, check_model_fits, like_params, replicated,
                                 variable_shardings)
 from sharding.rules import BATCH_MESH_AXES
@@ -286,7 +286,7 @@ def build(cfg: ModelConfig, sc: StepConfig, mesh: jax.sharding.Mesh | None = Non
     (lax.map): all layers at once (vmap) holds several [L, tokens, E] fp32 temporaries (the
     thresholds, the histogram's bin indices, the re-routing), 60 GiB per device for K3 on a
     pod, where one layer's are 1/L of that. `scores` arrive with this device's rows split
-    further over `score_axes` (the tensor ranks: sharding/expert_parallel.py computes and keeps
+    further over `score_axes` (the tensor ranks: k3jax/model/expert_parallel.py computes and keeps
     them so), so each layer's are gathered whole here, one layer at a time."""
     mask = segment_ids.reshape(-1) != 0  # (micro-batch, row, position) order
 

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.kda import reference
 from pallas_kernels.kda._chunk_math import C
+from pallas_kernels.vma import vary_like
 
 
 def _round_up(x: int, m: int) -> int:
@@ -121,7 +122,7 @@ def match_vma(*xs):
   """Inside `shard_map` (check_vma), give every kernel operand the union of the operands'
   varying mesh axes (e.g. a zero initial state made inside is not varying while q is), and
   return that union for the kernel's output types. Outside shard_map this is a no-op."""
-  out = [reference.vary_like(x, *xs) for x in xs]
+  out = [vary_like(x, *xs) for x in xs]
   return out, jax.typeof(out[0]).mat
 
 

@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.vma import vary_like
+
 GATES = (None, "lower_bound", "softplus")
 CHUNK = 64
 
@@ -46,15 +48,6 @@ def segment_starts(segment_ids: jax.Array | None, batch: int, length: int) -> ja
   prev = jnp.pad(segment_ids[:, :-1], ((0, 0), (1, 0)), constant_values=0)
   first = jnp.arange(length)[None, :] == 0
   return (segment_ids != prev) & ~first
-
-
-def vary_like(x: jax.Array, *like: jax.Array) -> jax.Array:
-  """Inside `shard_map` (check_vma): x made varying over every mesh axis any of `like` varies
-  over (a zero state made inside, or a replicated operand, is not varying while q is).
-  Outside shard_map, x itself."""
-  varying = frozenset().union(*(jax.typeof(y).mat.varying for y in like))
-  missing = tuple(sorted(varying - jax.typeof(x).mat.varying))
-  return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def start_state(initial_state, shape, dt, *like: jax.Array) -> jax.Array:

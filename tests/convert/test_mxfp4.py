@@ -5,7 +5,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from convert import mxfp4
+from pallas_kernels import mxfp4
 
 
 def brute_force_code(v: float, exp: int) -> int:
@@ -21,7 +21,7 @@ def test_dequantize_reads_low_nibble_first():
   packed = np.zeros((1, 16), np.uint8)
   packed[0, 0] = 0x7 | (0xA << 4)      # element 0 = +6, element 1 = -1
   scale = np.array([[127 + 3]], np.uint8)  # x 8
-  w = mxfp4.dequantize(packed, scale)
+  w = mxfp4.dequantize_np(packed, scale)
   assert w.shape == (1, 32) and w[0, 0] == 48.0 and w[0, 1] == -8.0 and not w[0, 2:].any()
 
 
@@ -32,7 +32,7 @@ def test_quantize_matches_brute_force():
   w[0, :32] = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 4   # ties at every midpoint, amax 6
   w[1, :32] = 0.0
   w[1, 5] = -0.0
-  packed, scale = mxfp4.quantize(w)
+  packed, scale = mxfp4.quantize_np(w)
   codes = np.stack([packed & 0xF, packed >> 4], -1).reshape(8, 64)
   for r in range(8):
     for g in range(2):
@@ -50,12 +50,12 @@ def test_quantize_matches_brute_force():
 def test_saturates_and_clamps():
   w = np.full((1, 32), 7.9, np.float32)   # amax 7.9 -> exponent 0, 7.9 saturates to 6
   w[0, 0] = 4.0
-  packed, scale = mxfp4.quantize(w)
-  assert scale[0, 0] == 127 and (mxfp4.dequantize(packed, scale)[0, 1:] == 6.0).all()
+  packed, scale = mxfp4.quantize_np(w)
+  assert scale[0, 0] == 127 and (mxfp4.dequantize_np(packed, scale)[0, 1:] == 6.0).all()
   huge = np.full((1, 32), 2.0**130)
-  assert mxfp4.quantize(huge)[1][0, 0] == 254  # E8M0 tops out at 2^127 (255 is NaN)
+  assert mxfp4.quantize_np(huge)[1][0, 0] == 254  # E8M0 tops out at 2^127 (255 is NaN)
   with pytest.raises(ValueError):
-    mxfp4.quantize(np.full((1, 32), np.nan))
+    mxfp4.quantize_np(np.full((1, 32), np.nan))
 
 
 def test_codes_survive_dequantize_quantize():
@@ -66,11 +66,11 @@ def test_codes_survive_dequantize_quantize():
   codes[:, ::32] = rng.choice([6, 7, 14, 15], (16, 4))  # +-4 or +-6 in each group
   packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
   scale = rng.integers(100, 150, (16, 4), dtype=np.uint8)
-  w = mxfp4.dequantize(packed, scale, dtype=ml_dtypes.bfloat16)
-  again = mxfp4.quantize(w)
+  w = mxfp4.dequantize_np(packed, scale, dtype=ml_dtypes.bfloat16)
+  again = mxfp4.quantize_np(w)
   np.testing.assert_array_equal(again[0], packed)
   np.testing.assert_array_equal(again[1], scale)
-  np.testing.assert_array_equal(mxfp4.dequantize(*again), w.astype(np.float32))
+  np.testing.assert_array_equal(mxfp4.dequantize_np(*again), w.astype(np.float32))
 
 
 def test_dequantize_every_scale_and_byte_matches_the_formula():
@@ -80,7 +80,7 @@ def test_dequantize_every_scale_and_byte_matches_the_formula():
   codes = np.stack([packed & 0xF, packed >> 4], -1).reshape(256, 512)
   want = mxfp4.E2M1[codes].astype(np.float64) * 2.0 ** (np.arange(256)[:, None] - 127.0)
   for dtype in (ml_dtypes.bfloat16, np.float32):
-    got = mxfp4.dequantize(packed, scale, dtype=dtype).astype(np.float64)
+    got = mxfp4.dequantize_np(packed, scale, dtype=dtype).astype(np.float64)
     assert np.isnan(got[255]).all()  # scale 255 is E8M0's NaN
     finite = np.abs(want[:255]) <= np.finfo(np.float32).max
     np.testing.assert_array_equal(got[:255][finite], want[:255][finite])

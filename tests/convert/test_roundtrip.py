@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 from safetensors import safe_open
 
-from convert import mxfp4
+from pallas_kernels import mxfp4
 from convert.hf_load import load_model
 from convert.load import load_checkpoint
 from k3jax.cli import main
@@ -77,8 +77,8 @@ def test_bf16_round_trip_is_equal_in_value(hf_dir, converted):
   for name, (_, _, _, value) in want.items():
     if name.endswith("weight_packed"):
       scale = name.replace("weight_packed", "weight_scale")
-      np.testing.assert_array_equal(mxfp4.dequantize(got[name][3], got[scale][3]),
-                                    mxfp4.dequantize(value, want[scale][3]), err_msg=name)
+      np.testing.assert_array_equal(mxfp4.dequantize_np(got[name][3], got[scale][3]),
+                                    mxfp4.dequantize_np(value, want[scale][3]), err_msg=name)
     elif not name.endswith("weight_scale"):
       assert got[name][3].tobytes() == value.tobytes(), name
   for f in ("config.json", "model.safetensors.index.json"):
@@ -153,8 +153,8 @@ def test_fresh_layout_from_a_trained_checkpoint(hf_dir, converted, tmp_path):
     assert (g[1], g[2]) == (dtype, shape), name
     if name.endswith("weight_packed"):
       scale = name.replace("weight_packed", "weight_scale")
-      np.testing.assert_array_equal(mxfp4.dequantize(g[3], got[scale][3]),
-                                    mxfp4.dequantize(value, want[scale][3]), err_msg=name)
+      np.testing.assert_array_equal(mxfp4.dequantize_np(g[3], got[scale][3]),
+                                    mxfp4.dequantize_np(value, want[scale][3]), err_msg=name)
     elif not name.endswith("weight_scale"):
       assert g[3].tobytes() == value.tobytes(), name
     parts = name.split(".")

@@ -20,7 +20,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save
 
-from convert.errors import CheckpointError
+from k3jax.errors import CheckpointError
 from convert.safetensors_io import DTYPES, ShardReader, read_header
 
 CASES = 400

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save
 
-from convert.errors import CheckpointError
+from k3jax.errors import CheckpointError
 from convert.safetensors_io import ShardWriter, plan_header, read_header
 
 

@@ -5,7 +5,8 @@ import json
 import pytest
 
 import configs
-from k3jax.config import ConfigError, ModelConfig, from_hf_config, to_hf_config
+from k3jax.errors import ConfigError
+from k3jax.config import ModelConfig, from_hf_config, to_hf_config
 
 
 def test_k3_preset_schedule_matches_spec():
@@ -119,7 +120,8 @@ def test_invalid_schedule_refused():
 
 def test_remat_policy_names():
   """remat takes a policy name; the older bool reads as full / none; unknown names refused."""
-  from k3jax.config import ConfigError, REMAT_POLICIES  # noqa: PLC0415
+  from k3jax.errors import ConfigError  # noqa: PLC0415
+  from k3jax.config import REMAT_POLICIES  # noqa: PLC0415
   import configs as presets  # noqa: PLC0415
   cfg = presets.get("tiny")
   assert cfg.remat == "none"

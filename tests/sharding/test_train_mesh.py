@@ -15,7 +15,7 @@ from flax import nnx
 from k3jax.model.transformer import K3Model
 
 from k3jax.train import step as step_lib
-from sharding.hlo import collectives, matmul_flops, summary
+from k3jax.plan.hlo import collectives, matmul_flops, summary
 from sharding.mesh import make_mesh
 
 from .helpers import (ROWS, T, assert_close, model_config, random_batch, run_options,

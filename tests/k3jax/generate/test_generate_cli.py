@@ -121,7 +121,7 @@ def test_bad_input_is_one_line(run_dir, capsys, args, message):
 
 def test_chat_template_is_rendered(tmp_path):
   from k3jax.generate import chat
-  from k3jax.train.tokenizer import ByteTokenizer
+  from k3jax.tokenizer import ByteTokenizer
   template = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>\n{% endfor %}"
               "{% if add_generation_prompt %}<|assistant|>{% endif %}")
   (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))

@@ -10,9 +10,9 @@ import pytest
 from flax import nnx
 
 import configs
-from k3jax.model.flash import flash_attention
+from pallas_kernels.flash_attention import flash_attention
 from k3jax.model.mla import MLA, attention_mask
-from sharding.hlo import matmul_flops
+from k3jax.plan.hlo import matmul_flops
 
 # float64; every value is a softmax-weighted sum of O(1) terms over <= T = 20 keys
 TOL = 1e-12

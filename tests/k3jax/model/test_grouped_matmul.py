@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.model.grouped_matmul import grouped_matmul
+from pallas_kernels.grouped_matmul import grouped_matmul
 
 GROUPS = [0, 5, 1, 0, 13, 4, 0, 2]  # E = 8, m = 25; tile 4: groups of 0, 1, 2, 4 rows and 13
 DECODE = [0, 2, 1, 0, 0, 3, 0, 1]   # m = 7 <= E: "tiled" gathers each row's expert

@@ -1,5 +1,5 @@
 """LoRA adapters, MXFP4-packed experts and expert QAT on the model (k3jax/model/lora.py,
-k3jax/model/mxfp4.py), against independent references: convert/mxfp4.py's numpy quantiser
+pallas_kernels/mxfp4/format.py), against independent references: pallas_kernels/mxfp4/format.py's numpy quantiser
 (bit for bit) and the same model with the adapters folded into float64 weights."""
 
 import os
@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from convert import mxfp4 as np_mx
 from convert.hf_load import load_model
 from k3jax.model import lora
-from k3jax.model import mxfp4 as mx
+from pallas_kernels import mxfp4 as mx
 
 
 def tricky_weights(dtype, seed=0):
@@ -35,11 +34,11 @@ def tricky_weights(dtype, seed=0):
 def test_jax_mxfp4_matches_the_numpy_quantiser_bit_for_bit(dtype):
   with jax.enable_x64(dtype == np.float64):
     w_io = tricky_weights(dtype)
-    codes, scales = np_mx.quantize(w_io.T)
+    codes, scales = mx.quantize_np(w_io.T)
     got_codes, got_scales = jax.jit(mx.quantize)(jnp.asarray(w_io))
     np.testing.assert_array_equal(np.asarray(got_codes), codes)
     np.testing.assert_array_equal(np.asarray(got_scales), scales)
-    truth = np_mx.dequantize(codes, scales, np.float64).T
+    truth = mx.dequantize_np(codes, scales, np.float64).T
     rounded = np.asarray(jax.jit(mx.round_mxfp4)(jnp.asarray(w_io)), np.float64)
     np.testing.assert_array_equal(rounded, truth)
     np.testing.assert_array_equal(np.signbit(rounded), np.signbit(truth))  # -0 kept

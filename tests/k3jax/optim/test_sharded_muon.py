@@ -24,7 +24,7 @@ from k3jax.optim.groups import dimension_numbers
 from k3jax.optim import ns_layout
 from k3jax.optim.ns_layout import ns_flops, ns_plan
 from k3jax.train.step import plain
-from sharding.hlo import collectives, matmul_flops, summary
+from k3jax.plan.hlo import collectives, matmul_flops, summary
 from sharding.mesh import make_mesh
 from sharding.placement import like_params, variable_shardings
 

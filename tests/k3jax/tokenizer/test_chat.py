@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from k3jax.cli import UserError
+from k3jax.errors import UserError
 from k3jax.tokenizer import chat, load_tokenizer
 
 from . import conversations, release

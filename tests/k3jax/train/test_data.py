@@ -4,8 +4,9 @@ and tokenizer selection. No model here."""
 import numpy as np
 import pytest
 
-from k3jax.cli import UserError
-from k3jax.train import data, tokenizer
+from k3jax.errors import UserError
+from k3jax import tokenizer
+from k3jax.train import data
 
 T = 16
 

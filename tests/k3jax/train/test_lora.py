@@ -18,13 +18,13 @@ import torch
 from flax import nnx
 from safetensors.torch import load_file
 
-from convert import mxfp4 as np_mx
 from convert import orbax_io
 from convert.hf_load import load_model
 from convert.lora_export import ADAPTER_CONFIG, ADAPTER_FILE, is_adapter
 from k3jax.cli import main
 from k3jax.info import param_breakdown
 from k3jax.model import lora
+from pallas_kernels import mxfp4 as mx
 from k3jax.train import step as step_lib
 from k3jax.train.loop import adapt_spec, run, step_config
 
@@ -149,10 +149,10 @@ def test_merged_export_is_base_plus_scaled_adapters_and_computes_the_trained_mod
   # a routed expert (MoE layer 0 = decoder layer 1, expert 5): MXFP4 of dequant(W) + s A B
   codes = saved[("moe", "experts", "w1_packed")][0, 5]
   scales = saved[("moe", "experts", "w1_scale")][0, 5]
-  w = np_mx.dequantize(codes, scales, np.float64).T
+  w = mx.dequantize_np(codes, scales, np.float64).T
   a = saved[("moe", "experts", "w1_lora_a")][0, 5]
   b = saved[("moe", "experts", "w1_lora_b")][0, 5]
-  q_codes, q_scales = np_mx.quantize((w + scale * f64(a) @ f64(b)).T)
+  q_codes, q_scales = mx.quantize_np((w + scale * f64(a) @ f64(b)).T)
   np.testing.assert_array_equal(tensors[pre + "1.block_sparse_moe.experts.5.w1.weight_packed"],
                                 q_codes)
   np.testing.assert_array_equal(tensors[pre + "1.block_sparse_moe.experts.5.w1.weight_scale"],

@@ -25,7 +25,7 @@ from k3jax.train import flops
 from k3jax.train import step as step_lib
 from k3jax.train.loop import run, step_config
 from k3jax.train.metrics import read_records
-from k3jax.train.tokenizer import ByteTokenizer
+from k3jax.tokenizer import ByteTokenizer
 
 from .helpers import MICRO, STEPS, cli_args, micro_config_file, options
 

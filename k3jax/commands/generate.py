@@ -20,35 +20,11 @@ import os
 import sys
 import time
 
-from k3jax.cli import UserError
+from k3jax.commands._args import (Formatter, default_compile_cache, nonneg_float, nonneg_int,
+                                  positive_int, token_ids)
+from k3jax.errors import UserError
 
 DTYPES = ("auto", "float64", "float32", "bfloat16")
-
-
-def _ids(text: str) -> list[int]:
-  try:
-    ids = [int(t) for t in text.replace(",", " ").split()]
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"not a list of token ids: {text!r}") from None
-  if not ids:
-    raise argparse.ArgumentTypeError("empty token id list")
-  return ids
-
-
-def _positive(text: str) -> int:
-  value = int(text)
-  if value <= 0:
-    raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-  return value
-
-
-def _nonneg(kind):
-  def parse(text):
-    value = kind(text)
-    if value < 0:
-      raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-  return parse
 
 
 def resolve_model(path: str) -> tuple[str, dict]:
@@ -67,7 +43,7 @@ def resolve_model(path: str) -> tuple[str, dict]:
 
 def load_text_tokenizer(source: dict, vocab_size: int):
   """The folder's tokenizer, or None when text cannot be encoded for this model."""
-  from k3jax.train.tokenizer import ByteTokenizer, load_tokenizer  # noqa: PLC0415
+  from k3jax.tokenizer import ByteTokenizer, load_tokenizer  # noqa: PLC0415
   tok = load_tokenizer(source["kind"], source["folder"])
   if isinstance(tok, ByteTokenizer) and vocab_size != ByteTokenizer.vocab_size:
     return None  # no tokenizer file and not a byte-level model
@@ -185,7 +161,7 @@ class _Printer:
 def run(args: argparse.Namespace) -> int:
   import jax  # noqa: PLC0415
 
-  from convert.errors import CheckpointError  # noqa: PLC0415
+  from k3jax.errors import CheckpointError  # noqa: PLC0415
   from convert.load import load_any  # noqa: PLC0415
   from k3jax.generate.chat import find_tokenizer_config  # noqa: PLC0415
   from k3jax.parity import NUMERICS  # noqa: PLC0415
@@ -240,21 +216,20 @@ def _generate(args, model, cfg, prompts, tokenizer, stops) -> None:
 
 
 def register(sub) -> None:
-  from k3jax.train.cli import _Formatter, default_compile_cache  # noqa: PLC0415
   p = sub.add_parser("generate", help="sample from a model (greedy, temperature, top-k/p)",
-                     description=__doc__, formatter_class=_Formatter)
+                     description=__doc__, formatter_class=Formatter)
   p.add_argument("model", metavar="MODEL",
                  help="official folder, converted checkpoint, or `k3jax train` output folder")
   src = p.add_mutually_exclusive_group(required=True)
   src.add_argument("--prompt", action="append", metavar="TEXT", help="a text prompt (repeatable)")
   src.add_argument("--prompt-file", metavar="F", help="text prompts, one per line")
-  src.add_argument("--prompt-ids", action="append", type=_ids, metavar="1,2,3",
+  src.add_argument("--prompt-ids", action="append", type=token_ids, metavar="1,2,3",
                    help="a prompt as token ids (repeatable)")
   p.add_argument("--chat", action="store_true",
                  help="wrap each text prompt as a user turn of the folder's chat template")
-  p.add_argument("--max-new-tokens", type=_nonneg(int), default=64)
-  p.add_argument("--temperature", type=_nonneg(float), default=0.0, help="0: greedy")
-  p.add_argument("--top-k", type=_nonneg(int), default=0, help="0: off")
+  p.add_argument("--max-new-tokens", type=nonneg_int, default=64)
+  p.add_argument("--temperature", type=nonneg_float, default=0.0, help="0: greedy")
+  p.add_argument("--top-k", type=nonneg_int, default=0, help="0: off")
   p.add_argument("--top-p", type=float, default=1.0, help="1: off")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--stop", nargs="+", metavar="TOKEN",
@@ -265,9 +240,9 @@ def register(sub) -> None:
                  help="auto: float32 on CPU, bfloat16 on TPU/GPU")
   p.add_argument("--mesh", metavar="SPEC", help="device mesh, e.g. data=2,tensor=4")
   p.add_argument("--json", action="store_true", help="one JSON object per prompt")
-  p.add_argument("--prefill-chunk", type=_positive, default=512,
+  p.add_argument("--prefill-chunk", type=positive_int, default=512,
                  help="prompt tokens per prefill call")
-  p.add_argument("--block", type=_positive, default=8,
+  p.add_argument("--block", type=positive_int, default=8,
                  help="decode steps per jitted call (the streaming granularity)")
   p.add_argument("--compile-cache", default=default_compile_cache(),
                  help="persistent XLA compilation cache folder (none: off)")

@@ -128,7 +128,8 @@ def test_analytic_counts_one_moe_layer_on_the_mesh():
   receive buffer holds every local pair (8192 tokens x 16); a capacity factor bounds the buffer
   on an expert-parallel mesh."""
   import jax  # noqa: PLC0415
-  from k3jax import plan, plan_analytic  # noqa: PLC0415
+  from k3jax import plan  # noqa: PLC0415
+  from k3jax.plan import analytic as plan_analytic  # noqa: PLC0415
   cfg = plan.plan_config(k3.config())
   l, f = cfg.latent_size, cfg.moe_intermediate_size
   fsdp = jax.sharding.AbstractMesh((1, 512, 1, 2), ("data", "fsdp", "expert", "tensor"))

@@ -2,7 +2,7 @@
 
 What `k3jax generate` runs on TPU (k3jax/generate/engine.py, the stacked layout: layers
 scanned, weights and cache stacked) is lowered with abstract sharded inputs and compiled ahead
-of time for the topology, like the train plan (k3jax/plan.py):
+of time for the topology, like the train plan (k3jax/plan/train.py):
 
   prefill   `extend` on one chunk of `--prefill-chunk` prompt tokens per row (the shape every
             prefill call compiles to), the cache donated;
@@ -14,7 +14,7 @@ dequantised as loaded) in the rules table's shardings, and a cache of `--batch` 
 `--seq` positions (the longest prompt + new tokens the server takes) in its own (k3jax/model/
 cache.py: rows over the batch axes, KDA heads over tensor). The plan reports the larger of
 the two programs' peaks against the chip's HBM, and per decode step (one token for every row)
-the compiled matmul FLOPs (sharding/hlo.matmul_flops: the block's loop and the layer scan by
+the compiled matmul FLOPs (k3jax/plan/hlo.matmul_flops: the block's loop and the layer scan by
 their trip counts, over `--block`) and bytes (cost_analysis, which counts a loop body once:
 one step). The step time is an ESTIMATE, max(FLOPs / peak, bytes / bandwidth);
 decode is bandwidth-bound (every step reads the weights the rows' experts need and the whole
@@ -31,10 +31,10 @@ import dataclasses
 import math
 import time
 
-from k3jax.cli import UserError
-from k3jax.plan import chip_of, gib, oom_temporaries, topology_devices
-from k3jax.plan_analytic import _bytes_per_device
-from sharding import hlo
+from k3jax.errors import UserError
+from k3jax.plan.train import chip_of, gib, oom_temporaries, topology_devices
+from k3jax.plan.analytic import _bytes_per_device
+from k3jax.plan import hlo
 
 
 @dataclasses.dataclass
@@ -140,7 +140,7 @@ def plan_one(cfg, devices, topology: str, mesh_spec, *, batch: int, seq: int,
 
   from k3jax.generate.engine import decode_block, extend_jit  # noqa: PLC0415
   from k3jax.generate.sampling import Sampling  # noqa: PLC0415
-  from k3jax.plan_analytic import moe_layer_bytes  # noqa: PLC0415
+  from k3jax.plan.analytic import moe_layer_bytes  # noqa: PLC0415
   from k3jax.train import flops as flops_lib  # noqa: PLC0415
   from sharding.mesh import format_sizes, make_mesh  # noqa: PLC0415
   from sharding.placement import batch_rows_ways, check_batch  # noqa: PLC0415

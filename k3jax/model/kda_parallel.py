@@ -27,7 +27,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from sharding.activations import activation_spec
-from sharding.expert_parallel import context_mesh, shard_map_operands
+from k3jax.model.expert_parallel import context_mesh, shard_map_operands
 
 _ROWS = ("batch", "length", "heads", "head_dim")
 

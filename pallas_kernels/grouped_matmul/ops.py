@@ -15,7 +15,7 @@ the last group give zeros. Three implementations, equal up to float summation or
                 rounded out to whole row tiles (TILE), at most one shared tile per group
                 boundary, and never the rows past the last group. So the work done is the
                 routed pairs, not the receive buffer that XLA's count (and the kernel's cost
-                estimate) assume; `k3jax plan` counts it so (k3jax/plan.py). A TPU kernel:
+                estimate) assume; `k3jax plan` counts it so (k3jax/plan/train.py). A TPU kernel:
                 lowered for a CPU (interpret=None, or True) it runs in Pallas's interpret
                 mode, slowly, which is how the tests run it. It multiplies in the
                 operands' dtype with float32 accumulation (`precision` does not apply).
@@ -38,7 +38,7 @@ import importlib
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kda.reference import vary_like
+from pallas_kernels.vma import vary_like
 
 IMPLS = ("ragged_dot", "megablox", "tiled")
 # ragged_dot's rows are padded to a multiple of this: XLA:TPU's ragged_dot kernel takes row

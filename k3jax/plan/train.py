@@ -17,7 +17,7 @@ machine, no TPU needed) and compiled ahead of time. XLA's own figures are then r
 Without `--mesh` a small set of meshes the model can be split on is tried (smallest analytic
 footprint first) and the fastest estimate that fits is reported. `--analytic` skips the
 compile: argument bytes exactly from the sharded state's shapes, temporaries from a
-hand count of what a layer keeps (k3jax/plan_analytic.py), a cross-check, not a replacement.
+hand count of what a layer keeps (k3jax/plan/analytic.py), a cross-check, not a replacement.
 
 `--mode lora` plans LoRA fine-tuning instead (`k3jax train --lora RANK`, the same step
 function): adapters of rank `--lora` on `--lora-targets`, the base frozen in bf16 with its
@@ -28,7 +28,7 @@ gradient for a frozen base).
 The plan compiles for TPU what TPU runs: bf16 compute over fp32 master weights, the
 megablox grouped matmul for the experts (its work counted at the group sizes, not at the
 receive buffer: `Plan.skipped_row_flops`), the ragged all-to-all dispatch, and KDA's Pallas
-TPU kernels (forward and backward, per shard inside a shard_map: sharding/kda_parallel.py),
+TPU kernels (forward and backward, per shard inside a shard_map: k3jax/model/kda_parallel.py),
 whose FLOPs reach the cost analysis through their cost estimates.
 """
 
@@ -40,10 +40,9 @@ import os
 import re
 import time
 
-from k3jax.cli import UserError
-from k3jax.plan_analytic import (_bytes_per_device, _dequantised_layer_bytes, analytic_temp,
-                                  grouped_rows_run, moe_layer_bytes, routed_fill)
-from sharding import hlo
+from k3jax.errors import UserError
+from k3jax.plan.analytic import _bytes_per_device, _dequantised_layer_bytes, analytic_temp, grouped_rows_run, moe_layer_bytes, routed_fill
+from k3jax.plan import hlo
 
 GIB = 1024**3
 
@@ -177,7 +176,7 @@ class Plan:
   loops: int = 0  # while loops in the compiled program (layer scan, micro-batches, QB's map):
                   # cost_analysis counts each loop body once, so with loops its FLOPs and
                   # bytes are lower bounds, not the step's work
-  compiled_matmul_flops: float | None = None  # sharding/hlo.matmul_flops x devices: the
+  compiled_matmul_flops: float | None = None  # k3jax/plan/hlo.matmul_flops x devices: the
                   # matmuls (and Pallas kernels' estimates) with loops by their trip counts
   work_flops: float | None = None  # compiled_matmul_flops - skipped_row_flops: the work the
                   # program does; flops_ratio, the split and the estimate use this
@@ -192,7 +191,7 @@ class Plan:
 def _grouped_matmul_op(op_name: str) -> bool:
   """The routed experts' grouped matmuls in `hlo.matmul_flops`'s by-op names: ragged_dot, or
   megablox's kernels (gmm, tgmm) under grouped_matmul's named scope."""
-  from k3jax.model.grouped_matmul import SCOPE  # noqa: PLC0415
+  from pallas_kernels.grouped_matmul import SCOPE  # noqa: PLC0415
   return "ragged_dot" in op_name or (SCOPE in op_name and "pallas_call" in op_name)
 
 

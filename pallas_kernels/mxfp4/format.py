@@ -1,4 +1,10 @@
-"""MXFP4 (OCP microscaling FP4, E2M1 elements, E8M0 scales, group 32 along the input dim).
+"""MXFP4: OCP microscaling FP4 (E2M1 elements, E8M0 scales, groups of 32 along the input dim).
+
+One definition of the format, with two array backends: numpy on the host (`quantize_np`,
+`dequantize_np`, [out, in] as the checkpoint stores a weight; the converter's streaming path)
+and jnp on a device (`quantize`, `dequantize`, `round_mxfp4`, k3jax's [..., in, out] layout;
+the model's packed experts and QAT). Both apply the same rule bit for bit (tests compare
+them).
 
     w[o, 2j]   = E2M1[packed[o, j] & 0xF] * 2^(scale[o, 2j // 32] - 127)
     w[o, 2j+1] = E2M1[packed[o, j] >> 4]  * 2^(scale[o, (2j+1) // 32] - 127)
@@ -13,12 +19,19 @@ is divided by 2^shared (exact: a power of two) and rounded to the nearest E2M1 v
 the even code, saturating at +-6. An all-zero group gets the smallest scale (code 0). The sign
 survives rounding to zero (-0 is code 0x8), so dequantise -> quantise reproduces the codes of
 any group whose largest magnitude is 4 or 6 (what a quantiser produces) bit for bit.
+
+`round_mxfp4(w)` is quantise-then-dequantise in JAX with a straight-through gradient (a
+`custom_jvp`, so the forward value is exactly the rounded one: `w + stop_gradient(q - w)`
+would add a float rounding of its own). A model trained on `round_mxfp4(W)` and exported
+through `quantize_np` computes the same numbers.
 """
 
 from __future__ import annotations
 
 import functools
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -60,7 +73,7 @@ def _pair_table() -> np.ndarray:
   return np.ascontiguousarray(pairs).view(np.uint32).reshape(-1)
 
 
-def dequantize(packed: np.ndarray, scale: np.ndarray, dtype=np.float32) -> np.ndarray:
+def dequantize_np(packed: np.ndarray, scale: np.ndarray, dtype=np.float32) -> np.ndarray:
   """uint8 codes [out, in/2] and uint8 E8M0 scales [out, in/32] -> weights [out, in]."""
   packed = np.asarray(packed)
   scale = np.asarray(scale)
@@ -73,7 +86,7 @@ def dequantize(packed: np.ndarray, scale: np.ndarray, dtype=np.float32) -> np.nd
   return w if np.dtype(dtype) == w.dtype else w.astype(dtype)
 
 
-def quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def quantize_np(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """weights [out, in] (any float dtype) -> (codes uint8 [out, in/2], E8M0 scales [out, in/32])."""
   w = np.asarray(w)
   if w.ndim != 2 or w.shape[1] % GROUP:
@@ -94,3 +107,61 @@ def quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   code = code.reshape(w.shape[0], -1)
   packed = code[:, 0::2] | (code[:, 1::2] << 4)
   return packed.astype(np.uint8), scale
+
+
+# ---- jnp (device) ----------------------------------------------------------------------------
+
+def dequantize(codes: jax.Array, scales: jax.Array, dtype) -> jax.Array:
+  """codes [..., out, in/2], scales [..., out, in/32] -> weights [..., in, out] in `dtype`.
+
+  Every value is exact in bf16 and wider (3 significant bits, an E8M0 power of two)."""
+  lo, hi = codes & 0xF, codes >> 4
+  nib = jnp.stack([lo, hi], axis=-1).reshape(*codes.shape[:-1], 2 * codes.shape[-1])
+  table = jnp.asarray(E2M1, jnp.float32)
+  exp = jnp.repeat(scales.astype(jnp.int32) - _SCALE_BIAS, GROUP, axis=-1)
+  w = jnp.ldexp(table[nib.astype(jnp.int32)], exp)  # exact: a power-of-two scaling
+  return jnp.swapaxes(w, -1, -2).astype(dtype)
+
+
+def _codes(w_io: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(E2M1 codes int32 [..., out, in], shared exponents int32 [..., out, in/32]) of weights
+  [..., in, out], groups of 32 along `in` (quantize_np's rule, bit for bit)."""
+  x = jnp.swapaxes(w_io, -1, -2)  # [..., out, in]
+  g = x.reshape(*x.shape[:-1], x.shape[-1] // GROUP, GROUP)
+  amax = jnp.max(jnp.abs(g), axis=-1)
+  _, e = jnp.frexp(amax)                   # amax = m 2^e, m in [0.5, 1): floor(log2) = e - 1
+  shared = jnp.clip(jnp.where(amax > 0, e - 1 - 2, -_SCALE_BIAS), -_SCALE_BIAS, _SCALE_BIAS)
+  mag = jnp.ldexp(jnp.abs(g), -shared[..., None])  # exact: a power of two
+  mids = jnp.asarray(_MIDPOINTS, g.dtype)
+  below = jnp.sum(mag[..., None] > mids, axis=-1)    # searchsorted left (a tie rounds down)
+  upto = jnp.sum(mag[..., None] >= mids, axis=-1)    # searchsorted right (a tie rounds up)
+  code = jnp.where(below % 2 == 0, below, upto)      # ties to the even code
+  code = code | (jnp.signbit(g).astype(code.dtype) << 3)
+  return code.reshape(x.shape), shared
+
+
+def quantize(w_io: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """weights [..., in, out] -> (codes uint8 [..., out, in/2], scales uint8 [..., out, in/32])."""
+  code, shared = _codes(w_io)
+  packed = code[..., 0::2] | (code[..., 1::2] << 4)
+  return packed.astype(jnp.uint8), (shared + _SCALE_BIAS).astype(jnp.uint8)
+
+
+def _round(w_io: jax.Array) -> jax.Array:
+  """MXFP4 quantise + dequantise of weights [..., in, out]."""
+  code, shared = _codes(w_io)
+  exp = jnp.repeat(shared, GROUP, axis=-1)
+  q = jnp.ldexp(jnp.asarray(E2M1, w_io.dtype)[code], exp)
+  return jnp.swapaxes(q, -1, -2)
+
+
+@jax.custom_jvp
+def round_mxfp4(w_io: jax.Array) -> jax.Array:
+  """The MXFP4-rounded weights [..., in, out]; straight-through gradient."""
+  return _round(w_io)
+
+
+@round_mxfp4.defjvp
+def _round_jvp(primals, tangents):
+  (w,), (dw,) = primals, tangents
+  return _round(w), dw

@@ -1,4 +1,4 @@
-"""`k3jax plan` on the command line: flags, defaults and output (the planning is k3jax/plan.py)."""
+"""`k3jax plan` on the command line: flags, defaults and output (the planning is k3jax/plan/train.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import json
 import sys
 
 from k3jax import plan
+from k3jax.commands._args import positive_int
 
 
 def run(args: argparse.Namespace) -> int:
-  from k3jax import plan_decode  # noqa: PLC0415
+  from k3jax.plan import decode as plan_decode  # noqa: PLC0415
   lib = plan_decode if args.mode == "decode" else plan
   plans = lib.run_plan(args)
   chosen = plan.best(plans)
@@ -30,13 +31,6 @@ def run(args: argparse.Namespace) -> int:
   return 0
 
 
-def _positive(text: str) -> int:
-  value = int(text)
-  if value <= 0:
-    raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-  return value
-
-
 def register(sub) -> None:
   p = sub.add_parser("plan", help="compile the train or decode step for a TPU topology: memory, FLOPs, "
                      "time estimate", description=plan.__doc__,
@@ -46,10 +40,10 @@ def register(sub) -> None:
                  help="TPU topology as get_topology_desc takes it: v5e:2x2, v5p:8x8x16, "
                  "tpu7x:8x8x8, ...")
   p.add_argument("--mesh", help="data=..,fsdp=..,expert=..,tensor=.. (default: search)")
-  p.add_argument("--batch", type=_positive, default=None,
+  p.add_argument("--batch", type=positive_int, default=None,
                  help="global rows per step (default: the batch-axis device count)")
-  p.add_argument("--seq", type=_positive, default=8192, help="sequence length")
-  p.add_argument("--grad-accum", type=_positive, default=1, help="micro-batches per step")
+  p.add_argument("--seq", type=positive_int, default=8192, help="sequence length")
+  p.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per step")
   p.add_argument("--mode", choices=("train", "lora", "decode"), default="train",
                  help="train: the full train step; lora: LoRA fine-tuning over a frozen base "
                  "(k3jax train --lora); decode: serving (k3jax generate: prefill and decode "
@@ -69,12 +63,12 @@ def register(sub) -> None:
   p.add_argument("--capacity-factor", type=float, default=None, metavar="F",
                  help="routed experts' capacity factor (default: the config's; none: dropless, "
                       "whose receive buffers are sized for the worst case)")
-  p.add_argument("--prefill-chunk", type=_positive, default=512,
+  p.add_argument("--prefill-chunk", type=positive_int, default=512,
                  help="--mode decode: prompt tokens per prefill call (as k3jax generate)")
-  p.add_argument("--block", type=_positive, default=8,
+  p.add_argument("--block", type=positive_int, default=8,
                  help="--mode decode: decode steps per jitted call (as k3jax generate)")
   p.add_argument("--analytic", action="store_true", help="hand count, no compile")
-  p.add_argument("--max-compiles", type=_positive, default=3,
+  p.add_argument("--max-compiles", type=positive_int, default=3,
                  help="without --mesh: compile at most this many candidates")
   p.add_argument("--json", action="store_true", help="one JSON object")
   p.set_defaults(func=_run_with_defaults)

@@ -64,8 +64,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from k3jax.model.grouped_matmul import ALIGN as GROUPED_ROWS
-from k3jax.model.grouped_matmul import grouped_matmul
+from pallas_kernels.grouped_matmul import ALIGN as GROUPED_ROWS
+from pallas_kernels.grouped_matmul import grouped_matmul
 from k3jax.model.layers import wide_dtype
 from k3jax.model.mlp import glu
 from sharding.activations import pin

@@ -1,4 +1,4 @@
-"""Expert-parallel MoE (sharding/expert_parallel.py) against the one-device MoE, on 8 fake CPU
+"""Expert-parallel MoE (k3jax/model/expert_parallel.py) against the one-device MoE, on 8 fake CPU
 devices (SPEC §6, §8): forward, routing and every parameter gradient, on meshes that use each
 axis; the capacity factor's drops against a numpy count; the collectives of the compiled
 program; the ragged path's offsets (through an emulation of ragged_all_to_all, which XLA:CPU
@@ -25,7 +25,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from k3jax.model.moe import MoE
-from sharding import expert_parallel
+from k3jax.model import expert_parallel
 from sharding.activations import activation_spec
 from sharding.mesh import make_mesh
 from sharding.placement import variable_spec

@@ -1,4 +1,4 @@
-"""The hand counts behind `k3jax plan` (k3jax/plan.py): per-device bytes from sharded shapes,
+"""The hand counts behind `k3jax plan` (k3jax/plan/train.py): per-device bytes from sharded shapes,
 the temporaries of a train step by what it keeps (`analytic_temp`, `plan --analytic`), one MoE
 layer's transient bytes, and the routed pairs' share of the experts' receive buffer. Plain
 arithmetic on a config, a mesh and abstract shapes: no compile."""
@@ -22,7 +22,7 @@ def moe_layer_bytes(cfg, mesh, tokens: int) -> float:
     dispatch          the receive buffer (`recv` rows of width h, sized for the worst case
                       unless a capacity factor bounds it), the expert outputs, the return: x 3.
   0 without experts or on one device."""
-  from sharding import expert_parallel  # noqa: PLC0415
+  from k3jax.model import expert_parallel  # noqa: PLC0415
   if not cfg.num_experts or cfg.moe_layers == () or mesh.size == 1:
     return 0.0
   c = 2 if cfg.dtype == "bfloat16" else 4
@@ -89,7 +89,7 @@ def analytic_temp(cfg, rows_per_device: int, seq: int, tensor: int, state_per_de
 def routed_fill(cfg, mesh, tokens: int) -> float:
   """Expected routed pairs over the rows of the experts' receive buffer on a device (1 with
   no exchange: the pairs are the rows)."""
-  from sharding import expert_parallel  # noqa: PLC0415
+  from k3jax.model import expert_parallel  # noqa: PLC0415
   if not cfg.num_experts:
     return 1.0
   with_mesh = expert_parallel.layout(cfg, tokens, expert_parallel.expert_input_name(cfg), mesh)
@@ -100,11 +100,11 @@ def routed_fill(cfg, mesh, tokens: int) -> float:
 
 def grouped_rows_run(cfg, mesh, tokens: int) -> float:
   """The share of the receive buffer's rows that the "megablox" grouped matmul computes (its
-  grid stops at the group sizes, k3jax/model/grouped_matmul.py): the expected routed pairs,
+  grid stops at the group sizes, pallas_kernels/grouped_matmul/ops.py): the expected routed pairs,
   plus the row tiles that group boundaries share, at most one per local expert and one more
   for the last group's end (an upper bound). 1 with no exchange (the rows are the pairs)."""
-  from k3jax.model.grouped_matmul import TILE  # noqa: PLC0415
-  from sharding import expert_parallel  # noqa: PLC0415
+  from pallas_kernels.grouped_matmul import TILE  # noqa: PLC0415
+  from k3jax.model import expert_parallel  # noqa: PLC0415
   if not cfg.num_experts:
     return 1.0
   with_mesh = expert_parallel.layout(cfg, tokens, expert_parallel.expert_input_name(cfg), mesh)

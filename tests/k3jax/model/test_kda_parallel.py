@@ -1,4 +1,4 @@
-"""KDA per shard on a mesh (sharding/kda_parallel.py): rows over data x expert, heads over
+"""KDA per shard on a mesh (k3jax/model/kda_parallel.py): rows over data x expert, heads over
 tensor, on 8 fake CPU devices, against the naive recurrence in float64 (SPEC §4, §8;
 tolerances in tests/numerics.py): outputs, final state and the gradients w.r.t. every raw
 input, A_log and dt_bias included (each device holds a share of the rows, so those are summed
@@ -11,7 +11,7 @@ import jax
 import pytest
 
 from pallas_kernels.kda import ops
-from sharding import kda_parallel
+from k3jax.model import kda_parallel
 from sharding.mesh import make_mesh
 from tests.pallas_kernels.kda import kda_cases
 
@@ -50,7 +50,7 @@ def test_sharded_forward_runs_local_blocks_with_no_collective():
   """The compiled forward on operands placed as the model's activations are: every device runs
   the chunked op on its [1, T, 1, K] block and nothing moves between devices."""
   from jax.sharding import NamedSharding, PartitionSpec as P
-  from sharding import hlo
+  from k3jax.plan import hlo
   raw = kda_cases.make_raw_inputs(4, 130, 2, 32, 64)
   mesh = jax.sharding.get_abstract_mesh()
   rows = ("data", "expert")

@@ -1,11 +1,11 @@
-"""The LoRA vs full fine-tuning memory budget (k3jax/train/memory.py) counts what the model
+"""The LoRA vs full fine-tuning memory budget (k3jax/plan/memory.py) counts what the model
 holds: its parameters as `k3jax info` counts them, and the adapters LoRA attaches."""
 
 import math
 
 import configs
 from k3jax.info import param_breakdown
-from k3jax.train import memory
+from k3jax.plan import memory
 
 
 def test_budget_counts_the_model_and_its_adapters():

@@ -1,4 +1,4 @@
-"""sharding/hlo.matmul_flops: the matmul FLOPs of a compiled program with loops counted by
+"""k3jax/plan/hlo.matmul_flops: the matmul FLOPs of a compiled program with loops counted by
 their trip counts (XLA's cost_analysis counts a loop body once), on XLA:CPU and, compiled
 ahead of time with libtpu, on TPU; and the grouped matmul's row alignment that keeps TPU's
 ragged_dot off its dense fallback, measured with it."""
@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from k3jax.model.grouped_matmul import ROWS, grouped_matmul
-from sharding import hlo
-from sharding.hlo import matmul_flops
+from pallas_kernels.grouped_matmul import ROWS, grouped_matmul
+from k3jax.plan import hlo
+from k3jax.plan.hlo import matmul_flops
 
 M, D, STEPS = 512, 256, 10
 ONE = 2 * M * D * D  # one [M, D] @ [D, D]

@@ -22,28 +22,9 @@ import argparse
 import json
 import os
 
-from k3jax.cli import UserError
-
-
-def _positive(kind):
-  def parse(text: str):
-    value = kind(text)
-    if value <= 0:
-      raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-  return parse
-
-
-def _optional_float(text: str) -> float | None:
-  return None if text.lower() in ("none", "off", "0") else float(text)
-
-
-def default_compile_cache() -> str:
-  """JAX's own JAX_COMPILATION_CACHE_DIR when set, else ~/.cache/k3jax/xla."""
-  if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-    return os.environ["JAX_COMPILATION_CACHE_DIR"]
-  root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-  return os.path.join(root, "k3jax", "xla")
+from k3jax.commands._args import (Formatter, default_compile_cache, optional_float,
+                                  positive_float, positive_int)
+from k3jax.errors import UserError
 
 
 def options_from_args(args: argparse.Namespace):
@@ -98,26 +79,16 @@ def run(args: argparse.Namespace) -> int:
   return 0
 
 
-class _Formatter(argparse.RawDescriptionHelpFormatter):
-  """The module docstring as written; options show their default when they have one."""
-
-  def _get_help_string(self, action):
-    text = action.help or ""
-    if action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in text:
-      text += " (default: %(default)s)"
-    return text
-
-
 def register(sub) -> None:
   p = sub.add_parser("train", help="train or fine-tune (Per-Head Muon, Quantile Balancing)",
-                     description=__doc__, formatter_class=_Formatter)
+                     description=__doc__, formatter_class=Formatter)
   g = p.add_argument_group("run")
   g.add_argument("--out", required=True, help="run folder (created; resumed if it has one)")
   g.add_argument("--config", default=None,
                  help="preset (tiny, k3, ...) or config JSON (none given: tiny)")
   g.add_argument("--init-from", default=None, metavar="CKPT",
                  help="fine-tune: a converted k3jax checkpoint or an official-layout folder")
-  g.add_argument("--steps", type=_positive(int), default=300, help="train until this step")
+  g.add_argument("--steps", type=positive_int, default=300, help="train until this step")
   g.add_argument("--seed", type=int, default=0, help="init and data-order seed")
   g = p.add_argument_group("data")
   g.add_argument("--data", default=None,
@@ -133,22 +104,22 @@ def register(sub) -> None:
   g.add_argument("--tokenizer", default="auto", metavar="auto|byte|tiktoken|FOLDER",
                  help="auto: the --init-from folder's tiktoken.model if any, else bytes; "
                       "FOLDER: a model folder's tokenizer (tiktoken.model, tokenizer_config.json)")
-  g.add_argument("--batch-size", type=_positive(int), default=4, help="rows per step")
-  g.add_argument("--seq-len", type=_positive(int), default=128, help="positions per row")
-  g.add_argument("--grad-accum", type=_positive(int), default=1,
+  g.add_argument("--batch-size", type=positive_int, default=4, help="rows per step")
+  g.add_argument("--seq-len", type=positive_int, default=128, help="positions per row")
+  g.add_argument("--grad-accum", type=positive_int, default=1,
                  help="micro-batches per step (divides --batch-size)")
   g = p.add_argument_group("optimizer (Per-Head Muon + AdamW)")
-  g.add_argument("--lr", type=_positive(float), default=1e-2, help="Muon peak learning rate")
-  g.add_argument("--adam-lr", type=_positive(float), default=None,
+  g.add_argument("--lr", type=positive_float, default=1e-2, help="Muon peak learning rate")
+  g.add_argument("--adam-lr", type=positive_float, default=None,
                  help="AdamW peak learning rate (none given: --lr)")
   g.add_argument("--warmup", type=int, default=20, help="linear warm-up steps")
-  g.add_argument("--decay-steps", type=_positive(int), default=None,
+  g.add_argument("--decay-steps", type=positive_int, default=None,
                  help="cosine horizon (none given: --steps)")
   g.add_argument("--end-lr-ratio", type=float, default=0.1, help="final lr / peak lr")
   g.add_argument("--weight-decay", type=float, default=0.1)
-  g.add_argument("--clip", type=_optional_float, default=1.0,
+  g.add_argument("--clip", type=optional_float, default=1.0,
                  help="clip the global gradient norm (none: off)")
-  g.add_argument("--qk-clip", type=_optional_float, default=None, metavar="TAU",
+  g.add_argument("--qk-clip", type=optional_float, default=None, metavar="TAU",
                  help="MuonClip QK-clip threshold for MLA (K2: 100; default off)")
   g.add_argument("--no-qb", action="store_true", help="freeze the router bias (no QB)")
   g.add_argument("--qb-method", choices=("exact", "histogram"), default="exact",
@@ -184,7 +155,7 @@ def register(sub) -> None:
                  choices=("none", "full", "save-dots", "offload"),
                  help="rematerialisation policy per layer (bare --remat: full; save-dots keeps "
                       "the projections' outputs; offload keeps them in host memory)")
-  g.add_argument("--peak-tflops", type=_positive(float), default=None,
+  g.add_argument("--peak-tflops", type=positive_float, default=None,
                  help="peak for MFU (none given: a dense matmul measured at start-up)")
   g.add_argument("--compile-cache", default=default_compile_cache(),
                  help="persistent XLA compilation cache folder (none: off)")
@@ -192,20 +163,20 @@ def register(sub) -> None:
   g.add_argument("--mesh", default=None, metavar="SPEC",
                  help="device mesh, e.g. data=2,expert=2,tensor=2 (axes data, fsdp, expert, "
                       "tensor; omitted axes 1; one may be -1); none given: one device")
-  g.add_argument("--data-shards", type=_positive(int), default=None,
+  g.add_argument("--data-shards", type=positive_int, default=None,
                  help="data pipelines per step, a property of the run (none given: the "
                       "process count); a resume keeps it")
   g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                  help="multi-process: process 0's address (auto: jax.distributed's own "
                       "detection, e.g. Cloud TPU)")
-  g.add_argument("--num-processes", type=_positive(int), default=None)
+  g.add_argument("--num-processes", type=positive_int, default=None)
   g.add_argument("--process-id", type=int, default=None)
   g = p.add_argument_group("eval, logging, checkpoints")
-  g.add_argument("--eval-every", type=_positive(int), default=50)
-  g.add_argument("--eval-batches", type=_positive(int), default=4)
-  g.add_argument("--log-every", type=_positive(int), default=1)
-  g.add_argument("--save-every", type=_positive(int), default=100)
-  g.add_argument("--keep", type=_positive(int), default=3, help="checkpoints kept")
+  g.add_argument("--eval-every", type=positive_int, default=50)
+  g.add_argument("--eval-batches", type=positive_int, default=4)
+  g.add_argument("--log-every", type=positive_int, default=1)
+  g.add_argument("--save-every", type=positive_int, default=100)
+  g.add_argument("--keep", type=positive_int, default=3, help="checkpoints kept")
   g.add_argument("--no-progress", action="store_true", help="no progress bar")
   g.add_argument("--no-tensorboard", action="store_true")
   g.add_argument("--no-plots", action="store_true")

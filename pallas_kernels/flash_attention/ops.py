@@ -6,7 +6,7 @@ computed over query blocks i and key blocks j without the [T, T] scores: per (i,
 scores S_ij, the running row max m, the running sum l = sum exp(S - m) and the running output
 acc = sum exp(S - m) V, rescaled whenever m grows; o = acc / l, lse = m + log l.
 The loops hold only the causal blocks (j <= i), with no branch, so the compiled program's
-FLOPs (loop bodies times trip counts, as `sharding.hlo.matmul_flops` reads them) are the work
+FLOPs (loop bodies times trip counts, as `k3jax.plan.hlo.matmul_flops` reads them) are the work
 done: loops over all n blocks that skipped the upper ones with `lax.cond` counted n^2 blocks.
 Query block i needs key blocks 0..i, so query blocks p and n-1-p together need n + 1: the
 forward scans the n // 2 pairs, each a scan of n + 1 steps through a static table of (query

@@ -21,7 +21,7 @@ import argparse
 import json
 import sys
 
-from k3jax.cli import UserError
+from k3jax.errors import UserError
 
 
 def _token_texts(tok, ids) -> list[str]:

@@ -1,4 +1,4 @@
-"""`k3jax convert` and `k3jax export` (SPEC §3.2, §9)."""
+"""`k3jax convert`: the official safetensors folder -> a k3jax Orbax checkpoint."""
 
 from __future__ import annotations
 
@@ -7,19 +7,7 @@ import ctypes
 import os
 import sys
 
-from convert.errors import CheckpointError
-
-
-def _io_errors_are_user_errors(fn):
-  """A full disk or an unreadable file is reported as one line too (nothing half-written
-  stays behind either way: see outdir.staged)."""
-  def run(args):
-    try:
-      return fn(args)
-    except OSError as e:
-      where = f"{e.filename}: " if e.filename else ""
-      raise CheckpointError(f"{where}{e.strerror or e}") from None
-  return run
+from k3jax.errors import CheckpointError
 
 
 def _fixed_mmap_threshold() -> None:
@@ -61,24 +49,6 @@ def _convert_or_raise(args: argparse.Namespace) -> int:
   return 0
 
 
-@_io_errors_are_user_errors
-def _export(args: argparse.Namespace) -> int:
-  from convert.to_hf import export  # noqa: PLC0415
-  if args.merge_lora and args.adapter_only:
-    raise CheckpointError("--merge-lora and --adapter-only are exclusive")
-  if args.adapter_only:
-    from convert.lora_export import export_adapters  # noqa: PLC0415
-    summary = export_adapters(args.ckpt_dir, args.out_dir, force=args.force)
-    print(f"wrote {args.out_dir}: {summary['tensors']} adapter tensors, "
-          f"{summary['params']:,} parameters")
-    return 0
-  summary = export(args.ckpt_dir, args.out_dir, force=args.force, progress=not args.quiet,
-                   num_shards=args.num_shards, merge_lora=args.merge_lora)
-  print(f"wrote {args.out_dir}: {len(summary['files'])} shard(s), "
-        f"{summary['total_size']:,} bytes of tensors ({summary['dialect']} layout)")
-  return 0
-
-
 def register(sub) -> None:
   p = sub.add_parser(
       "convert", help="official safetensors folder -> k3jax Orbax checkpoint",
@@ -102,22 +72,3 @@ def register(sub) -> None:
                  "options; starts afresh if there is none)")
   p.add_argument("--quiet", action="store_true", help="no progress bar")
   p.set_defaults(func=_convert)
-
-  p = sub.add_parser(
-      "export", help="k3jax Orbax checkpoint -> official safetensors folder",
-      description="Write a k3jax checkpoint back in the official layout: same names, dtypes "
-      "and shards as the folder it came from (or the official K3 layout for a checkpoint "
-      "trained in k3jax), routed experts as MXFP4.")
-  p.add_argument("ckpt_dir", metavar="CKPT_DIR")
-  p.add_argument("out_dir", metavar="OUT_DIR")
-  p.add_argument("--merge-lora", action="store_true",
-                 help="a `k3jax train --lora` model: adapters merged into the weights "
-                 "(W + alpha/r A B), routed experts re-quantised to MXFP4")
-  p.add_argument("--adapter-only", action="store_true",
-                 help="a `k3jax train --lora` model: only the adapters, as "
-                 "adapter_model.safetensors + adapter_config.json")
-  p.add_argument("--num-shards", type=int, default=None,
-                 help="shard count for a fresh layout (default: the source's, or 5 GiB each)")
-  p.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
-  p.add_argument("--quiet", action="store_true", help="no progress bar")
-  p.set_defaults(func=_export)

@@ -1,4 +1,4 @@
-"""benchmarks/xla_heap.py reads a dumped buffer assignment: on a small XLA:CPU program its
+"""k3jax/plan/xla_heap.py reads a dumped buffer assignment: on a small XLA:CPU program its
 figures against the same compiled program's own `memory_analysis()` (arguments, temporaries)
 and against sizes known from the shapes."""
 
@@ -7,10 +7,7 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
-
-from benchmarks import xla_heap  # noqa: E402
+from k3jax.plan import xla_heap
 
 N = 512  # [N, N] fp32: 1 MiB a matrix
 

@@ -1,0 +1,70 @@
+"""Argument helpers shared by the commands: value parsers, the help formatter, error wrapping."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from k3jax.errors import CheckpointError
+
+
+def _bounded(kind, allow_zero: bool):
+  def parse(text: str):
+    value = kind(text)
+    if value < 0 or (value == 0 and not allow_zero):
+      raise argparse.ArgumentTypeError(f"must be {'>=' if allow_zero else '>'} 0, got {text}")
+    return value
+  parse.__name__ = kind.__name__  # argparse names the type in its "invalid ... value" message
+  return parse
+
+
+positive_int = _bounded(int, allow_zero=False)
+positive_float = _bounded(float, allow_zero=False)
+nonneg_int = _bounded(int, allow_zero=True)
+nonneg_float = _bounded(float, allow_zero=True)
+
+
+def optional_float(text: str) -> float | None:
+  """A float, or none / off / 0 for "not set"."""
+  return None if text.lower() in ("none", "off", "0") else float(text)
+
+
+def token_ids(text: str) -> list[int]:
+  """'1,2,3' or '1 2 3' -> [1, 2, 3]."""
+  try:
+    ids = [int(t) for t in text.replace(",", " ").split()]
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"not a list of token ids: {text!r}") from None
+  if not ids:
+    raise argparse.ArgumentTypeError("empty token id list")
+  return ids
+
+
+class Formatter(argparse.RawDescriptionHelpFormatter):
+  """The module docstring as written; options show their default when they have one."""
+
+  def _get_help_string(self, action):
+    text = action.help or ""
+    if action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in text:
+      text += " (default: %(default)s)"
+    return text
+
+
+def default_compile_cache() -> str:
+  """JAX's own JAX_COMPILATION_CACHE_DIR when set, else ~/.cache/k3jax/xla."""
+  if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    return os.environ["JAX_COMPILATION_CACHE_DIR"]
+  root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(root, "k3jax", "xla")
+
+
+def io_errors_are_user_errors(fn):
+  """A full disk or an unreadable file is reported as one line too (nothing half-written
+  stays behind either way: see convert/outdir.py)."""
+  def run(args):
+    try:
+      return fn(args)
+    except OSError as e:
+      where = f"{e.filename}: " if e.filename else ""
+      raise CheckpointError(f"{where}{e.strerror or e}") from None
+  return run
