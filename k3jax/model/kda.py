@@ -14,10 +14,13 @@ needs: the last taps-1 projected inputs of q, k, v and the recurrent state [B, H
 
 Decoding (SPEC §7): with a state, a chunk of any length continues it through the chunked op;
 one token (T = 1) takes the fused single-step path `kda_step` instead (Pallas on TPU/GPU),
-never the chunked op padded to 64. `token_mask` [B, T] marks left padding: a pad token's
-projected q, k, v are zeroed before the conv, so the conv reads zeros there exactly as it
-reads the zero left edge of an unpadded row, and the state, which starts at zero, stays
-exactly zero through the pads (k = v = 0 only decays it): pads are never absorbed.
+never the chunked op padded to 64. `token_mask` [B, T] marks positions that are not part of
+the row's sequence: left padding (a static batch's shorter prompts), right padding (a serving
+engine's prefill chunk shorter than its row, a decode row with no request). A masked token
+changes nothing: its projected q, k, v are zeroed before the conv (so the conv reads zeros
+there exactly as it reads the zero left edge of an unpadded row), its log decay and beta are
+zeroed (so the state passes through it unchanged, exp(0) = 1 and k = v = 0 add nothing), and
+the conv tail returned is the one after the row's last unmasked token.
 """
 
 from __future__ import annotations
@@ -114,7 +117,8 @@ class KDA(nnx.Module):
                state: KDAState | None = None, token_mask: jax.Array | None = None
                ) -> tuple[jax.Array, KDAState]:
     """x [B, T, d] -> (y [B, T, d], state after the last token). `state` continues a
-    sequence; `token_mask` [B, T] bool is False at (left) padding (see the module doc)."""
+    sequence; `token_mask` [B, T] bool is False at positions outside the row's sequence
+    (padding on either side; see the module doc)."""
     cfg = self.cfg
     wide = wide_dtype(x.dtype)
     convs = []
@@ -127,12 +131,23 @@ class KDA(nnx.Module):
       # fp32 taps and silu, one rounding at the end, as the official conv1d + silu compute
       # them in bf16 (per-tap bf16 rounding would be a second, avoidable noise source)
       y, new_tail = causal_conv(u.astype(wide), w[...], tail, segment_ids)
-      convs.append((jax.nn.silu(y).astype(u.dtype), new_tail.astype(u.dtype)))
-    (q, tq), (k, tk), (v, tv) = convs
+      convs.append((jax.nn.silu(y).astype(u.dtype), new_tail.astype(u.dtype),
+                    _with_tail(u, tail, w.shape[-1])))
+    (q, tq, _), (k, tk, _), (v, tv, _) = convs
     g, beta = self.f_b_proj(self.f_a_proj(x)).astype(wide), self.b_proj(x).astype(wide)
     raw = dict(A_log=self.A_log[...].astype(wide), dt_bias=self.dt_bias[...].astype(wide),
                gate=cfg.kda_gate, lower_bound=cfg.gate_lower_bound, use_qk_l2norm=True,
                l2norm_eps=cfg.l2norm_eps, use_beta_sigmoid=True)
+    if token_mask is not None:
+      # masked tokens must leave the state as it is: prepare the gate here and zero their log
+      # decay and beta (the raw gate of a masked token is not zero decay), and keep the conv
+      # tail of the last real token
+      q, k, g, beta = prepare_inputs(q, k, g, beta, **raw)
+      g = jnp.where(token_mask[..., None, None], g, jnp.zeros((), g.dtype))
+      beta = jnp.where(token_mask[..., None], beta, jnp.zeros((), beta.dtype))
+      raw = {}
+      ends = _last_real(token_mask)
+      tq, tk, tv = (_tail_at(full, ends, taps=self.q_conv.shape[-1]) for _, _, full in convs)
     if state is not None and x.shape[1] == 1 and segment_ids is None:
       # one decode token: the fused step on prepared inputs (unit q/k, log decay, beta)
       q, k, g, beta = prepare_inputs(q, k, g, beta, **raw)
@@ -149,6 +164,26 @@ class KDA(nnx.Module):
     gate = jax.nn.sigmoid(self.output_gate(x).astype(wide))
     o = (rms_normalize(o, cfg.rms_norm_eps) * self.o_norm[...].astype(wide) * gate).astype(o.dtype)
     return self.o_proj(o), KDAState(tq, tk, tv, s_final)
+
+
+def _with_tail(u_bthc: jax.Array, tail: jax.Array | None, taps: int) -> jax.Array:
+  """[B, taps-1+T, H, C]: the conv's input with the previous tail in front (zeros if none)."""
+  if tail is None:
+    tail = jnp.zeros((u_bthc.shape[0], taps - 1, *u_bthc.shape[2:]), u_bthc.dtype)
+  return jnp.concatenate([tail.astype(u_bthc.dtype), u_bthc], axis=1)
+
+
+def _last_real(token_mask_bt: jax.Array) -> jax.Array:
+  """[B] int32: one past the last unmasked position of each row (0 when none is)."""
+  t = token_mask_bt.shape[1]
+  return jnp.max(jnp.where(token_mask_bt, jnp.arange(1, t + 1), 0), axis=1).astype(jnp.int32)
+
+
+def _tail_at(full_bshc: jax.Array, ends_b: jax.Array, *, taps: int) -> jax.Array:
+  """The taps-1 conv inputs before position ends_b[b] of each row (full: tail + inputs)."""
+  take = lambda row, end: jax.lax.dynamic_slice_in_dim(row, end, taps - 1, axis=0)
+  return jax.vmap(take)(full_bshc, ends_b)
+
 
 def initial_state(cfg: ModelConfig, batch: int, dtype=None) -> KDAState:
   """The state of an empty sequence: zero conv tails (compute dtype) and a zero fp32 state

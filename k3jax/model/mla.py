@@ -93,7 +93,8 @@ class MLA(nnx.Module):
   def attend_latent(self, x: jax.Array, c_bsc: jax.Array, rot_bsr: jax.Array,
                     q_pos_t: jax.Array, start_b: jax.Array, *, absorb: bool | None = None,
                     heads_major: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
-    """x [B, T, d] at absolute positions q_pos_t [T] against a latent cache c [B, S, kv_lora],
+    """x [B, T, d] at absolute positions q_pos_t [T] (or [B, T], one row of positions per
+    batch row) against a latent cache c [B, S, kv_lora],
     k_rot [B, S, rope] that already holds these tokens at their positions. Row b's real tokens
     start at start_b[b] (left padding): keys before it are masked, except that a pad query sees
     itself (so no softmax row is empty). `absorb` None picks the cheaper order.
@@ -119,7 +120,7 @@ class MLA(nnx.Module):
     scores = scores + jnp.einsum("bsr,bthr->bsth", rot_bsr, q_rot, precision=prec)
     scores = scores.astype(wide_dtype(scores.dtype)) * cfg.qk_head_dim**-0.5
     key_s = jnp.arange(s)[None, :, None]
-    q_pos = q_pos_t[None, None, :]
+    q_pos = q_pos_t[None, None, :] if q_pos_t.ndim == 1 else q_pos_t[:, None, :]
     visible = (key_s <= q_pos) & ((key_s >= start_b[:, None, None]) | (key_s == q_pos))
     scores = jnp.where(visible[..., None], scores, -jnp.inf)   # [B, S, T, H]
     probs = jax.nn.softmax(scores, axis=1).astype(dt)

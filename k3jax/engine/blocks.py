@@ -1,0 +1,171 @@
+"""Host-side bookkeeping of the engine's device memory: the latent page pool and the prefix cache.
+
+Pages: page 0 of the device pool is scratch (padding writes there); pages 1..n hold tokens. A
+running request owns the pages of its positions, in order (its page table row).
+
+Prefix cache: a full block of a prompt (page_size tokens at a page-aligned position) is keyed by
+a hash chain, digest(block i) = sha256(digest(block i-1) + its token ids), so a key names the
+whole prefix up to that block, not just the block's own tokens. A cached block holds the page
+with those tokens' latents and, at some blocks, a snapshot of the KDA state (recurrent state
+and conv tails) after its last token: KDA is recurrent, so a latent page alone cannot resume a
+request; it restarts from the nearest snapshot at or before the match and recomputes the rest.
+A block is held (`refs`) by every running request that uses its page; blocks no request holds
+are evicted least recently used first, children before parents (a child is only reachable
+through its parent's key, and a request holding a child holds its parents too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+
+class PagePool:
+  """Free list of the token pages 1..n."""
+
+  def __init__(self, n: int):
+    self.size = n
+    self._free = list(range(n, 0, -1))
+
+  def alloc(self) -> int | None:
+    return self._free.pop() if self._free else None
+
+  def release(self, page: int) -> None:
+    self._free.append(page)
+
+  @property
+  def free(self) -> int:
+    return len(self._free)
+
+  @property
+  def used(self) -> int:
+    return self.size - len(self._free)
+
+
+@dataclasses.dataclass(eq=False)
+class Block:
+  digest: bytes
+  page: int
+  parent: Block | None
+  index: int                  # block index in its prompt: tokens [index * size, (index + 1) * size)
+  refs: int = 0
+  snapshot: int | None = None
+  last_used: int = 0
+  children: int = 0
+  detached: bool = False      # dropped from the cache (set_params) while requests held it
+
+
+def chain_digest(parent: bytes | None, tokens: Sequence[int]) -> bytes:
+  h = hashlib.sha256(parent or b"root")
+  h.update(np.asarray(tokens, np.int64).tobytes())
+  return h.digest()
+
+
+class PrefixCache:
+  """Blocks by digest, the snapshot free list, LRU eviction, hit statistics."""
+
+  def __init__(self, pages: PagePool, block_size: int, snapshots: int):
+    self.pages, self.block_size = pages, block_size
+    self.blocks: dict[bytes, Block] = {}
+    self.snapshots = snapshots
+    self._snap_free = list(range(snapshots - 1, -1, -1))
+    self._clock = 0
+    self.queried_tokens = 0
+    self.hit_tokens = 0
+
+  # ---- lookup --------------------------------------------------------------------------------
+  def match(self, tokens: Sequence[int], limit: int) -> list[Block]:
+    """The cached chain of full blocks of tokens[:limit], longest first match."""
+    chain, parent = [], None
+    size = self.block_size
+    for i in range(limit // size):
+      block = self.blocks.get(chain_digest(parent, tokens[i * size:(i + 1) * size]))
+      if block is None:
+        break
+      chain.append(block)
+      parent = block.digest
+    return chain
+
+  def acquire(self, blocks: Sequence[Block]) -> None:
+    self._clock += 1
+    for b in blocks:
+      b.refs += 1
+      b.last_used = self._clock
+
+  def release(self, blocks: Sequence[Block]) -> None:
+    for b in blocks:
+      b.refs -= 1
+      if b.detached and b.refs == 0:
+        self._drop(b)
+
+  def record(self, queried: int, hit: int) -> None:
+    self.queried_tokens += queried
+    self.hit_tokens += hit
+
+  @property
+  def hit_rate(self) -> float:
+    return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+  # ---- insertion -----------------------------------------------------------------------------
+  def register(self, parent: Block | None, tokens: Sequence[int], index: int,
+               page: int) -> Block | None:
+    """Cache the block of `tokens` after `parent` on `page` (held by its caller: refs 1).
+    None when the same prefix is cached already (the caller keeps its page)."""
+    digest = chain_digest(parent.digest if parent else None, tokens)
+    if digest in self.blocks:
+      return None
+    block = Block(digest, page, parent, index, refs=1, last_used=self._clock)
+    if parent is not None:
+      parent.children += 1
+    self.blocks[digest] = block
+    return block
+
+  def lookup(self, parent: Block | None, tokens: Sequence[int]) -> Block | None:
+    return self.blocks.get(chain_digest(parent.digest if parent else None, tokens))
+
+  def alloc_snapshot(self) -> int | None:
+    """A free snapshot, taking one from the least recently used block no request holds."""
+    if self._snap_free:
+      return self._snap_free.pop()
+    idle = [b for b in self.blocks.values() if b.snapshot is not None and b.refs == 0]
+    if not idle:
+      return None
+    victim = min(idle, key=lambda b: (b.last_used, -b.index))
+    snap, victim.snapshot = victim.snapshot, None
+    return snap
+
+  def release_snapshot(self, snap: int) -> None:
+    self._snap_free.append(snap)
+
+  # ---- eviction ------------------------------------------------------------------------------
+  def evict_one(self) -> bool:
+    """Free the least recently used block that no request holds and no block continues."""
+    idle = [b for b in self.blocks.values() if b.refs == 0 and b.children == 0]
+    if not idle:
+      return False
+    victim = min(idle, key=lambda b: (b.last_used, -b.index))
+    del self.blocks[victim.digest]
+    self._drop(victim)
+    return True
+
+  def _drop(self, block: Block) -> None:
+    self.pages.release(block.page)
+    if block.snapshot is not None:
+      self._snap_free.append(block.snapshot)
+      block.snapshot = None
+    if block.parent is not None:
+      block.parent.children -= 1
+
+  def clear(self) -> None:
+    """Forget every block (new weights): idle ones free their pages now, held ones when their
+    last request lets go of them."""
+    blocks = list(self.blocks.values())
+    self.blocks.clear()
+    for block in blocks:
+      block.detached = True
+    for block in sorted(blocks, key=lambda b: -b.index):  # children first
+      if block.refs == 0:
+        self._drop(block)

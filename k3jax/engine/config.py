@@ -1,0 +1,83 @@
+"""The serving engine's sizes and switches (frozen: one engine, one compiled set of shapes)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+  """Sizes of an engine; every shape it compiles derives from them.
+
+  Attributes:
+    max_num_seqs: request slots: the most requests running at once (each holds a KDA state).
+    max_model_len: the most positions a request may reach (prompt + output).
+    page_size: tokens per MLA latent page, and per prefix-cache block.
+    num_pages: latent pages in the pool (None: enough for every slot at max_model_len).
+    prefill_chunk: tokens per prefill row (a long prompt is fed in chunks of this size, so it
+      never stalls the running requests for more than one chunk per step).
+    prefill_rows: prompts (or chunks of them) per step beside the decode tokens; the step's
+      token budget is max_num_seqs + prefill_rows * prefill_chunk.
+    prefix_cache: reuse the latent pages and KDA states of full prompt blocks seen before.
+    prefix_state_every: keep a KDA state snapshot every this many cached blocks (plus the last
+      full block of each prompt): a hit restarts from the nearest snapshot at or before it.
+    prefix_snapshots: KDA state snapshots held (each costs one slot's KDA state).
+    max_top_logprobs: the most alternatives a request may ask for per token.
+    min_decode_rows: the fewest decode rows a step compiles for (more, in powers of two up to
+      max_num_seqs, as more requests decode): fewer programs for a small batch.
+    min_context: the shortest attention context (positions) a step compiles for (longer ones
+      in powers of two of pages, up to max_model_len).
+    layout: "unstacked" holds per-layer weights (a copy of the model's stacks, made once; XLA:CPU
+      copies a stacked weight's slice on every read) or "stacked" slices the caller's stacks
+      inside the step (no copy: what RL needs, where the optimizer owns the arrays); None picks
+      unstacked on CPU, stacked elsewhere.
+  """
+
+  max_num_seqs: int = 8
+  max_model_len: int = DEFAULT_MAX_MODEL_LEN
+  page_size: int = 64
+  num_pages: int | None = None
+  prefill_chunk: int = 256
+  prefill_rows: int = 1
+  prefix_cache: bool = True
+  prefix_state_every: int = 4
+  prefix_snapshots: int | None = None
+  max_top_logprobs: int = 20
+  min_decode_rows: int = 8
+  min_context: int = 1024
+  layout: str | None = None
+
+  def __post_init__(self):
+    for name in ("max_num_seqs", "max_model_len", "page_size", "prefill_chunk", "prefill_rows",
+                 "prefix_state_every", "max_top_logprobs", "min_decode_rows", "min_context"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+    if self.num_pages is not None and self.num_pages < self.pages_per_seq:
+      raise ValueError(f"num_pages {self.num_pages} cannot hold one request of max_model_len "
+                       f"{self.max_model_len} ({self.pages_per_seq} pages of {self.page_size})")
+    if self.prefix_snapshots is not None and self.prefix_snapshots < 0:
+      raise ValueError(f"prefix_snapshots must be >= 0, got {self.prefix_snapshots}")
+    if self.layout not in (None, "stacked", "unstacked"):
+      raise ValueError(f"unknown layout {self.layout!r}; choose stacked or unstacked")
+
+  @property
+  def pages_per_seq(self) -> int:
+    return math.ceil(self.max_model_len / self.page_size)
+
+  @property
+  def pool_pages(self) -> int:
+    """Pages that hold tokens (the pool has one more: the scratch page 0)."""
+    return self.num_pages if self.num_pages is not None else self.max_num_seqs * self.pages_per_seq
+
+  @property
+  def snapshots(self) -> int:
+    if not self.prefix_cache:
+      return 0
+    return self.prefix_snapshots if self.prefix_snapshots is not None else 2 * self.max_num_seqs
+
+  @property
+  def token_budget(self) -> int:
+    return self.max_num_seqs + self.prefill_rows * self.prefill_chunk

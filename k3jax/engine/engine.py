@@ -1,0 +1,284 @@
+"""The serving engine: continuous batching over one model.
+
+    engine = Engine(model, EngineConfig(...), eos_token_ids=..., detokenize=...)
+    engine.add("a", prompt_ids, SamplingParams(max_tokens=64))
+    while engine.has_work():
+        for out in engine.step():       # RequestOutput per request that advanced
+            ...
+    engine.abort("b"); engine.set_params(new_state)
+
+Requests join and leave between steps; each step is one jitted call (k3jax/engine/runner.py)
+over the decode tokens of every running request and a chunk of the oldest prompts still being
+read (k3jax/engine/scheduler.py). The engine does not own the weights: `set_params` takes a new
+parameter state of the same model graph (LoRA adapters included: they apply unmerged, as the
+model computes them) and empties the prefix cache, whose entries were computed with the old
+ones. docs/serving.md describes the design and its guarantees.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
+from flax import nnx
+
+from k3jax.engine.config import EngineConfig
+from k3jax.engine.request import FinishReason, RequestOutput, SamplingParams
+from k3jax.engine.runner import Runner, SampleRows, bucket
+from k3jax.engine.scheduler import Chunk, Request, Scheduler
+from k3jax.generate.sampling import Sampling
+from k3jax.model import paged
+
+
+def seed32(seed: int) -> int:
+  """A request's seed folded to the 32 bits a PRNG key takes."""
+  seed = int(seed) & (2**64 - 1)
+  return (seed ^ (seed >> 32)) & 0xFFFFFFFF
+
+
+class Engine:
+  """Continuous batching over `model` (a K3Model, whose graph and current weights it uses)."""
+
+  def __init__(self, model: nnx.Module, config: EngineConfig | None = None, *,
+               eos_token_ids: Iterable[int] = (), detokenize: Callable[[list[int]], str]
+               | None = None, seed: int = 0):
+    self.config = config or EngineConfig()
+    self.cfg = model.cfg
+    self.runner = Runner(model, self.config)
+    self.scheduler = Scheduler(self.config)
+    self.eos = frozenset(int(t) for t in eos_token_ids)
+    self.detokenize = detokenize
+    self._requests: dict[str, Request] = {}
+    self._aborted: list[RequestOutput] = []
+    self._seq = itertools.count()
+    self._rng = random.Random(seed)
+    self.steps = 0
+    self.generated_tokens = 0
+    self.prompt_tokens = 0
+
+  # ---- requests ------------------------------------------------------------------------------
+  def add(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams | None = None
+          ) -> None:
+    """Queue a request. Raises ValueError (naming the problem) for a duplicate id, an empty or
+    too long prompt, out-of-range token ids or sampling values; nothing else is affected."""
+    sampling = sampling or SamplingParams()
+    if request_id in self._requests:
+      raise ValueError(f"request id {request_id!r} is already in use")
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+      raise ValueError("the prompt is empty")
+    vocab = self.cfg.vocab_size
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+      raise ValueError(f"prompt token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+    limit = self.config.max_model_len
+    if len(prompt) > limit or (len(prompt) == limit and sampling.max_tokens > 0):
+      raise ValueError(f"the prompt has {len(prompt)} tokens; the maximum model length is "
+                       f"{limit} (prompt and output together)")
+    sampling.check(vocab, self.config.max_top_logprobs)
+    if sampling.stop and self.detokenize is None:
+      raise ValueError("stop strings need an engine with a detokenizer")
+    seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(32)
+    stops = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self.eos)
+    r = Request(request_id, prompt, sampling, next(self._seq), seed32(seed), stops)
+    self._requests[request_id] = r
+    self.scheduler.waiting.append(r)
+    self.prompt_tokens += len(prompt)
+
+  def abort(self, request_id: str) -> None:
+    """End a request now (its pages and slot are freed); an unknown id is a no-op. The next
+    `step()` reports it with finish reason "abort"."""
+    r = self._requests.pop(request_id, None)
+    if r is None:
+      return
+    if r in self.scheduler.waiting:
+      self.scheduler.waiting.remove(r)
+    self.scheduler.release(r)
+    out = r.out()
+    out.finish_reason = FinishReason.ABORT
+    self._aborted.append(out)
+    r.pending = None
+
+  def has_work(self) -> bool:
+    return bool(self._requests or self._aborted)
+
+  def set_params(self, state) -> None:
+    """New weights for the same model graph (an nnx.State); empties the prefix cache."""
+    self.runner.set_params(state)
+    self.scheduler.prefix.clear()
+
+  # ---- one step ------------------------------------------------------------------------------
+  def step(self) -> list[RequestOutput]:
+    """Run one step; the outputs of every request that produced tokens or ended in it."""
+    outputs, self._aborted = self._aborted, []
+    decode, prefill = self.scheduler.schedule()
+    if decode or prefill:
+      self._run(decode, prefill)
+      self.steps += 1
+    for r in list(self._requests.values()):
+      if r.finish is None and r.to_feed == 0:  # max_tokens 0: the prompt was all it asked for
+        self._finish(r, FinishReason.LENGTH)
+      if r.pending is not None:
+        outputs.append(r.pending)
+        r.pending = None
+      if r.finish is not None:
+        del self._requests[r.id]
+    return outputs
+
+  def _run(self, decode: list[Chunk], prefill: list[Chunk]) -> None:
+    config = self.config
+    size = config.page_size
+    # the decode part is always there (a prefill-only step is one more program otherwise)
+    n_decode = bucket(max(len(decode), config.min_decode_rows), config.max_num_seqs)
+    parts, chunks = [self._rows(decode, n_decode, 1)], [(decode, n_decode)]
+    if prefill:
+      parts.append(self._rows(prefill, config.prefill_rows, config.prefill_chunk))
+      chunks.append((prefill, config.prefill_rows))
+    longest = max([c.end for c in decode + prefill] + [config.min_context])
+    ctx_pages = bucket(-(-longest // size), config.pages_per_seq)
+    table = np.zeros((config.max_num_seqs + 1, config.pages_per_seq), np.int32)
+    for r in self.scheduler.running:
+      table[r.slot, :len(r.pages)] = r.pages
+    rows, index, offset = [], [], 0
+    for (cs, n_rows), part in zip(chunks, parts):
+      width = part[0].shape[1]
+      for i in range(n_rows):
+        c = cs[i] if i < len(cs) else None
+        rows.append(c)
+        index.append(offset + i * width + (c.end - c.start - 1 if c else 0))
+      offset += n_rows * width
+    sample_rows = self._sample_rows(rows, index)
+    want_prompt = [c for c in prefill if c.request.params.prompt_logprobs]
+    targets = self._targets(prefill) if want_prompt else None
+    out = self.runner.step(tuple(parts), table, sample_rows, targets, ctx_pages)
+    for i, c in enumerate(rows):
+      if c is None:
+        continue
+      r = c.request
+      self.scheduler.advance(c)
+      if r.params.prompt_logprobs and r.prompt_logprobs is None and len(r.prompt) == 1:
+        r.prompt_logprobs = r.out().prompt_logprobs = [None]  # one token: nothing to score
+      if c.samples and r.finish is None and r.params.max_tokens > 0:
+        self._accept(r, out, i)
+    if want_prompt:
+      self._prompt_logprobs(prefill, out)
+
+  def _rows(self, chunks: list[Chunk], n_rows: int, width: int) -> paged.Rows:
+    scratch_slot, scratch_snap = self.config.max_num_seqs, self.config.snapshots
+    ids = np.zeros((n_rows, width), np.int32)
+    pos = np.zeros((n_rows, width), np.int32)
+    valid = np.zeros((n_rows, width), bool)
+    slot = np.full((n_rows,), scratch_slot, np.int32)
+    source = np.full((n_rows,), paged.FROM_SLOT, np.int32)
+    restore = np.zeros((n_rows,), np.int32)
+    save = np.full((n_rows,), scratch_snap, np.int32)
+    for i, c in enumerate(chunks):
+      r, n = c.request, c.end - c.start
+      ids[i, :n] = r.tokens[c.start:c.end]
+      pos[i, :n] = np.arange(c.start, c.end)
+      valid[i, :n] = True
+      slot[i], source[i], restore[i] = r.slot, r.source, r.restore
+      if c.save is not None:
+        save[i] = c.save
+    return paged.Rows(ids, pos, valid, slot, source, restore, save)
+
+  def _sample_rows(self, rows: list[Chunk | None], index: list[int]) -> SampleRows:
+    m = len(rows)
+    temp, top_p, min_p = (np.zeros(m, np.float32), np.ones(m, np.float32),
+                          np.zeros(m, np.float32))
+    top_k, seed, position = (np.zeros(m, np.int32), np.zeros(m, np.uint32),
+                             np.zeros(m, np.int32))
+    for i, c in enumerate(rows):
+      if c is None:
+        continue
+      p = c.request.params
+      temp[i], top_p[i], min_p[i] = p.temperature, p.top_p, p.min_p
+      top_k[i] = max(p.top_k, 0)
+      seed[i], position[i] = c.request.seed, c.end
+    return SampleRows(np.asarray(index, np.int32), Sampling(temp, top_k, top_p, min_p), seed,
+                      position)
+
+  def _targets(self, prefill: list[Chunk]) -> np.ndarray:
+    """The next prompt token of every prefill position (0 where there is none)."""
+    width = self.config.prefill_chunk
+    out = np.zeros((self.config.prefill_rows, width), np.int32)
+    for i, c in enumerate(prefill):
+      nxt = c.request.tokens[c.start + 1:c.end + 1]
+      out[i, :len(nxt)] = nxt
+    return out.reshape(-1)
+
+  # ---- results -------------------------------------------------------------------------------
+  def _top(self, ids, lps, n: int | None) -> dict[int, float]:
+    if not n:
+      return {}
+    return {int(t): float(v) for t, v in zip(ids[:n], lps[:n])}
+
+  def _accept(self, r: Request, out, i: int) -> None:
+    tok = int(out.tokens[i])
+    r.output.append(tok)
+    self.generated_tokens += 1
+    o = r.out()
+    o.token_ids.append(tok)
+    if r.params.logprobs is not None:
+      o.logprobs.append(float(out.logprob[i]))
+      o.top_logprobs.append(self._top(out.top_ids[i], out.top_logprobs[i], r.params.logprobs))
+    if self.detokenize is not None:
+      r.text = self.detokenize(r.output)
+      o.text = r.text
+    if tok in r.stop_ids:
+      self._finish(r, FinishReason.STOP)
+    elif r.params.stop and self._cut_at_stop(r):
+      self._finish(r, FinishReason.STOP)
+    elif len(r.output) >= r.params.max_tokens or len(r.tokens) >= self.config.max_model_len:
+      self._finish(r, FinishReason.LENGTH)
+
+  def _cut_at_stop(self, r: Request) -> bool:
+    hits = [i for i in (r.text.find(s) for s in r.params.stop) if i >= 0]
+    if not hits:
+      return False
+    r.text = r.text[:min(hits)]
+    r.out().text = r.text
+    return True
+
+  def _prompt_logprobs(self, prefill: list[Chunk], out) -> None:
+    width = self.config.prefill_chunk
+    for i, c in enumerate(prefill):
+      r = c.request
+      if not r.params.prompt_logprobs:
+        continue
+      if r.prompt_logprobs is None:
+        r.prompt_logprobs = [None]
+      n = r.params.logprobs or 0
+      for j in range(c.end - c.start):
+        p = c.start + j + 1               # the prompt position this row position scores
+        if p >= len(r.prompt) or p < len(r.prompt_logprobs):
+          continue
+        k = i * width + j
+        r.prompt_logprobs.append((float(out.prompt_logprob[k]),
+                                  self._top(out.prompt_top_ids[k], out.prompt_top_logprobs[k], n)))
+      if len(r.prompt_logprobs) == len(r.prompt):
+        r.out().prompt_logprobs = r.prompt_logprobs
+
+  def _finish(self, r: Request, reason: FinishReason) -> None:
+    r.finish = reason
+    r.out().finish_reason = reason
+    self.scheduler.release(r)
+
+  # ---- state for metrics and tests --------------------------------------------------------------
+  @property
+  def num_running(self) -> int:
+    return len(self.scheduler.running)
+
+  @property
+  def num_waiting(self) -> int:
+    return len(self.scheduler.waiting)
+
+  def stats(self) -> dict[str, float]:
+    s = self.scheduler
+    return {"running": len(s.running), "waiting": len(s.waiting),
+            "pages_used": s.pages.used, "pages_total": s.pages.size,
+            "cached_blocks": len(s.prefix.blocks), "prefix_hit_rate": s.prefix.hit_rate,
+            "preemptions": s.preemptions, "generated_tokens": self.generated_tokens,
+            "prompt_tokens": self.prompt_tokens, "steps": self.steps}

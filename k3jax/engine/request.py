@@ -1,0 +1,101 @@
+"""What a request asks for (`SamplingParams`) and what a step reports about it (`RequestOutput`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+
+
+class FinishReason(enum.StrEnum):
+  STOP = "stop"      # a stop token (EOS unless ignored, or one of stop_token_ids) or stop string
+  LENGTH = "length"  # max_tokens reached, or the model's maximum length
+  ABORT = "abort"    # aborted by the caller
+  ERROR = "error"    # the request could not be served (the message says why)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+  """How to sample one request's tokens.
+
+  Attributes:
+    max_tokens: tokens to generate at most (0: none; with prompt_logprobs, score the prompt).
+    temperature: 0 is greedy (argmax); otherwise sample softmax(logits / temperature).
+    top_p: nucleus: the smallest set of most likely tokens whose probability reaches top_p.
+    top_k: keep the top_k most likely tokens (0: all).
+    min_p: keep the tokens at least min_p times as likely as the most likely one (0: off).
+    seed: the request's draws depend on this seed and the token's position alone (not on the
+      other requests); None lets the engine pick one.
+    stop_token_ids: tokens that end the request (besides the model's EOS).
+    stop: strings that end the request when they appear in its text (the engine needs a
+      detokenizer); the text is cut before the stop string.
+    ignore_eos: do not stop at the model's EOS tokens.
+    logprobs: None: no logprobs; n >= 0: the sampled token's logprob and the n most likely
+      alternatives (with theirs) at every generated position.
+    prompt_logprobs: report every prompt token's logprob (and `logprobs` alternatives) given
+      the tokens before it; the prompt is then computed, never taken from the prefix cache.
+  """
+
+  max_tokens: int = 16
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+  min_p: float = 0.0
+  seed: int | None = None
+  stop_token_ids: tuple[int, ...] = ()
+  stop: tuple[str, ...] = ()
+  ignore_eos: bool = False
+  logprobs: int | None = None
+  prompt_logprobs: bool = False
+
+  def __post_init__(self):
+    object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+    stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+    object.__setattr__(self, "stop", stop)
+
+  def check(self, vocab_size: int, max_top_logprobs: int) -> None:
+    """Raises ValueError naming the first out-of-range value."""
+    if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+      raise ValueError(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
+    if not (math.isfinite(self.temperature) and self.temperature >= 0):
+      raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+    if not isinstance(self.top_k, int) or self.top_k < -1:
+      raise ValueError(f"top_k must be an integer >= 0 (or -1: off), got {self.top_k!r}")
+    if not 0 <= self.min_p <= 1:
+      raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+    if self.seed is not None and not isinstance(self.seed, int):
+      raise ValueError(f"seed must be an integer, got {self.seed!r}")
+    if self.logprobs is not None and not 0 <= self.logprobs <= max_top_logprobs:
+      raise ValueError(f"logprobs must be in [0, {max_top_logprobs}], got {self.logprobs!r}")
+    bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+    if bad:
+      raise ValueError(f"stop_token_ids {bad} outside the vocabulary [0, {vocab_size})")
+    if any(not isinstance(s, str) or not s for s in self.stop):
+      raise ValueError(f"stop strings must be non-empty strings, got {list(self.stop)!r}")
+
+
+@dataclasses.dataclass
+class RequestOutput:
+  """What one `Engine.step()` reports about one request: the tokens it produced in that step
+  (in order), their logprobs, and its finish reason once it has ended.
+
+  `top_logprobs[i]` maps the most likely token ids at position i to their logprobs (empty
+  unless the request asked for logprobs). `prompt_logprobs` comes once, in the request's first
+  output: one entry per prompt token (None for the first, which has no context), each
+  (logprob of the prompt token, {alternative id: logprob}). `text` is the request's whole output
+  text so far when the engine has a detokenizer (cut before a stop string that ended it).
+  """
+  request_id: str
+  token_ids: list[int] = dataclasses.field(default_factory=list)
+  logprobs: list[float] = dataclasses.field(default_factory=list)
+  top_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+  finish_reason: FinishReason | None = None
+  prompt_logprobs: list[tuple[float, dict[int, float]] | None] | None = None
+  text: str | None = None
+  error: str | None = None
+
+  @property
+  def finished(self) -> bool:
+    return self.finish_reason is not None

@@ -1,0 +1,120 @@
+"""The engine's device side: the cache, the weights, and the one jitted call per step.
+
+    step(parts, page_table, sampling rows) -> per sampled row (token, logprob, top-n ids and
+        logprobs), per prefill token (logprob of the next prompt token, top-n) when asked,
+        and the cache after the step (donated: updated in place)
+
+One call runs a whole step: the model over every token of the step (k3jax/model/paged.py),
+the head at the tokens that sample, the log-softmax and the draws. Its shapes come from a few
+buckets (decode rows: a power of two up to the slot count; prefill rows: none or all;
+attention context: a power of two of pages), so a run with any mix of prompt lengths compiles
+a bounded set of programs, once each.
+
+Draws: a row's key is fold_in(key(seed), position of the token drawn), so a request's tokens
+depend on its seed alone, not on which rows run beside it or whether it was preempted.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from k3jax.engine.config import EngineConfig
+from k3jax.generate.sampling import Sampling, sample
+from k3jax.model import paged
+from k3jax.model.decode import unstack_model
+from k3jax.model.layers import wide_dtype
+
+
+class SampleRows(NamedTuple):
+  """Per sampled row: where its token is in the step (flat index), and how it draws."""
+  index: jax.Array     # [M] int32
+  sampling: Sampling   # fields [M]
+  seed: jax.Array      # [M] uint32
+  position: jax.Array  # [M] int32 position of the token being drawn
+
+
+class StepOut(NamedTuple):
+  tokens: jax.Array            # [M] int32
+  logprob: jax.Array           # [M] of the drawn token
+  top_ids: jax.Array           # [M, n]
+  top_logprobs: jax.Array      # [M, n]
+  prompt_logprob: jax.Array | None   # [Rp * C] logprob of each prefill token's next token
+  prompt_top_ids: jax.Array | None   # [Rp * C, n]
+  prompt_top_logprobs: jax.Array | None
+
+
+def _per_layer(static, params):
+  layout, defs = static
+  if layout == "stacked":  # slice the caller's stacks here, inside the step: no copy kept
+    return unstack_model(nnx.merge(defs, params))
+  return defs, params
+
+
+def _log_softmax(logits: jax.Array) -> jax.Array:
+  return jax.nn.log_softmax(logits.astype(wide_dtype(logits.dtype)), axis=-1)
+
+
+@functools.partial(jax.jit, static_argnames=("static", "ctx_pages", "top_n", "prompt_targets"),
+                   donate_argnames=("cache",))
+def _step(static, params, cache: paged.PagedCache, page_table, parts, rows: SampleRows,
+          targets, *, ctx_pages: int, top_n: int, prompt_targets: bool):
+  defs, per_layer = _per_layer(static, params)
+  features, cache = paged.forward(defs, per_layer, parts, cache, page_table, ctx_pages=ctx_pages)
+  logits = paged.logits(defs, per_layer, features[rows.index])
+  logp = _log_softmax(logits)
+  keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(rows.seed, rows.position)
+  tokens = sample(logits, keys, rows.sampling)
+  token_lp = jnp.take_along_axis(logp, tokens[:, None], axis=1)[:, 0]
+  top_lp, top_ids = jax.lax.top_k(logp, top_n)
+  prompt = (None, None, None)
+  if prompt_targets:  # every token of the last part (the prefill rows) scores its successor
+    n = targets.shape[0]
+    p_logp = _log_softmax(paged.logits(defs, per_layer, features[-n:]))
+    p_top_lp, p_top_ids = jax.lax.top_k(p_logp, top_n)
+    prompt = (jnp.take_along_axis(p_logp, targets[:, None], axis=1)[:, 0], p_top_ids, p_top_lp)
+  return StepOut(tokens, token_lp, top_ids, top_lp, *prompt), cache
+
+
+def bucket(n: int, cap: int) -> int:
+  """The smallest power of two >= n, at most cap (a compiled shape)."""
+  return min(cap, 1 << max(0, n - 1).bit_length())
+
+
+class Runner:
+  """Holds the device cache and the weights; runs steps."""
+
+  def __init__(self, model: nnx.Module, config: EngineConfig):
+    self.cfg, self.config = model.cfg, config
+    layout = config.layout or ("unstacked" if jax.default_backend() == "cpu" else "stacked")
+    self.layout = layout
+    self.graphdef = nnx.graphdef(model)
+    self.set_params(nnx.state(model))
+    self.cache = paged.init_cache(self.cfg, slots=config.max_num_seqs,
+                                  pages=config.pool_pages + 1, page_size=config.page_size,
+                                  snapshots=config.snapshots, dtype=self.cfg.jnp_dtype)
+
+  def set_params(self, state) -> None:
+    """New weights (an nnx.State of the engine's model graph): stacked, used as they are;
+    unstacked, split once per layer here."""
+    if self.layout == "stacked":
+      self.static, self.params = ("stacked", self.graphdef), state
+    else:
+      defs, self.params = unstack_model(nnx.merge(self.graphdef, state))
+      self.static = ("unstacked", defs)
+
+  def step(self, parts: tuple[paged.Rows, ...], page_table: np.ndarray, rows: SampleRows,
+           targets: np.ndarray | None, ctx_pages: int) -> StepOut:
+    out, self.cache = _step(
+        self.static, self.params, self.cache, jnp.asarray(page_table),
+        tuple(paged.Rows(*(jnp.asarray(a) for a in p)) for p in parts),
+        jax.tree.map(jnp.asarray, rows),
+        None if targets is None else jnp.asarray(targets),
+        ctx_pages=ctx_pages, top_n=self.config.max_top_logprobs,
+        prompt_targets=targets is not None)
+    return jax.tree.map(np.asarray, out)

@@ -1,0 +1,222 @@
+"""Which tokens run in the next step, and where their state lives (host side).
+
+Every step: admit waiting requests to free slots (oldest first; a prefix-cache hit restores a
+snapshot and shares the cached pages), then take one token of every request that is decoding
+and a chunk of up to `prefill_chunk` tokens of the oldest `prefill_rows` requests still reading
+their prompt, and make sure every position taken has a page. When no page is free the prefix
+cache gives up its least recently used idle block; when it has none, the newest running request
+is preempted (its pages and slot freed, its tokens so far kept) and recomputed later, so a full
+pool never fails a request or changes a token.
+
+Chunk boundaries depend on the request alone (multiples of `prefill_chunk`, the prefix-cache
+snapshot positions, the end of its tokens), never on what else runs: a request computes the
+same chunks alone or in any company.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+from k3jax.engine.blocks import Block, PagePool, PrefixCache
+from k3jax.engine.config import EngineConfig
+from k3jax.engine.request import FinishReason, RequestOutput, SamplingParams
+from k3jax.model.paged import FRESH, FROM_SLOT, FROM_SNAPSHOT
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+  id: str
+  prompt: list[int]
+  params: SamplingParams
+  seq: int                       # arrival order
+  seed: int                      # 32-bit draw seed
+  stop_ids: frozenset[int]
+  output: list[int] = dataclasses.field(default_factory=list)
+  slot: int | None = None
+  pages: list[int] = dataclasses.field(default_factory=list)  # page of each block, in order
+  blocks: list[Block] = dataclasses.field(default_factory=list)  # held cached blocks (prefix)
+  private: set[int] = dataclasses.field(default_factory=set)  # pages it owns (not cached)
+  computed: int = 0              # tokens whose latents and KDA state are in the cache
+  source: int = FRESH            # where the next chunk's KDA state comes from
+  restore: int = 0               # snapshot to restore (source FROM_SNAPSHOT)
+  pending: RequestOutput | None = None
+  prompt_logprobs: list | None = None
+  finish: FinishReason | None = None
+  text: str = ""
+  preemptions: int = 0
+
+  @property
+  def tokens(self) -> list[int]:
+    return self.prompt + self.output
+
+  @property
+  def to_feed(self) -> int:
+    return len(self.prompt) + len(self.output) - self.computed
+
+  def out(self) -> RequestOutput:
+    if self.pending is None:
+      self.pending = RequestOutput(self.id)
+    return self.pending
+
+
+@dataclasses.dataclass
+class Chunk:
+  request: Request
+  start: int
+  end: int
+  save: int | None = None  # snapshot written after the chunk (its block: end // size - 1)
+
+  @property
+  def samples(self) -> bool:
+    """The chunk reaches the request's last token: its logits draw the next one."""
+    return self.end == len(self.request.tokens)
+
+
+class Scheduler:
+
+  def __init__(self, config: EngineConfig):
+    self.config = config
+    self.pages = PagePool(config.pool_pages)
+    self.prefix = PrefixCache(self.pages, config.page_size, config.snapshots)
+    self.waiting: deque[Request] = deque()
+    self.running: list[Request] = []   # admission order
+    self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))
+    self.preemptions = 0
+
+  # ---- admission -----------------------------------------------------------------------------
+  def admit(self) -> None:
+    while self.waiting and self.free_slots:
+      r = self.waiting.popleft()
+      r.slot = self.free_slots.pop()
+      r.computed, r.source, r.restore = 0, FRESH, 0
+      if self.config.prefix_cache and not r.params.prompt_logprobs:
+        self._restore_prefix(r)
+      self.running.append(r)
+
+  def _restore_prefix(self, r: Request) -> None:
+    size = self.config.page_size
+    limit = min(len(r.prompt), len(r.tokens) - 1)  # the last token is always computed
+    chain = self.prefix.match(r.tokens, limit)
+    while chain and chain[-1].snapshot is None:
+      chain.pop()
+    self.prefix.record(limit, len(chain) * size)
+    if not chain:
+      return
+    self.prefix.acquire(chain)
+    r.blocks, r.pages = list(chain), [b.page for b in chain]
+    r.computed = len(chain) * size
+    r.source, r.restore = FROM_SNAPSHOT, chain[-1].snapshot
+
+  # ---- one step's work -----------------------------------------------------------------------
+  def schedule(self) -> tuple[list[Chunk], list[Chunk]]:
+    """(decode chunks, prefill chunks) of the next step, pages allocated."""
+    self.admit()
+    while True:
+      decode = [Chunk(r, r.computed, r.computed + 1) for r in self.running if r.to_feed == 1]
+      prefill = [Chunk(r, r.computed, self._chunk_end(r)) for r in self.running
+                 if r.to_feed > 1][:self.config.prefill_rows]
+      victim = self._allocate(decode + prefill)
+      if victim is None:
+        break
+      self.preempt(victim)
+    for c in prefill:
+      c.save = self._snapshot_for(c)
+    return decode, prefill
+
+  def _snapshot_positions(self, r: Request) -> set[int]:
+    if not self.config.prefix_cache:
+      return set()
+    size, every = self.config.page_size, self.config.prefix_state_every
+    n = len(r.prompt)
+    out = set(range(every * size, n + 1, every * size))
+    if n >= size:
+      out.add(n // size * size)
+    return out
+
+  def _chunk_end(self, r: Request) -> int:
+    c = self.config.prefill_chunk
+    end = min(len(r.tokens), (r.computed // c + 1) * c)
+    later = [p for p in self._snapshot_positions(r) if r.computed < p < end]
+    return min(later, default=end)
+
+  def _snapshot_for(self, c: Chunk) -> int | None:
+    r = c.request
+    if c.end not in self._snapshot_positions(r) or c.end > len(r.prompt):
+      return None
+    block = self._cached_block(r, c.end // self.config.page_size - 1)
+    if block is not None and block.snapshot is not None:
+      return None
+    return self.prefix.alloc_snapshot()
+
+  def _cached_block(self, r: Request, index: int) -> Block | None:
+    size, parent = self.config.page_size, None
+    for i in range(index + 1):
+      parent = self.prefix.lookup(parent, r.tokens[i * size:(i + 1) * size])
+      if parent is None:
+        return None
+    return parent
+
+  def _allocate(self, chunks: list[Chunk]) -> Request | None:
+    """Pages for every position of `chunks`; the request to preempt when they cannot be had."""
+    size = self.config.page_size
+    for c in chunks:
+      r = c.request
+      while len(r.pages) * size < c.end:
+        page = self.pages.alloc()
+        while page is None and self.prefix.evict_one():
+          page = self.pages.alloc()
+        if page is None:
+          return max(self.running, key=lambda q: q.seq)
+        r.pages.append(page)
+        r.private.add(page)
+    return None
+
+  # ---- leaving ---------------------------------------------------------------------------------
+  def release(self, r: Request) -> None:
+    """Give back everything `r` holds (it ends, or is preempted)."""
+    for page in r.private:
+      self.pages.release(page)
+    self.prefix.release(r.blocks)
+    r.pages, r.blocks, r.private = [], [], set()
+    if r.slot is not None:
+      self.free_slots.append(r.slot)
+      r.slot = None
+    if r in self.running:
+      self.running.remove(r)
+
+  def preempt(self, r: Request) -> None:
+    self.release(r)
+    r.computed, r.source, r.preemptions = 0, FRESH, r.preemptions + 1
+    self.preemptions += 1
+    # first in line again: it was admitted before everything still waiting
+    self.waiting.appendleft(r)
+
+  # ---- after a step ----------------------------------------------------------------------------
+  def advance(self, c: Chunk) -> None:
+    """`c` ran: its tokens are in the cache; cache its full prompt blocks."""
+    r = c.request
+    r.computed, r.source = c.end, FROM_SLOT
+    if self.config.prefix_cache:
+      self._register(r, c)
+
+  def _register(self, r: Request, c: Chunk) -> None:
+    size = self.config.page_size
+    full = min(r.computed, len(r.prompt)) // size
+    parent = r.blocks[-1] if r.blocks else None
+    for i in range(len(r.blocks), full):
+      tokens = r.tokens[i * size:(i + 1) * size]
+      block = self.prefix.register(parent, tokens, i, r.pages[i])
+      if block is None:  # cached already by another request: keep our page, note theirs
+        existing = self.prefix.lookup(parent, tokens)
+        if c.save is not None and i == c.end // size - 1 and existing.snapshot is None:
+          existing.snapshot, c.save = c.save, None
+        break
+      r.private.discard(r.pages[i])
+      r.blocks.append(block)
+      parent = block
+      if c.save is not None and i == c.end // size - 1:
+        block.snapshot, c.save = c.save, None
+    if c.save is not None:  # its block did not end up cached: the snapshot is free again
+      self.prefix.release_snapshot(c.save)
+      c.save = None

@@ -1,0 +1,74 @@
+"""A small float64 model for the engine tests, its full-forward truth, and a run-to-completion
+driver."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from k3jax.engine.config import EngineConfig
+from k3jax.engine.engine import Engine
+from k3jax.model.transformer import K3Model
+from tests.k3jax.model.helpers import randomize, tiny_cfg
+
+# Every part of K3 in four layers (KDA, MLA, KDA, MLA; a dense first layer, then LatentMoE;
+# AttnRes blocks of two), so the engine's programs compile quickly.
+CFG = tiny_cfg(num_layers=4, mla_layers=(1, 3), attn_res_block_size=2, dtype="float64",
+               param_dtype="float64", matmul_precision="highest")
+CONFIG = EngineConfig(max_num_seqs=4, max_model_len=96, page_size=8, prefill_chunk=16,
+                      prefix_state_every=2, num_pages=40, max_top_logprobs=4)
+
+
+def model(seed: int = 1) -> K3Model:
+  with jax.enable_x64(True):
+    return randomize(K3Model(CFG, rngs=nnx.Rngs(0)), seed=seed)
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+  m = x.max(-1, keepdims=True)
+  return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def truth(m: K3Model, ids) -> np.ndarray:
+  """[T, V] float64 log-probabilities of the full forward at every position of `ids`."""
+  logits = jax.jit(lambda mm, x: mm(x).logits)(m, jnp.asarray([list(ids)]))
+  return log_softmax(np.asarray(logits[0], np.float64))
+
+
+@dataclasses.dataclass
+class Result:
+  tokens: list
+  logprobs: list
+  top: list
+  finish: str | None = None
+  prompt_logprobs: list | None = None
+  text: str | None = None
+
+
+def drain(engine: Engine, arrivals=None, aborts=None, max_steps: int = 10_000) -> dict:
+  """Step until idle. arrivals: {step: [(id, prompt, params)]} added before that step;
+  aborts: {step: [id]}. Returns {id: Result}."""
+  arrivals, aborts = arrivals or {}, aborts or {}
+  out, step = {}, 0
+  last = max([*arrivals, *aborts, 0])
+  while engine.has_work() or step <= last:
+    for rid, prompt, params in arrivals.get(step, ()):
+      engine.add(rid, prompt, params)
+    for rid in aborts.get(step, ()):
+      engine.abort(rid)
+    for o in engine.step():
+      r = out.setdefault(o.request_id, Result([], [], []))
+      r.tokens += o.token_ids
+      r.logprobs += o.logprobs
+      r.top += o.top_logprobs
+      if o.prompt_logprobs is not None:
+        r.prompt_logprobs = o.prompt_logprobs
+      if o.text is not None:
+        r.text = o.text
+      if o.finish_reason is not None:
+        r.finish = o.finish_reason
+    step += 1
+    assert step < max_steps, "the engine did not finish"
+  return out

@@ -1,0 +1,250 @@
+"""The serving engine against the model's full forward, in float64.
+
+Every token the engine serves must be what the full-sequence forward computes for that request
+alone: greedy tokens equal, logprobs to 1e-12 (the two differ only in summation order: chunked
+vs whole KDA, paged vs contiguous attention). The same holds whatever runs beside a request
+and whenever it arrives (batch invariance), with and without prefix-cache hits, through
+preemption and aborts.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+from k3jax.engine import runner
+from k3jax.engine.config import EngineConfig
+from k3jax.engine.engine import Engine
+from k3jax.engine.request import SamplingParams
+from tests.k3jax.engine.helpers import CONFIG, drain, model, truth
+
+TOL = 1e-12
+GREEDY = SamplingParams(max_tokens=5, temperature=0.0, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def m():
+  return model()
+
+
+@pytest.fixture(autouse=True)
+def _x64():
+  with jax.enable_x64(True):
+    yield
+
+
+def prompts(seed: int, lengths):
+  rng = np.random.default_rng(seed)
+  return [[int(t) for t in rng.integers(0, 64, n)] for n in lengths]
+
+
+def check_against_truth(m, prompt, result, params=GREEDY):
+  lp = truth(m, prompt + result.tokens)
+  n = len(prompt)
+  for j, tok in enumerate(result.tokens):
+    row = lp[n - 1 + j]
+    if params.temperature == 0:
+      assert tok == int(np.argmax(row))
+    if params.logprobs is not None:
+      assert abs(result.logprobs[j] - row[tok]) <= TOL
+      best = np.argsort(-row)[:params.logprobs]
+      assert sorted(result.top[j]) == sorted(int(b) for b in best)
+      np.testing.assert_allclose([result.top[j][int(b)] for b in best], row[best], rtol=0,
+                                 atol=TOL)
+
+
+def test_greedy_tokens_and_logprobs_equal_the_full_forward(m):
+  ps = prompts(0, (1, 7, 16, 17, 40))
+  eng = Engine(m, CONFIG)
+  arrivals = {0: [("a", ps[0], GREEDY), ("b", ps[1], GREEDY)],
+              2: [("c", ps[2], GREEDY), ("d", ps[3], GREEDY)],
+              3: [("e", ps[4], SamplingParams(max_tokens=3, temperature=0.0, logprobs=2,
+                                              prompt_logprobs=True))]}
+  out = drain(eng, arrivals)
+  for rid, p in zip("abcde", ps):
+    assert out[rid].finish == "length"
+    check_against_truth(m, p, out[rid])
+  lp = truth(m, ps[4])
+  got = out["e"].prompt_logprobs
+  assert got[0] is None and len(got) == len(ps[4])
+  np.testing.assert_allclose([g[0] for g in got[1:]], [lp[j - 1, ps[4][j]] for j in
+                                                       range(1, len(ps[4]))], rtol=0, atol=TOL)
+  assert eng.stats()["pages_used"] == eng.stats()["cached_blocks"]  # only cached blocks stay
+
+
+def test_max_tokens_zero_scores_the_prompt_only(m):
+  p = prompts(1, (21,))[0]
+  eng = Engine(m, CONFIG)
+  out = drain(eng, {0: [("x", p, SamplingParams(max_tokens=0, prompt_logprobs=True,
+                                                logprobs=1))]})
+  assert out["x"].tokens == [] and out["x"].finish == "length"
+  lp = truth(m, p)
+  np.testing.assert_allclose([g[0] for g in out["x"].prompt_logprobs[1:]],
+                             [lp[j - 1, p[j]] for j in range(1, len(p))], rtol=0, atol=TOL)
+
+
+def test_prefix_cache_hits_serve_the_same_logits(m):
+  """Hits at a block boundary (8), one token before and after it, a prompt equal to a cached
+  one in full, two requests with a common prefix in one step, and a hit on blocks that were
+  evicted and computed again: each equal to the same request on an engine without the cache."""
+  base = prompts(2, (40,))[0]
+  cached = Engine(m, CONFIG)
+  plain = Engine(m, EngineConfig(**{**CONFIG.__dict__, "prefix_cache": False}))
+  drain(cached, {0: [("base", base, GREEDY)]})
+  cases = {"at16": base[:16] + [1, 2, 3], "at15": base[:15] + [4], "at17": base[:17] + [5],
+           "full": base, "at33": base[:33]}
+  for rid, p in cases.items():
+    got = drain(cached, {0: [(rid, p, GREEDY)]})[rid]
+    want = drain(plain, {0: [(rid, p, GREEDY)]})[rid]
+    assert got.tokens == want.tokens, rid
+    np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=0, atol=TOL, err_msg=rid)
+  assert cached.stats()["prefix_hit_rate"] > 0.3
+  # two requests sharing a prefix, added in the same step
+  pair = [base[:24] + [7, 8], base[:24] + [9]]
+  got = drain(cached, {0: [("p0", pair[0], GREEDY), ("p1", pair[1], GREEDY)]})
+  for rid, p in zip(("p0", "p1"), pair):
+    check_against_truth(m, p, got[rid])
+  # evict everything (a long stream of other prompts), then hit the rebuilt blocks
+  others = prompts(3, (64,) * 6)
+  drain(cached, {0: [(f"o{i}", p, GREEDY) for i, p in enumerate(others)]})
+  prefix = cached.scheduler.prefix
+  while prefix.evict_one():  # the traffic evicted the oldest leaves; evict the rest too
+    pass
+  assert not prefix.match(base, 8)
+  again = drain(cached, {0: [("again1", base[:30], GREEDY)]})["again1"]
+  check_against_truth(m, base[:30], again)
+  hits = prefix.hit_tokens
+  rebuilt = drain(cached, {0: [("again2", base[:30] + [11], GREEDY)]})["again2"]
+  check_against_truth(m, base[:30] + [11], rebuilt)
+  assert prefix.hit_tokens >= hits + 16  # the rebuilt blocks served the second one
+
+
+def test_batch_invariance_arrivals_aborts_preemption(m):
+  """Each request served among others (staggered arrivals, an abort, a pool so small that
+  requests are preempted) gets the tokens and logprobs it gets alone. Sampled requests too:
+  a request's draws depend on its seed and positions only."""
+  ps = prompts(4, (9, 30, 18, 45, 5))
+  params = [GREEDY, SamplingParams(max_tokens=12, temperature=0.9, top_k=20, seed=7,
+                                   logprobs=1),
+            SamplingParams(max_tokens=10, temperature=1.3, top_p=0.8, min_p=0.05, seed=3,
+                           logprobs=0),
+            GREEDY, SamplingParams(max_tokens=20, temperature=0.7, seed=11, logprobs=0)]
+  alone = {}
+  for i, (p, sp) in enumerate(zip(ps, params)):
+    alone[str(i)] = drain(Engine(m, CONFIG), {0: [(str(i), p, sp)]})[str(i)]
+  tight = EngineConfig(**{**CONFIG.__dict__, "num_pages": 12})   # 96 positions for all
+  eng = Engine(m, tight)
+  arrivals = {0: [("0", ps[0], params[0]), ("1", ps[1], params[1])],
+              1: [("2", ps[2], params[2]), ("x", ps[3], GREEDY)],
+              3: [("3", ps[3], params[3])], 5: [("4", ps[4], params[4])]}
+  together = drain(eng, arrivals, aborts={4: ["x"]})
+  assert together["x"].finish == "abort"
+  assert eng.scheduler.preemptions > 0
+  for rid in alone:
+    assert together[rid].tokens == alone[rid].tokens, rid
+    np.testing.assert_allclose(together[rid].logprobs, alone[rid].logprobs, rtol=0, atol=TOL)
+  for rid, p in zip("03", (ps[0], ps[3])):
+    check_against_truth(m, p, together[rid])
+
+
+def test_stacked_layout_equals_unstacked(m):
+  ps = prompts(5, (12, 25))
+  out = {}
+  for layout in ("stacked", "unstacked"):
+    eng = Engine(m, EngineConfig(**{**CONFIG.__dict__, "layout": layout}))
+    out[layout] = drain(eng, {0: [("a", ps[0], GREEDY), ("b", ps[1], GREEDY)]})
+  for rid in "ab":
+    assert out["stacked"][rid].tokens == out["unstacked"][rid].tokens
+    np.testing.assert_allclose(out["stacked"][rid].logprobs, out["unstacked"][rid].logprobs,
+                               rtol=0, atol=TOL)
+
+
+def test_stop_tokens_and_strings(m):
+  p = prompts(6, (10,))[0]
+  text = lambda ids: "".join(chr(97 + t % 26) for t in ids)
+  first = drain(Engine(m, CONFIG, detokenize=text), {0: [("a", p, GREEDY)]})["a"]
+  # the first token not produced before it ends the request as EOS
+  j = next(j for j in range(1, 5) if first.tokens[j] not in first.tokens[:j])
+  stop = text(first.tokens[1:3])
+  k = next(k for k in range(1, 6) if stop in text(first.tokens[:k]))  # completes the string
+  eng = Engine(m, CONFIG, detokenize=text, eos_token_ids=[first.tokens[j]])
+  out = drain(eng, {0: [("eos", p, GREEDY),
+                        ("ign", p, SamplingParams(max_tokens=5, temperature=0.0,
+                                                  ignore_eos=True)),
+                        ("str", p, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True,
+                                                  stop=[stop]))]})
+  assert out["eos"].tokens == first.tokens[:j + 1] and out["eos"].finish == "stop"
+  assert out["ign"].tokens == first.tokens and out["ign"].finish == "length"
+  assert out["str"].finish == "stop" and out["str"].tokens == first.tokens[:k]
+  full = text(first.tokens[:k])
+  assert out["str"].text == full[:full.find(stop)]
+
+
+def test_set_params_serves_the_new_weights_and_empties_the_prefix_cache(m):
+  p = prompts(7, (30,))[0]
+  eng = Engine(m, CONFIG)
+  drain(eng, {0: [("a", p, GREEDY)]})
+  assert eng.stats()["cached_blocks"] > 0
+  other = model(seed=2)
+  from flax import nnx
+  eng.set_params(nnx.state(other))
+  assert eng.stats()["cached_blocks"] == 0 and eng.stats()["pages_used"] == 0
+  check_against_truth(other, p, drain(eng, {0: [("b", p, GREEDY)]})["b"])
+
+
+def test_bad_requests_are_refused_alone(m):
+  eng = Engine(m, CONFIG)
+  eng.add("ok", prompts(8, (6,))[0], GREEDY)
+  bad = [("ok", [1], GREEDY, "already in use"), ("e", [], GREEDY, "empty"),
+         ("long", [1] * 97, GREEDY, "maximum model length"),
+         ("vocab", [64], GREEDY, "outside the vocabulary"),
+         ("t", [1], SamplingParams(temperature=-1.0), "temperature"),
+         ("p", [1], SamplingParams(top_p=0.0), "top_p"),
+         ("k", [1], SamplingParams(top_k=-3), "top_k"),
+         ("mp", [1], SamplingParams(min_p=2.0), "min_p"),
+         ("n", [1], SamplingParams(max_tokens=-1), "max_tokens"),
+         ("lp", [1], SamplingParams(logprobs=99), "logprobs"),
+         ("s", [1], SamplingParams(stop=["x"]), "detokenizer")]
+  for rid, prompt, params, message in bad:
+    with pytest.raises(ValueError, match=message):
+      eng.add(rid, prompt, params)
+  eng.abort("nobody")
+  out = drain(eng)
+  assert list(out) == ["ok"] and out["ok"].finish == "length"
+
+
+def test_no_page_or_slot_leaks_after_random_traffic(m):
+  rng = np.random.default_rng(9)
+  eng = Engine(m, EngineConfig(**{**CONFIG.__dict__, "num_pages": 16}))
+  live, n = set(), 0
+  for cycle in range(1000):
+    action = rng.integers(3)
+    if action == 0 or not live:
+      rid = f"r{n}"
+      n += 1
+      eng.add(rid, [int(t) for t in rng.integers(0, 64, rng.integers(1, 30))],
+              SamplingParams(max_tokens=int(rng.integers(0, 6)), temperature=0.0))
+      live.add(rid)
+    elif action == 1:
+      eng.abort(str(rng.choice(sorted(live))))
+    for o in eng.step():
+      if o.finished:
+        live.discard(o.request_id)
+  drain(eng)
+  s = eng.scheduler
+  assert not s.running and not s.waiting
+  assert sorted(s.free_slots) == list(range(CONFIG.max_num_seqs))
+  assert s.pages.used == sum(1 for b in s.prefix.blocks.values())  # cached blocks only
+  assert all(b.refs == 0 for b in s.prefix.blocks.values())
+  s.prefix.clear()
+  assert s.pages.used == 0
+
+
+def test_compiled_programs_are_bounded(m):
+  """Prompts of 20 different lengths: the step compiles for the decode-only and the mixed
+  shape (and the context buckets), not per length."""
+  before = runner._step._cache_size()
+  eng = Engine(m, CONFIG)
+  ps = prompts(10, range(3, 60, 3))
+  drain(eng, {i: [(str(i), p, SamplingParams(max_tokens=2, temperature=0.0))]
+              for i, p in enumerate(ps)})
+  assert runner._step._cache_size() - before <= 2
