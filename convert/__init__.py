@@ -1,4 +1,4 @@
-"""Official safetensors <-> k3jax (Orbax) conversion (SPEC §3).
+"""Official safetensors <-> k3jax (Orbax) conversion (docs/checkpoints.md).
 
     k3jax convert HF_DIR OUT_DIR [--layers A-B] [--experts bf16|mxfp4] [--force] [--resume]
                   [--quiet]

@@ -30,7 +30,7 @@ order. Nothing bigger than one tensor plus the writes in flight is ever held.
   speed across chunk sizes).
 - B-tree nodes of <= `NODE_BYTES`: every commit rewrites the B-tree nodes it touches whole,
   so Orbax's default 100 MB nodes make a commit's cost grow with the number of chunks
-  already written; K3 makes ~10^6 chunks and ~2*10^4 commits (README, Benchmarks).
+  already written (docs/benchmarks.md#conversion).
 - Resume: `on_commit(keys)` is called with the stream keys of every batch once its commit
   (and TensorStore's fsync) has finished; `convert` journals them and skips them on
   `--resume`. A batch interrupted mid-commit leaves an orphaned data file at most; the

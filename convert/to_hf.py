@@ -79,7 +79,8 @@ def _cast(a: np.ndarray, dtype: str, name: str) -> np.ndarray:
     raise CheckpointError(f"tensor {name}: cannot write a float weight as {dtype}")
   if target == ml_dtypes.bfloat16 and a.dtype == np.float64:
     # through float32, as torch's and XLA's float64 -> bf16 conversions round (twice):
-    # ml_dtypes >= 0.7 rounds float64 straight to bf16, which differs on ~5 values in 10^6
+    # ml_dtypes >= 0.7 rounds float64 straight to bf16, which differs on a few values
+    # (docs/benchmarks.md#development-measurements)
     a = a.astype(np.float32)
   return a.astype(target)  # float -> bf16 rounds to nearest even (ml_dtypes)
 

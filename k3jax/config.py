@@ -1,4 +1,5 @@
-"""Model configuration: one frozen dataclass for Kimi K3 and Kimi-Linear (SPEC §2.1).
+"""Model configuration: one frozen dataclass for Kimi K3 and Kimi-Linear
+(docs/model.md#configuration).
 
 `ModelConfig` names things the way the model computes them (0-based layer lists, explicit gate
 kinds); `from_hf_config` reads the Hugging Face layouts: K3's `config.json` (top level plus

@@ -1,6 +1,6 @@
 """Test-suite set-up shared by every test file.
 
-8 fake CPU devices so sharding tests can build real meshes (SPEC §6); a single-device test
+8 fake CPU devices so sharding tests can build real meshes (docs/sharding.md); a single-device test
 simply uses device 0. float64 tests enter `jax.enable_x64(True)` themselves (fixture `x64`)
 so that float32 code paths stay float32 everywhere else.
 """

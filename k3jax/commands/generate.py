@@ -1,4 +1,4 @@
-"""`k3jax generate`: sample from a model folder (SPEC §7, §9).
+"""`k3jax generate`: sample from a model folder (docs/inference.md).
 
 MODEL is an official K3 / Kimi-Linear folder, a converted k3jax checkpoint, or a `k3jax train`
 output folder (its `model/` weights and the run's tokenizer: bytes for the tiny preset). Text
@@ -238,7 +238,7 @@ def register(sub) -> None:
                  help="do not stop at the config's eos_token_id")
   p.add_argument("--dtype", choices=DTYPES, default="auto",
                  help="auto: float32 on CPU, bfloat16 on TPU/GPU")
-  p.add_argument("--mesh", metavar="SPEC", help="device mesh, e.g. data=2,tensor=4")
+  p.add_argument("--mesh", metavar="MESH", help="device mesh, e.g. data=2,tensor=4")
   p.add_argument("--json", action="store_true", help="one JSON object per prompt")
   p.add_argument("--prefill-chunk", type=positive_int, default=512,
                  help="prompt tokens per prefill call")

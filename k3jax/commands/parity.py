@@ -33,8 +33,8 @@ def register(sub) -> None:
   p.add_argument("--reference", required=True, metavar="NPZ",
                  help=".npz with input_ids and logits (and logits_fp64, layer_out_i)")
   p.add_argument("--dtype", choices=tuple(parity.NUMERICS), default="float32")
-  p.add_argument("--mesh", default=None, metavar="SPEC",
-                 help="run sharded on a device mesh, e.g. data=2,expert=2,tensor=2 (SPEC 6)")
+  p.add_argument("--mesh", default=None, metavar="MESH",
+                 help="run sharded on a device mesh, e.g. data=2,expert=2,tensor=2")
   p.add_argument("--json", action="store_true", help="print one JSON object")
   p.add_argument("--decode", action="store_true",
                  help="also prefill decode_prefill_len tokens and decode the rest one by one "

@@ -1,1 +1,1 @@
-"""Flax NNX modules of the K3 family, one concern per file (SPEC §2)."""
+"""Flax NNX modules of the K3 family, one concern per file (docs/model.md)."""

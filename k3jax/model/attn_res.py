@@ -1,4 +1,5 @@
-"""Block Attention Residuals (SPEC §2.2): softmax over depth instead of a residual sum.
+"""Block Attention Residuals (docs/model.md#layer-schedule-and-block-attnres): softmax over depth
+instead of a residual sum.
 
 The model carries `blocks` (sealed block representations) and `partial` (running sum of the
 current block). Each read point mixes them with one learned pseudo-query per layer:

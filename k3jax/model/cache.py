@@ -1,4 +1,5 @@
-"""The decode cache (SPEC §7): what a request keeps between tokens, stacked per layer kind.
+"""The decode cache (docs/inference.md#the-cache): what a request keeps between tokens, stacked per
+layer kind.
 
     kda    KDAState, each field stacked on a leading `layers` axis like the KDA parameters:
              conv_q, conv_k, conv_v  [n_kda, B, taps-1, H, K]  compute dtype (the conv tails)

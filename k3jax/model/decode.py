@@ -1,7 +1,7 @@
-"""The model with a cache (SPEC §7): `extend(model, ids, cache)` runs T new tokens and returns
-their logits and the cache after them. Prefill is `extend` on the prompt in chunks of any size
-(chunked KDA op); decoding is `extend` on one token per row (the fused `kda_step`, MLA with
-k_b / v_b absorbed). Both equal the full-sequence forward at every position.
+"""The model with a cache (docs/inference.md#prefill-and-decode): `extend(model, ids, cache)` runs T
+new tokens and returns their logits and the cache after them. Prefill is `extend` on the prompt in
+chunks of any size (chunked KDA op); decoding is `extend` on one token per row (the fused
+`kda_step`, MLA with k_b / v_b absorbed). Both equal the full-sequence forward at every position.
 
 Two forms of one computation (same `layer_step`: AttnRes blocks, norms, MLPs; a mixer adapter
 reads and writes the layer's cache entry):

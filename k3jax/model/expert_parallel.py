@@ -1,4 +1,5 @@
-"""Dropless expert parallelism: the routed experts of a MoE layer inside `jax.shard_map` (SPEC §6).
+"""Dropless expert parallelism: the routed experts of a MoE layer inside `jax.shard_map`
+(docs/sharding.md#expert-parallelism).
 
 Under plain `jit`, `ragged_dot` on expert-sharded weights makes the partitioner all-gather the
 expert stacks to every device (and the global sort of (token, expert) pairs gathers the tokens).
@@ -36,7 +37,7 @@ The axes of the expert weights [E, h, F] follow the one rules table:
     (the backward's are the same collectives transposed). Outside, the rows stay split over
     `tensor` (`split_rows`): the router, routed_down, RMSNorm_l and routed_up each run on 1/tensor
     of the rows. Tokens replicated over `tensor` there instead would have every tensor rank
-    repeat them (K3 at tensor = 8: 0.4 of the step's model FLOPs in repeated matmuls). Every
+    repeat them (K3's plan: docs/plan.md#what-got-it-there). Every
     tensor rank sends the same rows over the expert axes.
   latent (h) -> fsdp, only when E does not divide over expert x fsdp (the table's fallback
     row): FSDP inside the shard_map: each layer all-gathers its E/EP local experts over fsdp
@@ -136,7 +137,7 @@ def layout(cfg, n_tokens: int, in_name: str, mesh=None) -> Layout:
     capacity = math.ceil(cfg.moe_capacity_factor * k * ep * n / e)
     recv = min(recv, e // ep * capacity)
   # aligned: the experts' grouped matmuls run on these rows (a misaligned count would cost
-  # grouped_matmul a padded copy; K3 at fsdp=128, capacity 1: 131,075 -> 131,200)
+  # grouped_matmul a padded copy; docs/plan.md#what-got-it-there)
   recv = -(-recv // GROUPED_ROWS) * GROUPED_ROWS
   return Layout(ep_axes, ep, gather_axes, psum_axes, token_axes, n, capacity, recv,
                 min(per_dest, recv))

@@ -1,4 +1,5 @@
-"""Kimi Delta Attention layer (SPEC §2.4): projections, short convs, gates, the KDA op, output.
+"""Kimi Delta Attention layer (docs/model.md#kda-layer): projections, short convs, gates, the KDA
+op, output.
 
     q, k, v = silu(conv(x W_q)), silu(conv(x W_k)), silu(conv(x W_v))        [B,T,H,K|V]
     g    = lb * sigmoid(exp(A_h) * (x W_fa W_fb + dt_bias))      (K3; fp32)
@@ -12,8 +13,8 @@ them. The conv is causal and depthwise (weights [H, K, taps], the last tap on th
 token) and does not read across packed-sequence boundaries. `KDAState` carries what decoding
 needs: the last taps-1 projected inputs of q, k, v and the recurrent state [B, H, K, V] fp32.
 
-Decoding (SPEC §7): with a state, a chunk of any length continues it through the chunked op;
-one token (T = 1) takes the fused single-step path `kda_step` instead (Pallas on TPU/GPU),
+Decoding (docs/inference.md): with a state, a chunk of any length continues it through the chunked
+op; one token (T = 1) takes the fused single-step path `kda_step` instead (Pallas on TPU/GPU),
 never the chunked op padded to 64. `token_mask` [B, T] marks left padding: a pad token's
 projected q, k, v are zeroed before the conv, so the conv reads zeros there exactly as it
 reads the zero left edge of an unpadded row, and the state, which starts at zero, stays

@@ -1,4 +1,5 @@
-"""LoRA adapters, MXFP4-packed frozen experts and expert QAT on a built K3 model (SPEC §10).
+"""LoRA adapters, MXFP4-packed frozen experts and expert QAT on a built K3 model
+(docs/training.md#fine-tuning).
 
     y = x W + (alpha / r) * (x A) B          A: [in, r] (he-uniform), B: [r, out] (zeros)
 

@@ -1,4 +1,4 @@
-"""Gated Multi-head Latent Attention without positional encoding (SPEC §2.5).
+"""Gated Multi-head Latent Attention without positional encoding (docs/model.md#gated-mla).
 
     q   = q_b(RMSNorm_1e-6(q_a(x)))  (or q_proj(x))       [B,T,H, nope+rope]
     c, k_rot = kv_a(x);  c = RMSNorm_1e-6(c)               [B,T,kv_lora], [B,T,rope]
@@ -11,7 +11,7 @@ projections, k_b and v_b, so Per-Head Muon sees K and V as separate blocks witho
 Masks: causal, and tokens attend only within their own segment (packing and padding both
 travel as segment ids).
 
-Decoding (SPEC §7) caches per token only the normalised latent c and k_rot (`latent`), and
+Decoding (docs/inference.md) caches per token only the normalised latent c and k_rot (`latent`), and
 `attend_latent` attends over that cache. With k_b / v_b absorbed (the standard MLA inference
 form), per head:
     scores = q_nope k_b(c)^T + q_rot k_rot^T = (q_nope k_b^T) c^T + q_rot k_rot^T
@@ -109,7 +109,7 @@ class MLA(nnx.Module):
     c_bsc, rot_bsr = c_bsc.astype(dt), rot_bsr.astype(dt)
     # Scores are laid out key-major [B, S, T, H]: the cache is then the row-major left operand
     # of both products, read as stored (a [B, H, T, S] layout makes XLA transpose the whole
-    # cache every step: ~3x slower on XLA:CPU at S = 32K).
+    # cache every step: docs/benchmarks.md#decode).
     k_b_hkc, v_b_hcv = heads_major or heads_major_kv_b(self)
     if absorb:
       q_lat = jnp.einsum("bthk,hkc->bthc", q_nope, k_b_hkc.astype(dt), precision=prec)

@@ -1,4 +1,5 @@
-"""Gated MLPs and their activations (SPEC §2.6): SiTU-GLU (K3) and SwiGLU (Kimi-Linear).
+"""Gated MLPs and their activations (docs/model.md#mlps-and-situ): SiTU-GLU (K3) and SwiGLU
+(Kimi-Linear).
 
 Every MLP is `down(act(gate(x), up(x)))`. The dense MLP of the first layers and the shared
 experts are this module; routed experts use the same `glu` on grouped matmuls (moe.py).

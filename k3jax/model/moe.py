@@ -1,4 +1,4 @@
-"""Router, routed experts and the Stable LatentMoE block (SPEC §2.6).
+"""Router, routed experts and the Stable LatentMoE block (docs/model.md#router-and-latentmoe).
 
 Dropless: every selected (token, expert) pair is computed. The pairs are sorted by expert and
 run as grouped matmuls (`grouped_matmul`: megablox's Pallas kernels on TPU, `jax.lax.ragged_dot`
@@ -161,7 +161,7 @@ class MoE(nnx.Module):
       # the router then run once per row, not on every tensor rank. Pinned whole first: the
       # constraint's transpose pins the cotangent whole there too, so the split stays inside
       # this block (unpinned, XLA carried it into the MLA layer's remat and backward, whose
-      # attention then ran on every tensor rank: +0.43 of the K3 step's model FLOPs)
+      # attention then ran on every tensor rank: docs/plan.md#what-got-it-there)
       x_nd = expert_parallel.split_rows(self.cfg, constrain(x_nd, ("batch", "embed")),
                                         ex.in_name)
     z = self.routed_down(x_nd) if latent else x_nd

@@ -1,4 +1,5 @@
-"""The K3 decoder stack (SPEC §2.2, §2.7): embeddings, layer schedule, Block AttnRes, head.
+"""The K3 decoder stack (docs/model.md#layer-schedule-and-block-attnres): embeddings, layer
+schedule, Block AttnRes, head.
 
 Parameters of each kind are stacked along a leading `layers` axis (one stack of KDA mixers,
 one of MLA mixers, one of dense MLPs, one of MoEs, one of per-layer norms), so the tree has

@@ -1,4 +1,4 @@
-"""`k3jax plan`: will the train step fit a TPU pod, on which mesh, how fast (SPEC §6).
+"""`k3jax plan`: will the train step fit a TPU pod, on which mesh, how fast (docs/plan.md).
 
 The real jitted train step of `k3jax train` (k3jax/train/step.py: forward, loss, backward,
 clip, Per-Head Muon, QK-clip, Quantile Balancing) is lowered with abstract inputs
@@ -322,8 +322,8 @@ def oom_temporaries(message: str) -> float | None:
   temporaries (33.54G) exceeds available HBM (15.75G)'), None for any other error. Despite the
   wording the figure is the whole program's HBM: the arguments' buffers plus the temporaries'
   heap (in the buffer assignment that XLA_FLAGS=--xla_dump_to writes for the refused
-  program, the parameter allocations and the preallocated temporaries sum to it within 0.5%:
-  full K3 at fsdp=128 x tensor=8, 20.54 + 88.61 GiB against 109.10G)."""
+  program, the parameter allocations and the preallocated temporaries sum to it:
+  docs/plan.md#what-got-it-there)."""
   m = _OOM.search(message)
   if not m:
     return None

@@ -1,5 +1,6 @@
 """The parameter trees the train step works on: a built (and possibly adapted) model split
-into plain dicts, and under LoRA the trainable / frozen partition of them (SPEC §10).
+into plain dicts, and under LoRA the trainable / frozen partition of them
+(docs/training.md#fine-tuning).
 
   params        nested dict of the model's nnx.Params, LoRA adapters included, and of its
                 frozen MXFP4-packed experts (`PackedExperts`: never trained)

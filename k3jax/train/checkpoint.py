@@ -1,4 +1,5 @@
-"""Checkpoints of a run (SPEC §5): one Orbax `CheckpointManager`, async, keeping the last N.
+"""Checkpoints of a run: one Orbax `CheckpointManager`, async, keeping the last N
+(docs/training.md#checkpoints-and-outputs).
 
 A checkpoint `OUT/checkpoints/<step>/` holds three items:
   state  the TrainState (params, router biases, optimizer state, step, RNG key), Orbax

@@ -13,7 +13,7 @@ state, router biases, step, RNG key and data position), so `--steps` can be rais
 on. The cosine schedule spans `decay_steps` (default: `steps`): give it explicitly to stop and
 resume on the same schedule.
 
-On a mesh (`mesh="data=2,expert=2,tensor=2"`, SPEC §6) the state is created, restored and
+On a mesh (`mesh="data=2,expert=2,tensor=2"`, docs/sharding.md) the state is created, restored and
 updated in its shardings (step.py), and with several processes (`coordinator`,
 `num_processes`, `process_id`, or a Cloud TPU environment) each process reads only the data
 shards whose rows its devices hold; every process saves and restores its own shards of a
@@ -74,7 +74,7 @@ class RunOptions:
   clip_norm: float | None = 1.0
   qb: bool = True
   qb_method: str = "exact"
-  qb_rule: str = "k3"                # QB thresholds: "k3" (SPEC §2.6) | "per_expert"
+  qb_rule: str = "k3"                # QB thresholds: "k3" (the K3 report's) | "per_expert"
   qk_clip: float | None = None       # MuonClip threshold (K2: 100); None: off
   remat: str = "none"               # none | full | save-dots | offload (config.REMAT_POLICIES)
   dtype: str = "auto"                # compute dtype; auto: bfloat16 on TPU/GPU, float32 on CPU;
@@ -95,7 +95,7 @@ class RunOptions:
   tensorboard: bool = True
   plots: bool = True
   compile_cache: str | None = None   # persistent XLA compilation cache folder
-  # fine-tuning (SPEC §10; model/lora.py)
+  # fine-tuning (docs/training.md#fine-tuning; model/lora.py)
   lora_rank: int | None = None       # LoRA adapters of this rank, the base frozen; None: off
   lora_alpha: float | None = None    # adapter update scale alpha / rank (default: rank)
   lora_targets: tuple[str, ...] | None = None  # projection path patterns (default: lora.py)

@@ -1,4 +1,4 @@
-"""Token cross entropy without the [tokens, vocab] logits (SPEC §5).
+"""Token cross entropy without the [tokens, vocab] logits (docs/training.md).
 
     nll[b, t] = logsumexp_v(x[b, t] . W[:, v]) - x[b, t] . W[:, target[b, t]]
 

@@ -1,4 +1,4 @@
-"""The jitted train and eval steps (SPEC §5) over a functional train state.
+"""The jitted train and eval steps (docs/training.md#the-train-step) over a functional train state.
 
 TrainState, a plain pytree donated to the step:
   params       nested dict of the model's nnx.Params (fp32 master weights)
@@ -22,7 +22,7 @@ One step on a batch [A, b, T] (A micro-batches of b rows):
      Per-layer expert load (max/mean, dead fraction) is reported for the choices the batch
      made under b_t ("before") and for the choices b_{t+1} makes on the same scores ("after").
 
-On a mesh (`build(cfg, sc, mesh)`, SPEC §6) the same functions are jitted with explicit
+On a mesh (`build(cfg, sc, mesh)`, docs/sharding.md) the same functions are jitted with explicit
 shardings and traced under `jax.set_mesh(mesh)`: the state lives where the rules table puts it
 (optimizer moments with their parameters), batches [A, b, T] split their rows over
 data x fsdp x expert, metrics come back replicated; the model is initialised by a jitted init
@@ -30,9 +30,10 @@ whose outputs are already sharded (nothing is built whole on one device). Step 4
 inside a shard_map over the batch mesh axes: each device bins its own rows and the histogram
 method's only large reduction is one psum of a layer's [E, bins] counts per MoE layer (the
 exact method gathers the rows instead). The scores wait for step 4 with each device's rows
-split over the tensor ranks, as the MoE layers compute them (all micro-batches' scores of K3
-are 10 GiB per device whole), and are gathered one layer at a time. Without a mesh nothing of this exists and the step is the
-one-device program it always was.
+split over the tensor ranks, as the MoE layers compute them (whole, all micro-batches' scores
+of K3 would be a large share of a device: docs/plan.md#what-got-it-there), and are gathered one
+layer at a time. Without a mesh nothing of this exists and the step is the one-device program it
+always was.
 
 The compiled functions are cached per (model config, step config, mesh): repeated runs in one
 process (tests, resume) compile once.
@@ -83,7 +84,7 @@ class StepConfig:
   clip_norm: float | None = 1.0
   qb: bool = True
   qb_method: str = "exact"           # "exact" | "histogram"
-  qb_rule: str = "k3"                # QB threshold: "k3" (SPEC §2.6 as written) | "per_expert"
+  qb_rule: str = "k3"                # QB threshold: "k3" (the K3 report's) | "per_expert"
   qb_bins: int = 1000
 
   def __post_init__(self):
@@ -284,10 +285,10 @@ def build(cfg: ModelConfig, sc: StepConfig, mesh: jax.sharding.Mesh | None = Non
     """QB of every MoE layer from the rows at hand (all of them, or this device's with
     `axis_name` the mapped batch axes); load before and after. One layer at a time
     (lax.map): all layers at once (vmap) holds several [L, tokens, E] fp32 temporaries (the
-    thresholds, the histogram's bin indices, the re-routing), 60 GiB per device for K3 on a
-    pod, where one layer's are 1/L of that. `scores` arrive with this device's rows split
-    further over `score_axes` (the tensor ranks: k3jax/model/expert_parallel.py computes and keeps
-    them so), so each layer's are gathered whole here, one layer at a time."""
+    thresholds, the histogram's bin indices, the re-routing; docs/plan.md#what-got-it-there
+    for K3 on a pod), where one layer's are 1/L of that. `scores` arrive with this device's rows
+    split further over `score_axes` (the tensor ranks: k3jax/model/expert_parallel.py computes and
+    keeps them so), so each layer's are gathered whole here, one layer at a time."""
     mask = segment_ids.reshape(-1) != 0  # (micro-batch, row, position) order
 
     def layer(l):

@@ -1,4 +1,5 @@
-"""Chunked KDA forward and backward in Pallas for NVIDIA GPUs (Triton lowering), SPEC §2.4, §4.
+"""Chunked KDA forward and backward in Pallas for NVIDIA GPUs (Triton lowering);
+docs/kernels.md#kda-backends.
 
 Four kernels, the split fla uses, because one monolithic kernel per (batch, head) needs more
 shared memory than an H100 has (the backward asked Triton for 704 KiB of 227):

@@ -1,4 +1,4 @@
-"""Chunked KDA for Hopper-class NVIDIA GPUs in Pallas Mosaic GPU (SPEC §2.4, §4).
+"""Chunked KDA for Hopper-class NVIDIA GPUs in Pallas Mosaic GPU (docs/kernels.md#kda-backends).
 
 Split (as fla's chunk_kda): the per-chunk work that needs no state is chunk-parallel and runs
 in jnp (`_chunk_math` vmapped over (batch, head, chunk), float32 at Precision.HIGHEST); the
@@ -10,12 +10,12 @@ with the state carried transposed, S^T [V,K] (every wgmma then has V rows, its M
     S1^T = S0^T Diag(a) + Vp^T Kl
 
 The kernel (`_recurrence`) runs on a grid (B, H, V/64) of one warpgroup each; the state block
-[64, K] stays in shared memory in float32 for the whole sequence (the fp32 state of SPEC §4),
+[64, K] stays in shared memory in float32 for the whole sequence (the op's fp32 state),
 and every chunk operand arrives by TMA (`plgpu.copy_gmem_to_smem`) into 128-byte-swizzled
 [64, 64] tiles that the warpgroup matmuls (`plgpu.wgmma`) read directly.
 
 Tile sizes, and why:
-  * C = 64 tokens per chunk (SPEC §4): the M and contraction size of one warpgroup wgmma.
+  * C = 64 tokens per chunk: the M and contraction size of one warpgroup wgmma.
   * BV = 64 V rows per program: one warpgroup's wgmma M tile, so the [64, 64] float32
     accumulators are 32 registers a thread each; a whole V = 128 would not leave registers for
     the three live accumulators, and V blocks are independent (the grid spreads them over SMs).
@@ -27,7 +27,8 @@ Tile sizes, and why:
   * Swizzle 128 B with (8, 32) tiling: the layout wgmma wants for 4-byte elements (32 floats =
     128 B rows).
 
-Precision: float32 wgmma runs on TF32 tensor cores (10 mantissa bits), far from SPEC §8's 1e-5.
+Precision: float32 wgmma runs on TF32 tensor cores (10 mantissa bits), far from the 1e-5 of
+docs/correctness.md#tolerances.
 Every product is therefore 3xTF32: with x = hi + lo split exactly (hi = x truncated to TF32,
 `tf32_split`), a b ~ a_hi b_hi + a_hi b_lo + a_lo b_hi, dropping a_lo b_lo (< 2^-20 |a||b|).
 Operands are stored as their (hi, lo) planes, so the sum is the same whether the tensor core

@@ -1,4 +1,4 @@
-"""The public KDA op (SPEC §2.4, §4): one signature, dispatched to a backend.
+"""The public KDA op (docs/kernels.md#kda-op): one signature, dispatched to a backend.
 
     o, s = kda(q, k, v, g, beta, scale=..., initial_state=..., output_final_state=...,
                segment_ids=..., backend=None | "naive" | "chunked" | "xla_cpu" | "pallas_tpu"
@@ -9,7 +9,7 @@ The raw-input options (A_log, dt_bias, gate, lower_bound, use_qk_l2norm, l2norm_
 use_beta_sigmoid) are defined by reference.prepare_inputs and every backend takes them:
 
   "naive"       reference.naive_kda, the token-by-token recurrence (the definition)
-  "chunked"     reference.chunk_kda, the chunked form of SPEC §2.4 written plainly
+  "chunked"     reference.chunk_kda, the chunked form (docs/kernels.md) written plainly
   "xla_cpu"     xla_cpu.kda_xla_cpu, the chunked form tuned for XLA:CPU with its own backward
   "pallas_tpu"  tpu.kda_tpu, Pallas Mosaic kernels (raw inputs prepared in-kernel)
   "pallas_gpu"  gpu.kda_gpu, Pallas Triton kernels (JAX deprecates Pallas Triton)

@@ -1,5 +1,5 @@
-"""Kimi Delta Attention in plain jnp (SPEC §2.4): the definition every KDA backend is checked
-against, written to be read. Nothing here is tuned for speed (xla_cpu.py is the fast jnp
+"""Kimi Delta Attention in plain jnp (docs/kernels.md#kda-op): the definition every KDA backend is
+checked against, written to be read. Nothing here is tuned for speed (xla_cpu.py is the fast jnp
 backend; tpu.py / gpu.py are the Pallas kernels).
 
 Shapes: q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K] (log decay, <= 0); beta [B, T, H];
@@ -16,8 +16,8 @@ final state in the compute dtype. `segment_ids` [B, T] marks packed sequences: w
 changes the state restarts from zero, so no token sees another sequence. `initial_state` belongs
 to the first segment only.
 
-Raw inputs (SPEC §4), the options every backend takes, applied by `prepare_inputs` in float32
-(float64 for float64 inputs):
+Raw inputs (docs/kernels.md#raw-inputs), the options every backend takes, applied by
+`prepare_inputs` in float32 (float64 for float64 inputs):
   use_qk_l2norm       q, k := x * rsqrt(sum_k x^2 + l2norm_eps)
   use_beta_sigmoid    beta := sigmoid(beta)
   gate="lower_bound"  g := lower_bound * sigmoid(exp(A_log[h]) * (g + dt_bias[h]))   (K3)
@@ -171,7 +171,8 @@ def segment_sums(g_nck):
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
               segment_ids=None, A_log=None, dt_bias=None, gate=None, lower_bound=None,
               use_qk_l2norm=False, l2norm_eps=1e-6, use_beta_sigmoid=False):
-  """The chunked form of SPEC §2.4 (C = 64, any T), same contract as `naive_kda`.
+  """The chunked form (C = 64, any T; docs/kernels.md#kda-chunked-form), same contract as
+  `naive_kda`.
 
   Per chunk of C tokens, with D[i, j] = exp(sum of g over (j, i]) (per feature; `segment_sums`),
   S the state entering the chunk and q~ = scale q:

@@ -1,4 +1,4 @@
-"""Chunked KDA forward and backward in Pallas Mosaic TPU (SPEC §2.4, §4).
+"""Chunked KDA forward and backward in Pallas Mosaic TPU (docs/kernels.md#kda-backends).
 
 Grid (B, H, NT): batch and heads "parallel", the chunk axis innermost and "arbitrary" so one
 core walks the chunks of a (b, h) in order and carries the [K,V] float32 state in VMEM scratch.
@@ -234,9 +234,9 @@ def kda_tpu(
   q, k, v, g, beta and initial_state (and A_log, dt_bias with a gate). `interpret=True` runs
   the kernels in Pallas TPU interpret mode on CPU.
 
-  The raw-input options (SPEC §4) gate="lower_bound" (K3), use_beta_sigmoid and use_qk_l2norm
-  are prepared in-kernel in float32 as each chunk is loaded (the math of
-  reference.prepare_inputs), and the backward kernel returns the raw inputs' gradients;
+  The raw-input options (docs/kernels.md#raw-inputs) gate="lower_bound" (K3),
+  use_beta_sigmoid and use_qk_l2norm are prepared in-kernel in float32 as each chunk is loaded
+  (the math of reference.prepare_inputs), and the backward kernel returns the raw inputs' gradients;
   gate="softplus" (Kimi-Linear) is prepared before the kernels, in jnp.
   """
   return _wrapper.kda_with(

@@ -1,5 +1,5 @@
 """The XLA:CPU KDA backend ("xla_cpu", the default where there is no TPU or GPU): the chunked
-form of SPEC §2.4 (C = 64) in jnp, tuned for XLA:CPU, with its own backward.
+form (docs/kernels.md#kda-chunked-form, C = 64) in jnp, tuned for XLA:CPU, with its own backward.
 
     o, s = kda_xla_cpu(q, k, v, g, beta, *, scale=None, initial_state=None,
                        output_final_state=False, segment_ids=None, <raw-input options>)
@@ -9,7 +9,8 @@ raw-input options run through reference.prepare_inputs (JAX differentiates them)
 per-chunk math lives in _xla_cpu_math.py.
 
 Why a backward of its own: autodiff of a scan stores every intermediate of every step (the
-per-token recurrence's backward runs ~500x slower than its forward on a CPU). The custom VJP
+per-token recurrence's backward runs orders of magnitude slower than its forward on a CPU:
+docs/benchmarks.md#kda). The custom VJP
 keeps only the state entering each chunk and recomputes each chunk's intra-chunk work inside one
 reverse scan that carries dS; only that recomputed intra-chunk part (no sequential dependence,
 a few batched matmuls) goes through jax.vjp.

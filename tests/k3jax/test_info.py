@@ -1,4 +1,5 @@
-"""`k3jax info`: K3's figures equal SPEC §2.1, computed without allocating the model."""
+"""`k3jax info`: K3's figures equal docs/model.md#configuration, computed without allocating the
+model."""
 
 import json
 import math
@@ -55,7 +56,7 @@ def safetensors_param_count(folder, kda_heads=None):
   """Parameters in an official-layout folder, read from the safetensors headers alone: MXFP4
   `*_packed` bytes hold two values each, their `*_scale` bytes and the router's
   `e_score_correction_bias` (a buffer, not a parameter) are not counted, and a K3 `A_log`
-  ([head_dim], SPEC §2.4) holds `kda_heads` values and zero padding."""
+  ([head_dim], docs/model.md#kda-layer) holds `kda_heads` values and zero padding."""
   total = 0
   for name in sorted(os.listdir(folder)):
     if not name.endswith(".safetensors"):

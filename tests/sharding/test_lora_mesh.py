@@ -1,8 +1,8 @@
 """LoRA fine-tuning on a mesh (fsdp=2, expert=2, tensor=2) equals LoRA on one device: two
-float64 steps of adapters on every MLA projection and every routed expert (SPEC §6, §10).
-The adapters follow the rules table through their base projection's axis names; the
-optimizer state exists for the adapters only, placed with them, and the frozen base leaves
-both runs bit-identical. (MXFP4-packed experts on a mesh: their placement is the same rule,
+float64 steps of adapters on every MLA projection and every routed expert (docs/sharding.md,
+docs/training.md#fine-tuning). The adapters follow the rules table through their base projection's
+axis names; the optimizer state exists for the adapters only, placed with them, and the frozen base
+leaves both runs bit-identical. (MXFP4-packed experts on a mesh: their placement is the same rule,
 and `k3jax plan --mode lora` compiles the sharded step with them, tests/k3jax/test_plan.py;
 packing them in float64 costs minutes of CPU compile, so not here.)"""
 

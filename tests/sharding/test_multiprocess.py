@@ -1,6 +1,6 @@
 """Two processes x 4 CPU devices through `jax.distributed` on localhost (gloo collectives)
 train on one mesh (data=2 across the processes, expert=2, tensor=2), save, resume, and
-finish equal to a one-process run on one device with the same two data shards (SPEC §6).
+finish equal to a one-process run on one device with the same two data shards (docs/sharding.md).
 
 Both runs start `--init-from` one saved initial model (the processes restore it straight into
 their shards; no process compiles a random init). Each process runs `k3jax train` twice in one

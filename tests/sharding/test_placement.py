@@ -1,5 +1,5 @@
-"""Placement from the one rules table (SPEC §6): parameters of the real model tree, optimizer
-moments beside their parameters, and an init that creates every array in its shards."""
+"""Placement from the one rules table (docs/sharding.md): parameters of the real model tree,
+optimizer moments beside their parameters, and an init that creates every array in its shards."""
 
 import jax
 import numpy as np

@@ -1,5 +1,5 @@
 """RMSNorm, Projection, AttnRes, SiTU and the dense MLP against numpy transcriptions of their
-SPEC formulas (§2.2, §2.3, §2.6)."""
+formulas (docs/model.md)."""
 
 import jax
 import jax.numpy as jnp

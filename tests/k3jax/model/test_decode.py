@@ -1,4 +1,5 @@
-"""Decoding through the cache (SPEC §7, §8) equals the full-sequence forward.
+"""Decoding through the cache (docs/inference.md, docs/correctness.md) equals the full-sequence
+forward.
 
 float64: against the official float64 decode (`decode_logits_fp64`, itself equal to the
 official forward to ~1e-12) and forward, to 1e-9: only summation order differs, measured
@@ -7,7 +8,7 @@ one pass, and a prefill followed by one token at a time) carry rounding errors o
 distribution, so the decode's distance from the float64 truth is judged by the one-pass float32
 evaluation's own distance: its RMS over all B*T*V logits (a stable statistic) at most 2x (the
 model forward and the decode of k3_tiny_a measured 3.8e-5 and 4.1e-5, 1.07x), and its max
-within SPEC §8's float32 noise floor of this network (2e-3). A decode bug (a token lost,
+within docs/correctness.md's float32 noise floor of this network (2e-3). A decode bug (a token lost,
 absorbed twice or misplaced) shows as O(1). The one-pass evaluation is the cached path over
 all T tokens at once (the same compiled chunk as the prefills here), not the model's
 forward, to save a compilation; its error is the same kind of float32 full-sequence rounding.

@@ -1,8 +1,8 @@
 """Expert-parallel MoE (k3jax/model/expert_parallel.py) against the one-device MoE, on 8 fake CPU
-devices (SPEC §6, §8): forward, routing and every parameter gradient, on meshes that use each
-axis; the capacity factor's drops against a numpy count; the collectives of the compiled
-program; the ragged path's offsets (through an emulation of ragged_all_to_all, which XLA:CPU
-lacks) and its compilation for a TPU topology.
+devices (docs/sharding.md, docs/correctness.md): forward, routing and every parameter gradient, on
+meshes that use each axis; the capacity factor's drops against a numpy count; the collectives of the
+compiled program; the ragged path's offsets (through an emulation of ragged_all_to_all, which
+XLA:CPU lacks) and its compilation for a TPU topology.
 
 Both sides run in float64 and compute the same products; they differ only in the order of
 float sums: token gradients summed per device then across devices, the tensor-parallel psum

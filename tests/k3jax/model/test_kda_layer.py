@@ -1,5 +1,5 @@
-"""The KDA layer against a numpy transcription of SPEC §2.4 (projections, causal conv, gates,
-l2norm, the recurrence, gated output norm), the Kimi-Linear variant against transformers'
+"""The KDA layer against a numpy transcription of docs/model.md#kda-layer (projections, causal conv,
+gates, l2norm, the recurrence, gated output norm), the Kimi-Linear variant against transformers'
 KimiLinearDeltaAttention, and its decode-state and packed-sequence behaviour."""
 
 import jax.numpy as jnp

@@ -1,9 +1,9 @@
 """KDA per shard on a mesh (k3jax/model/kda_parallel.py): rows over data x expert, heads over
-tensor, on 8 fake CPU devices, against the naive recurrence in float64 (SPEC §4, §8;
-tolerances in tests/numerics.py): outputs, final state and the gradients w.r.t. every raw
-input, A_log and dt_bias included (each device holds a share of the rows, so those are summed
-over the mesh). The Pallas TPU kernel runs in interpret mode: inside the shard_map it sees its
-local [B/4, T, H/2, K] blocks, which is what lets it lower in a sharded TPU step."""
+tensor, on 8 fake CPU devices, against the naive recurrence in float64 (docs/kernels.md,
+docs/correctness.md; tolerances in tests/numerics.py): outputs, final state and the gradients w.r.t.
+every raw input, A_log and dt_bias included (each device holds a share of the rows, so those are
+summed over the mesh). The Pallas TPU kernel runs in interpret mode: inside the shard_map it sees
+its local [B/4, T, H/2, K] blocks, which is what lets it lower in a sharded TPU step."""
 
 import functools
 

@@ -1,5 +1,6 @@
-"""Gated MLA (NoPE) against a numpy transcription of SPEC §2.5 with causal and segment masks,
-and the Kimi-Linear variant (plain q_proj, no gate) against transformers' KimiLinearAttention."""
+"""Gated MLA (NoPE) against a numpy transcription of docs/model.md#gated-mla with causal and segment
+masks, and the Kimi-Linear variant (plain q_proj, no gate) against transformers'
+KimiLinearAttention."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -95,13 +96,13 @@ def test_kimi_linear_mla_matches_transformers(x64):
   causal = torch.full((10, 10), float("-inf"), dtype=torch.float64).triu(1)[None, None]
   want, _ = ref(torch.from_numpy(x), attention_mask=causal)
   # transformers' eager attention takes its softmax in fp32 even in a float64 module, so the
-  # agreement is fp32-level: SPEC §8's 1e-5 for a layer against PyTorch
+  # agreement is fp32-level: docs/correctness.md's 1e-5 for a layer against PyTorch
   np.testing.assert_allclose(np64(m(jnp.asarray(x))[0]), want.detach().numpy(), atol=1e-5)
 
 
 @pytest.mark.parametrize("make", [tiny_cfg, kimi_linear_cfg])
 def test_latent_cache_attention(make, x64):
-  """Attention over the latent cache (SPEC §7), k_b / v_b absorbed or expanded, equals the
+  """Attention over the latent cache (docs/inference.md), k_b / v_b absorbed or expanded, equals the
   layer's full-sequence attention at every position (float64, 1e-12): a whole prompt at once,
   then token by token; a left-padded row (junk before `start`) equals the row alone."""
   cfg = make(dtype="float64", param_dtype="float64")

@@ -1,5 +1,6 @@
-"""Router, routed experts and LatentMoE against a per-token numpy loop (SPEC §2.6), and the
-Kimi-Linear MoE against transformers' KimiLinearMoE on the same weights."""
+"""Router, routed experts and LatentMoE against a per-token numpy loop
+(docs/model.md#router-and-latentmoe), and the Kimi-Linear MoE against transformers' KimiLinearMoE on
+the same weights."""
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +18,9 @@ def np_silu(a):
 
 
 def np_moe(moe: MoE, cfg, x, keep=None):
-  """Per-token, per-expert transcription of SPEC §2.6. keep [N, k] (bool, slot order of the
-  top-k): pairs to compute; the others are dropped (capacity factor), weights unchanged."""
+  """Per-token, per-expert transcription of docs/model.md#router-and-latentmoe. keep [N, k] (bool,
+  slot order of the top-k): pairs to compute; the others are dropped (capacity factor), weights
+  unchanged."""
   x = np64(x).reshape(-1, cfg.hidden_size)
   w_r, bias = np64(moe.gate.kernel[...]), np64(moe.gate.bias[...])
   s = 1 / (1 + np.exp(-(x @ w_r)))
@@ -97,8 +99,9 @@ def test_dropless_when_every_token_picks_the_same_experts():
   y, _ = moe(jnp.asarray(x))
   with jax.enable_x64(True):
     want = np_moe(moe, cfg, x)
-  # float32 vs the float64 loop: SPEC §8's 1e-5 of the output's scale (tests/numerics.py; the
-  # outputs reach 2.2 here, the error measured 3.6 u of that scale, u = 2^-24)
+  # float32 vs the float64 loop: docs/correctness.md's 1e-5 of the output's scale
+  # (tests/numerics.py; the outputs reach 2.2 here, the error measured 3.6 u of that scale,
+  # u = 2^-24)
   numerics.assert_close("moe", np64(y).reshape(-1, 32), want)
 
 

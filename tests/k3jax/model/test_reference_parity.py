@@ -1,5 +1,5 @@
 """The whole model on the official-layout tiny checkpoint against the outputs of the official
-PyTorch code (../shared/reference/k3_tiny_a, SPEC §8).
+PyTorch code (../shared/reference/k3_tiny_a, docs/correctness.md).
 
 float64 must reproduce `logits_fp64` (the official code run in float64, stored as float32) to
 1e-5. float32 must land within the network's float32 noise floor (the reference README: the

@@ -2,8 +2,8 @@
 the next batch with a bias derived from this batch only, gradient accumulation equals one big
 batch, QK-clip rescales exactly the MLA heads.
 
-Every test runs the micro model in float64 (SPEC §8): each compares two computations that are
-the same math in another order (a row packed or alone, two micro-batches or one, the train
+Every test runs the micro model in float64 (docs/correctness.md): each compares two computations
+that are the same math in another order (a row packed or alone, two micro-batches or one, the train
 program or the forward one), and in float64 (u = 2^-53) those agree to ~1e-15 of their scale on
 any machine, so TOL64 = 1e-10 of the scale separates summation order from a real difference
 (a token leaking across segments moves an NLL by >= 1e-3). Quantile Balancing itself is fp32 by

@@ -6,8 +6,8 @@ Every backend runs in float32 (or on bf16 q, k, v) and is compared with `referen
 outputs, final state, and gradients of a random linear functional of both with respect to q,
 k, v, g, beta and the initial state.
 
-Tolerances (derived in tests/numerics.py): SPEC §8's 1e-5 of each tensor's scale for every
-float32 result; bf16 results (o, dq, dk, dv of bf16 inputs) add one rounding to bf16, 2^-8 of
+Tolerances (derived in tests/numerics.py): docs/correctness.md's 1e-5 of each tensor's scale for
+every float32 result; bf16 results (o, dq, dk, dv of bf16 inputs) add one rounding to bf16, 2^-8 of
 the value; the gate's parameter gradients (dA_log, d dt_bias), sums over batch, time (and
 features) of per-token terms, get `sum_tolerance` of those terms.
 """
@@ -117,7 +117,7 @@ def check_decode_steps(step_fn, *, steps=5, B=2, H=3, K=32, V=64, dtype=jnp.floa
   assert_close("state", s, ht_ref)
 
 
-# --- raw inputs (SPEC §4): K3's gate, beta logits and q/k l2norm prepared inside the kernel ---
+# --- raw inputs (docs/kernels.md): K3's gate, beta logits and q/k l2norm prepared in-kernel ---
 
 LOWER_BOUND = -5.0
 RAW_OPTIONS = dict(gate="lower_bound", lower_bound=LOWER_BOUND, use_qk_l2norm=True,

@@ -1,6 +1,6 @@
 """GPU KDA kernels (Pallas, Triton lowering) in interpret mode vs the naive recurrence in float64,
-and their lowering to Triton for a CUDA target on this CPU-only machine (SPEC §4, §8;
-tolerances in tests/numerics.py).
+and their lowering to Triton for a CUDA target on this CPU-only machine (docs/kernels.md,
+docs/correctness.md; tolerances in tests/numerics.py).
 
 K=32, V=64 are powers of two, as the Triton lowering needs (other sizes are zero-padded).
 """

@@ -1,4 +1,5 @@
-"""KDA's plain references (reference.py) and the fast jnp backend "xla_cpu" (SPEC §2.4, §8).
+"""KDA's plain references (reference.py) and the fast jnp backend "xla_cpu"
+(docs/model.md#kda-layer, docs/correctness.md).
 
 The truth is the token-by-token recurrence (`naive_kda`) run in float64 on the very inputs the
 float32 op gets, differentiated by JAX autodiff. Independent implementations meet the same
@@ -309,7 +310,7 @@ def test_gate_argument_errors():
 
 
 def numpy_recurrence(q, k, v, g, beta, s0, scale):
-  """float64 numpy transcription of SPEC §2.4, token by token."""
+  """float64 numpy transcription of docs/model.md#kda-layer, token by token."""
   q, k, v, g, beta, s = (np.asarray(x, np.float64) for x in (q, k, v, g, beta, s0))
   o = np.zeros(v.shape)
   for t in range(q.shape[1]):

@@ -1,5 +1,5 @@
 """TPU KDA kernels (Pallas Mosaic TPU) in interpret mode vs the naive recurrence in float64
-(SPEC §4, §8; tolerances in tests/numerics.py).
+(docs/kernels.md, docs/correctness.md; tolerances in tests/numerics.py).
 
 K=32, V=64 exercise the wrapper's padding of K and V to the 128 lanes the kernel tiles use.
 """

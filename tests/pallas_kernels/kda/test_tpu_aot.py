@@ -1,7 +1,7 @@
 """Ahead-of-time compilation of the TPU KDA kernels for real TPU topologies, on the CPU.
 
 Interpret mode checks the math; only Mosaic's compiler proves the kernels lower for a TPU
-(SPEC §4). libtpu provides the compiler and the topology description; no TPU is needed. We
+(docs/kernels.md). libtpu provides the compiler and the topology description; no TPU is needed. We
 compile forward and gradient (bf16, T=2048, H=4, K=V=128, B=2; prepared inputs, and raw inputs
 with the gate, beta sigmoid and l2norm fused in-kernel) inside a shard_map over a 2x2
 mesh of the topology's chips (batch x heads), so the kernels compile as they would run sharded.
