@@ -41,8 +41,6 @@ def config() -> ModelConfig:
       bos_token_id=163584,
       eos_token_id=163586,
       pad_token_id=163839,
-      dtype="bfloat16",
-      param_dtype="bfloat16",
   )
 
 

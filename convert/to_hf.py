@@ -32,7 +32,8 @@ from convert.safetensors_io import DTYPES, ShardWriter, plan_header
 from convert.source import INDEX, SINGLE
 from convert.to_orbax import HF_DIR, packed_paths
 from convert.variables import param_shapes
-from k3jax.config import ModelConfig, to_hf_config
+from k3jax.config import ModelConfig
+from k3jax.hf_config import to_hf_config
 
 SHARD_BYTES = 5 << 30  # default shard size when the source's sharding is unknown
 

@@ -42,17 +42,13 @@ import os
 import numpy as np
 
 from k3jax.errors import UserError
+from k3jax.execution import NUMERICS  # the numerics of each --dtype (also read from here)
 
 TOLERANCE = {"float64": 1e-5, "float32": 2e-3}
 FLOAT32_NOISE = 2e-3
 BF16_ARGMAX = 0.99        # fallback rule when the file has no logits_bf16_official
 BF16_KL_RATIO = 2.0       # docs/correctness.md#bf16: mean KL <= 2x the official bf16 run's
 BF16_ARGMAX_SLACK = 0.10  # docs/correctness.md#bf16: argmax agreement >= the official's - 0.10
-NUMERICS = {
-    "float64": dict(dtype="float64", param_dtype="float64", matmul_precision="highest"),
-    "float32": dict(dtype="float32", param_dtype="float32", matmul_precision="highest"),
-    "bfloat16": dict(dtype="bfloat16", param_dtype="bfloat16", matmul_precision="default"),
-}
 
 
 def load_reference(path: str) -> dict[str, np.ndarray]:
@@ -85,7 +81,7 @@ def run_model(model_dir: str, ids: np.ndarray, dtype: str, layers: bool = False,
     if mesh is not None:
       from sharding.mesh import make_mesh  # noqa: PLC0415
       device_mesh = make_mesh(mesh)
-    model, cfg = load_any(model_dir, mesh=device_mesh, **NUMERICS[dtype])
+    model, cfg = load_any(model_dir, NUMERICS[dtype], mesh=device_mesh)
     partial = (read_manifest(model_dir) or {}).get("layers") if os.path.isdir(model_dir) else None
     ids = jnp.asarray(ids, jnp.int32)
     if int(ids.max()) >= cfg.vocab_size or int(ids.min()) < 0:

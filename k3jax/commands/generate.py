@@ -23,6 +23,7 @@ import time
 from k3jax.commands._args import (Formatter, default_compile_cache, nonneg_float, nonneg_int,
                                   positive_int, token_ids)
 from k3jax.errors import UserError
+from k3jax.execution import NUMERICS
 
 DTYPES = ("auto", "float64", "float32", "bfloat16")
 
@@ -164,7 +165,6 @@ def run(args: argparse.Namespace) -> int:
   from k3jax.errors import CheckpointError  # noqa: PLC0415
   from convert.load import load_any  # noqa: PLC0415
   from k3jax.generate.chat import find_tokenizer_config  # noqa: PLC0415
-  from k3jax.parity import NUMERICS  # noqa: PLC0415
   from sharding.mesh import make_mesh  # noqa: PLC0415
 
   if not 0 < args.top_p <= 1:
@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
   with jax.enable_x64(dtype == "float64"):
     t0 = time.perf_counter()
     try:  # placed on the mesh as loaded (a converted checkpoint straight into its shards)
-      model, cfg = load_any(weights, mesh=mesh, **NUMERICS[dtype])
+      model, cfg = load_any(weights, NUMERICS[dtype], mesh=mesh)
     except CheckpointError as e:
       raise UserError(str(e)) from None
     tokenizer = load_text_tokenizer(source, cfg.vocab_size)

@@ -25,6 +25,7 @@ import os
 from k3jax.commands._args import (Formatter, default_compile_cache, optional_float,
                                   positive_float, positive_int)
 from k3jax.errors import UserError
+from k3jax.execution import Remat
 
 
 def options_from_args(args: argparse.Namespace):
@@ -152,7 +153,7 @@ def register(sub) -> None:
                  help="compute dtype over fp32 master weights (auto: bf16 on TPU/GPU, fp32 "
                       "on CPU); float64: fp64 weights and compute, for exactness checks")
   g.add_argument("--remat", nargs="?", const="full", default="none",
-                 choices=("none", "full", "save-dots", "offload"),
+                 choices=[r.value for r in Remat],
                  help="rematerialisation policy per layer (bare --remat: full; save-dots keeps "
                       "the projections' outputs; offload keeps them in host memory)")
   g.add_argument("--peak-tflops", type=positive_float, default=None,

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.config import ModelConfig
+from k3jax.execution import Execution
 
 Initializer = Callable[[jax.Array, Sequence[int], jnp.dtype], jax.Array]
 
@@ -52,13 +52,13 @@ class Projection(nnx.Module):
   `param_dtype` and cast to the compute dtype at use, so the master copy can stay fp32.
   """
 
-  def __init__(self, cfg: ModelConfig, eq: str, shape: Sequence[int], names: Sequence[str],
+  def __init__(self, ex: Execution, eq: str, shape: Sequence[int], names: Sequence[str],
                *, fan_in: int, rngs: nnx.Rngs, init: Initializer | None = None):
     self.eq = eq
-    self.precision = cfg.precision
-    self.dtype = cfg.jnp_dtype
+    self.precision = ex.precision
+    self.dtype = ex.jnp_dtype
     self.kernel = make_param(rngs, init or fan_in_normal(fan_in), shape, names,
-                             cfg.jnp_param_dtype)
+                             ex.jnp_param_dtype)
     self.lora = nnx.data(None)  # an nnx.LoRA on the flattened in/out dims, set by model/lora.adapt
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -108,9 +108,9 @@ class RMSNorm(nnx.Module):
   """y = gamma * (x * rsqrt(mean(x^2) + eps)): normalised in fp32, cast back to the input dtype
   before the gain multiply, exactly as the official KimiRMSNorm (docs/model.md#rmsnorm)."""
 
-  def __init__(self, cfg: ModelConfig, size: int, names: Sequence[str], *, eps: float):
+  def __init__(self, ex: Execution, size: int, names: Sequence[str], *, eps: float):
     self.eps = eps
-    self.weight = ones_param((size,), names, cfg.jnp_param_dtype)
+    self.weight = ones_param((size,), names, ex.jnp_param_dtype)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     return self.weight[...].astype(x.dtype) * rms_normalize(x, self.eps).astype(x.dtype)

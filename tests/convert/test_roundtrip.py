@@ -118,6 +118,36 @@ def test_load_checkpoint_gives_the_folder_weights(converted, direct, experts):
     np.testing.assert_array_equal(got[k], v, err_msg=".".join(k))
 
 
+def test_config_files_written_before_the_execution_split_load_unchanged(converted, direct,
+                                                                       tmp_path):
+  """A k3jax_config.json written before architecture and execution were separated holds the
+  execution fields inside "config": the checkpoint loads the same config and weights, and the
+  dtypes a `k3jax train` output of that time recorded there are the ones it loads in."""
+  import configs
+  from k3jax.execution import Execution
+  ckpt = converted["bf16"][0]
+  legacy = tmp_path / "legacy"
+  shutil.copytree(ckpt, legacy)
+  path = legacy / "k3jax_config.json"
+  raw = json.loads(path.read_text())
+  raw["config"].update(dtype="float32", param_dtype="float32", matmul_precision="default",
+                       kda_backend=None, moe_grouped_matmul=None, moe_capacity_factor=None,
+                       moe_dispatch=None, remat="none", loss_chunk=None, attention="dense",
+                       attention_block=512, scan_layers=True)
+  path.write_text(json.dumps(raw))
+  model, cfg = load_checkpoint(str(legacy))
+  assert cfg == configs.resolve(ckpt) and model.ex == Execution()
+  got = _flat(model)
+  for k, v in direct.items():
+    np.testing.assert_array_equal(got[k], v, err_msg=".".join(k))
+  raw["config"].update(dtype="bfloat16", param_dtype="bfloat16", remat=False)
+  path.write_text(json.dumps(raw))
+  model, cfg = load_checkpoint(str(legacy))
+  assert cfg == configs.resolve(ckpt)
+  assert model.ex == Execution(dtype="bfloat16", param_dtype="bfloat16")
+  assert model.embed[...].dtype == ml_dtypes.bfloat16
+
+
 def test_partial_conversion_records_its_layers(hf_dir, tmp_path):
   out = str(tmp_path / "part")
   assert main(["convert", hf_dir, out, "--layers", "3-4", "--quiet"]) == 0
@@ -171,7 +201,7 @@ def test_fresh_layout_from_a_trained_checkpoint(hf_dir, converted, tmp_path):
   with open(os.path.join(out, "model.safetensors.index.json")) as f:
     index = json.load(f)
   assert index["metadata"]["total_size"] == sum(v[3].nbytes for v in got.values())
-  from k3jax.config import from_hf_config
+  from k3jax.hf_config import from_hf_config
   assert from_hf_config(out) == from_hf_config(hf_dir)
 
 

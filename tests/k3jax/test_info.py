@@ -14,7 +14,7 @@ from k3jax.info import summary
 
 
 def test_k3_figures_match_spec():
-  s = summary(configs.get("k3"))
+  s = summary(configs.get("k3"), "bfloat16")
   assert round(s["total_params"] / 1e12, 3) == 2.779
   assert round(s["routed_expert_params"] / 1e12, 3) == 2.723
   assert s["params_per_routed_expert"] == 3 * 3584 * 3072 == 33_030_144

@@ -12,7 +12,7 @@ import pytest
 
 from k3jax.model import lora
 from k3jax.train import step as step_lib
-from k3jax.train.loop import _numerics
+from k3jax.train.loop import execution
 from sharding.mesh import make_mesh
 
 from .helpers import TWO_LAYERS, assert_close, random_batch, run_options, run_steps, step_cfg
@@ -26,10 +26,10 @@ def test_lora_on_a_mesh_equals_one_device():
   opts = run_options("unused", "unused")
   batches = [random_batch(seed) for seed in range(2)]
   with jax.enable_x64(True):
-    cfg, sc = _numerics(TWO_LAYERS, opts), step_cfg(opts)
-    init = step_lib.init_params(cfg, 0, SPEC)
-    want, want_loss = run_steps(step_lib.build(cfg, sc, spec=SPEC), init, batches)
-    sharded_steps = step_lib.build(cfg, sc, make_mesh(MESH), SPEC)
+    cfg, ex, sc = TWO_LAYERS, execution(opts), step_cfg(opts)
+    init = step_lib.init_params(cfg, ex, 0, SPEC)
+    want, want_loss = run_steps(step_lib.build(cfg, ex, sc, spec=SPEC), init, batches)
+    sharded_steps = step_lib.build(cfg, ex, sc, make_mesh(MESH), SPEC)
     placed, got_loss = run_steps(sharded_steps, init, batches)
   want, got = jax.device_get(want), jax.device_get(placed)
   np.testing.assert_allclose(got_loss, want_loss, rtol=1e-8, atol=0)

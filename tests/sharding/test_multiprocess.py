@@ -57,8 +57,8 @@ def initial_model(tmp_path_factory):
   path = str(tmp_path_factory.mktemp("init") / "model")
   opts = run_options("unused", None)
   with jax.enable_x64(True):
-    cfg = model_config(opts)
-    steps = step_lib.build(cfg, step_cfg(opts))
+    cfg, ex = model_config(opts)
+    steps = step_lib.build(cfg, ex, step_cfg(opts))
     params, bias = steps.init_params(0)
     save_model(path, steps.graphdef, params, bias, cfg)
   return path
@@ -105,8 +105,8 @@ def test_two_processes_train_save_resume_equal_one_process(tmp_path, initial_mod
   opts = run_options(out, None)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   with jax.enable_x64(True):
-    steps = step_lib.build(model_config(opts), step_cfg(opts))
-    params, bias = jax.eval_shape(lambda: step_lib.init_params(model_config(opts), 0))
+    steps = step_lib.build(*model_config(opts), step_cfg(opts))
+    params, bias = jax.eval_shape(lambda: step_lib.init_params(*model_config(opts), 0))
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
                           step_lib.abstract_state(steps, params, bias))
     states = []

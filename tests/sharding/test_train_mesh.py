@@ -45,11 +45,11 @@ def runs():
   opts = run_options("unused", "unused")
   batches = [random_batch(seed) for seed in range(3)]
   with jax.enable_x64(True):
-    cfg, sc = model_config(opts), step_cfg(opts)
-    one_device = step_lib.build(cfg, sc)
+    (cfg, ex), sc = model_config(opts), step_cfg(opts)
+    one_device = step_lib.build(cfg, ex, sc)
     init = one_device.init_params(0)
     one = three_steps(one_device, batches, init)
-    sharded_steps = step_lib.build(cfg, sc, make_mesh(MESH))
+    sharded_steps = step_lib.build(cfg, ex, sc, make_mesh(MESH))
     sharded = three_steps(sharded_steps, batches, init)
     params, bias = init
     hlo = sharded_steps.train.lower(

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 import configs
+from k3jax.execution import Execution
 from pallas_kernels.flash_attention import flash_attention
 from k3jax.model.mla import MLA, attention_mask
 from k3jax.plan.hlo import matmul_flops
@@ -71,12 +72,12 @@ def test_flash_flops_are_the_causal_blocks(t):
 
 
 def test_mla_flash_equals_dense(x64):
-  cfg = configs.get("tiny", dtype="float64", param_dtype="float64",
-                    matmul_precision="highest")
-  mla = MLA(cfg, rngs=nnx.Rngs(0))
+  cfg = configs.get("tiny")
+  ex = Execution(dtype="float64", param_dtype="float64", matmul_precision="highest")
+  mla = MLA(cfg, ex, rngs=nnx.Rngs(0))
   x = jax.random.normal(jax.random.key(1), (2, 10, cfg.hidden_size), jnp.float64)
   seg = jnp.asarray([[1] * 6 + [2] * 4, [1] * 10])
-  flash = MLA(cfg.replace(attention="flash", attention_block=4), rngs=nnx.Rngs(0))
+  flash = MLA(cfg, ex.replace(attention="flash", attention_block=4), rngs=nnx.Rngs(0))
   y_ref, m_ref = mla(x, segment_ids=seg)
   y, m = flash(x, segment_ids=seg)
   np.testing.assert_allclose(y, y_ref, rtol=0, atol=TOL)

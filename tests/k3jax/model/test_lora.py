@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from convert.hf_load import load_model
+from k3jax.execution import Execution
 from k3jax.model import lora
 from pallas_kernels import mxfp4 as mx
 
@@ -55,8 +56,8 @@ def test_jax_mxfp4_matches_the_numpy_quantiser_bit_for_bit(dtype):
 @pytest.fixture(scope="module")
 def tiny64(reference_dir):
   with jax.enable_x64(True):
-    yield load_model(os.path.join(reference_dir, "k3_tiny_a"), dtype="float64",
-                     param_dtype="float64")
+    yield load_model(os.path.join(reference_dir, "k3_tiny_a"),
+                     Execution(dtype="float64", param_dtype="float64"))
 
 
 @nnx.jit
@@ -101,11 +102,10 @@ def test_adapter_gradients_through_the_full_remat_scan(x64):
   misplaced adapter gradient would differ by far more than 1e-10)."""
   from k3jax.model import schedule  # noqa: PLC0415
   from k3jax.model.transformer import K3Model  # noqa: PLC0415
-  from tests.k3jax.model.helpers import randomize, tiny_cfg  # noqa: PLC0415
-  cfg = tiny_cfg(num_layers=5, mla_layers=(4,), attn_res_block_size=2, dtype="float64",
-                 param_dtype="float64")
+  from tests.k3jax.model.helpers import F64, randomize, tiny_cfg  # noqa: PLC0415
+  cfg = tiny_cfg(num_layers=5, mla_layers=(4,), attn_res_block_size=2)
   assert any(r.scanned for r in schedule.plan(cfg, scan=True))
-  m = randomize(K3Model(cfg, rngs=nnx.Rngs(1)))
+  m = randomize(K3Model(cfg, F64, rngs=nnx.Rngs(1)))
   lora.adapt(m, lora.AdaptSpec(rank=3, alpha=6.0, targets=("*",)), nnx.Rngs(1))
   key = jax.random.key(3)
   nnx.update(m, jax.tree.map(lambda x: 0.05 * jax.random.normal(jax.random.fold_in(key, x.size),
@@ -114,9 +114,9 @@ def test_adapter_gradients_through_the_full_remat_scan(x64):
   ids = jax.random.randint(jax.random.key(4), (2, 9), 0, cfg.vocab_size)
   grad_fn = nnx.jit(nnx.grad(lambda m: jnp.mean(m(ids).logits ** 2),
                              argnums=nnx.DiffState(0, nnx.LoRAParam)))
-  m.cfg = cfg.replace(scan_layers=False)
+  m.ex = F64.replace(scan_layers=False)
   g_plain = nnx.to_flat_state(grad_fn(m))
-  m.cfg = cfg.replace(remat="full")
+  m.ex = F64.replace(remat="full")
   g_scan = nnx.to_flat_state(grad_fn(m))
   assert len(g_plain) == len(g_scan) > 0
   for (p, a), (_, b) in zip(g_plain, g_scan):

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from k3jax.model.mla import MLA
-from tests.k3jax.model.helpers import kimi_linear_cfg, np64, randomize, tiny_cfg
+from tests.k3jax.model.helpers import F64, kimi_linear_cfg, np64, randomize, tiny_cfg
 
 
 def np_rms(x, g, eps):
@@ -46,8 +46,8 @@ def np_mla(m: MLA, cfg, x, seg=None):
 
 @pytest.mark.parametrize("segments", [False, True])
 def test_gated_mla_formula(segments, x64):
-  cfg = tiny_cfg(dtype="float64", param_dtype="float64")
-  m = randomize(MLA(cfg, rngs=nnx.Rngs(0)))
+  cfg = tiny_cfg()
+  m = randomize(MLA(cfg, F64, rngs=nnx.Rngs(0)))
   rng = np.random.default_rng(1)
   x = rng.standard_normal((2, 11, cfg.hidden_size))
   seg = np.array([[1] * 4 + [2] * 7, [0] * 3 + [5] * 8]) if segments else None
@@ -62,8 +62,8 @@ def test_packed_segments_equal_separate_sequences(x64):
   in summation order (softmax sums over 12 keys with exact zeros vs 5 or 7), which moves the
   O(1) outputs by ~1e-15; 1e-12 holds on any machine, and a leak across the boundary moves
   them by >= 1e-3 (a float32 pair at a fixed 1e-6 would be two rounding noises compared)."""
-  cfg = tiny_cfg(dtype="float64", param_dtype="float64")
-  m = randomize(MLA(cfg, rngs=nnx.Rngs(0)))
+  cfg = tiny_cfg()
+  m = randomize(MLA(cfg, F64, rngs=nnx.Rngs(0)))
   x = jnp.asarray(np.random.default_rng(2).standard_normal((1, 12, 32)))
   seg = jnp.asarray([[1] * 5 + [2] * 7])
   packed, _ = m(x, segment_ids=seg)
@@ -76,8 +76,8 @@ def test_kimi_linear_mla_matches_transformers(x64):
   torch = pytest.importorskip("torch")
   from transformers import KimiLinearConfig
   from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearAttention
-  cfg = kimi_linear_cfg(dtype="float64", param_dtype="float64")
-  m = randomize(MLA(cfg, rngs=nnx.Rngs(3)), 3)
+  cfg = kimi_linear_cfg()
+  m = randomize(MLA(cfg, F64, rngs=nnx.Rngs(3)), 3)
   hf_cfg = KimiLinearConfig(hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
                             q_lora_rank=None, kv_lora_rank=8, qk_nope_head_dim=8,
                             qk_rope_head_dim=4, v_head_dim=8)
@@ -105,8 +105,8 @@ def test_latent_cache_attention(make, x64):
   """Attention over the latent cache (docs/inference.md), k_b / v_b absorbed or expanded, equals the
   layer's full-sequence attention at every position (float64, 1e-12): a whole prompt at once,
   then token by token; a left-padded row (junk before `start`) equals the row alone."""
-  cfg = make(dtype="float64", param_dtype="float64")
-  m = randomize(MLA(cfg, rngs=nnx.Rngs(5)), 5)
+  cfg = make()
+  m = randomize(MLA(cfg, F64, rngs=nnx.Rngs(5)), 5)
   x = jnp.asarray(np.random.default_rng(7).standard_normal((2, 9, cfg.hidden_size)))
   full, _ = m(x)
   c, rot = m.latent(x)

@@ -10,7 +10,8 @@ from flax import nnx
 
 from k3jax.model.moe import MoE
 from tests import numerics
-from tests.k3jax.model.helpers import kimi_linear_cfg, np64, randomize, tiny_cfg
+from k3jax.execution import Execution
+from tests.k3jax.model.helpers import F64, kimi_linear_cfg, np64, randomize, tiny_cfg
 
 
 def np_silu(a):
@@ -55,8 +56,8 @@ def np_moe(moe: MoE, cfg, x, keep=None):
   return out
 
 
-def _moe(cfg, seed=0):
-  moe = randomize(MoE(cfg, rngs=nnx.Rngs(seed)), seed)
+def _moe(cfg, seed=0, ex=Execution()):
+  moe = randomize(MoE(cfg, ex, rngs=nnx.Rngs(seed)), seed)
   rng = np.random.default_rng(seed + 100)
   moe.gate.bias.set_value(jnp.asarray(rng.uniform(-0.1, 0.1, cfg.num_experts), jnp.float32))
   return moe
@@ -64,9 +65,8 @@ def _moe(cfg, seed=0):
 
 @pytest.mark.parametrize("variant", ["k3_latent", "kimi_linear"])
 def test_moe_matches_per_token_loop(variant, x64):
-  cfg = (tiny_cfg if variant == "k3_latent" else kimi_linear_cfg)(
-      dtype="float64", param_dtype="float64")
-  moe = _moe(cfg)
+  cfg = (tiny_cfg if variant == "k3_latent" else kimi_linear_cfg)()
+  moe = _moe(cfg, ex=F64)
   x = np.random.default_rng(1).standard_normal((2, 7, cfg.hidden_size))
   y, routing = moe(jnp.asarray(x))
   np.testing.assert_allclose(np64(y).reshape(-1, cfg.hidden_size), np_moe(moe, cfg, x),
@@ -125,8 +125,8 @@ def test_kimi_linear_moe_matches_transformers(x64):
   torch = pytest.importorskip("torch")
   from transformers import KimiLinearConfig
   from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearMoE
-  cfg = kimi_linear_cfg(dtype="float64", param_dtype="float64")
-  moe = _moe(cfg, seed=7)
+  cfg = kimi_linear_cfg()
+  moe = _moe(cfg, seed=7, ex=F64)
   hf_cfg = KimiLinearConfig(hidden_size=32, moe_intermediate_size=16, num_local_experts=8,
                             num_experts_per_tok=2, n_shared_experts=1, routed_scaling_factor=2.446,
                             hidden_act="silu")
@@ -159,8 +159,8 @@ def test_dropless_reports_no_dropped_pairs():
 def test_capacity_factor_on_one_device(factor, x64):
   """cap = ceil(c * k * N / E) pairs per expert, the earliest tokens kept; dropped pairs add
   nothing and are counted. Against the per-token loop with numpy's own keep mask."""
-  cfg = tiny_cfg(dtype="float64", param_dtype="float64", moe_capacity_factor=factor)
-  moe = _moe(cfg, seed=9)
+  cfg = tiny_cfg()
+  moe = _moe(cfg, seed=9, ex=F64.replace(moe_capacity_factor=factor))
   moe.gate.bias.set_value(jnp.zeros(cfg.num_experts).at[:2].set(0.3))  # experts 0, 1 overflow
   x = np.random.default_rng(10).standard_normal((2, 11, 32))
   y, routing = moe(jnp.asarray(x))

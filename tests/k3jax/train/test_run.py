@@ -23,7 +23,7 @@ from k3jax.train import checkpoint as ckpt_lib
 from k3jax.train import data as data_lib
 from k3jax.train import flops
 from k3jax.train import step as step_lib
-from k3jax.train.loop import run, step_config
+from k3jax.train.loop import execution, run, step_config
 from k3jax.train.metrics import read_records
 from k3jax.tokenizer import ByteTokenizer
 
@@ -150,7 +150,7 @@ def _first_batch_loss(folder, config_file, tmp_path):
   from convert.load import load_any
   model, _ = load_any(str(folder))
   _, params, bias = step_lib.split_model(model)
-  steps = step_lib.build(MICRO, step_config(opts))
+  steps = step_lib.build(MICRO, execution(opts), step_config(opts))
   docs = data_lib.split_documents(data_lib.stdlib_documents())[0]
   tokens = data_lib.tokenize(docs, ByteTokenizer())
   pipe = data_lib.PipelineConfig(opts.seq_len, opts.batch_size, opts.grad_accum, opts.seed)
