@@ -34,7 +34,7 @@ from k3jax.config import ModelConfig
 from k3jax.execution import Execution
 from k3jax.model.layers import Projection, make_param, ones_param, rms_normalize, wide_dtype
 from pallas_kernels.kda import ops as kda_ops
-from pallas_kernels.kda.ops import prepare_inputs
+from pallas_kernels.kda.ops import RawInputs, prepare_inputs
 from k3jax.model import kda_parallel
 
 
@@ -131,19 +131,19 @@ class KDA(nnx.Module):
       convs.append((jax.nn.silu(y).astype(u.dtype), new_tail.astype(u.dtype)))
     (q, tq), (k, tk), (v, tv) = convs
     g, beta = self.f_b_proj(self.f_a_proj(x)).astype(wide), self.b_proj(x).astype(wide)
-    raw = dict(A_log=self.A_log[...].astype(wide), dt_bias=self.dt_bias[...].astype(wide),
-               gate=cfg.kda_gate, lower_bound=cfg.gate_lower_bound, use_qk_l2norm=True,
-               l2norm_eps=cfg.l2norm_eps, use_beta_sigmoid=True)
+    gate_params = dict(A_log=self.A_log[...].astype(wide), dt_bias=self.dt_bias[...].astype(wide))
+    raw = RawInputs(gate=cfg.kda_gate, lower_bound=cfg.gate_lower_bound, use_qk_l2norm=True,
+                    l2norm_eps=cfg.l2norm_eps, use_beta_sigmoid=True)
     if state is not None and x.shape[1] == 1 and segment_ids is None:
       # one decode token: the fused step on prepared inputs (unit q/k, log decay, beta)
-      q, k, g, beta = prepare_inputs(q, k, g, beta, **raw)
+      q, k, g, beta = prepare_inputs(q, k, g, beta, **gate_params, raw=raw)
       o, s_final = kda_parallel.kda_step(kda_ops.kda_step, q[:, 0], k[:, 0], v[:, 0], g[:, 0],
                                          beta[:, 0], state.recurrent,
                                          backend=self.ex.kda_backend)
       o = o[:, None]
     else:
       # per shard on a mesh: a Pallas kernel only lowers on its local rows and heads
-      o, s_final = kda_parallel.kda(kda_ops.kda, q, k, v, g, beta, **raw,
+      o, s_final = kda_parallel.kda(kda_ops.kda, q, k, v, g, beta, **gate_params, raw=raw,
                                      initial_state=None if state is None else state.recurrent,
                                      output_final_state=True, segment_ids=segment_ids,
                                      backend=self.ex.kda_backend)

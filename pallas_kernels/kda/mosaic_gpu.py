@@ -70,6 +70,7 @@ from pallas_kernels.kda import _layout
 from pallas_kernels.kda import _mgpu as mg
 from pallas_kernels.kda import mosaic_gpu_bwd
 from pallas_kernels.kda import reference
+from pallas_kernels.kda.reference import PREPARED, RawInputs
 
 C = cm.C
 BV = BK = mg.TILE
@@ -220,31 +221,14 @@ def _forward(q, k, v, g, beta, h0, rc, rr, *, scale, interpret):
 _forward_jit = jax.jit(_forward, static_argnames=("scale", "interpret"))
 
 
-def kda_mosaic_gpu(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    g: jax.Array,
-    beta: jax.Array,
-    *,
-    scale: float | None = None,
-    initial_state: jax.Array | None = None,
-    output_final_state: bool = False,
-    segment_ids: jax.Array | None = None,
-    interpret=False,
-    A_log: jax.Array | None = None,
-    dt_bias: jax.Array | None = None,
-    gate: str | None = None,
-    lower_bound: float | None = None,
-    use_qk_l2norm: bool = False,
-    l2norm_eps: float = 1e-6,
-    use_beta_sigmoid: bool = False,
-) -> tuple[jax.Array, jax.Array | None]:
+def kda_mosaic_gpu(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                   segment_ids=None, A_log=None, dt_bias=None, raw: RawInputs = PREPARED,
+                   interpret=False) -> tuple[jax.Array, jax.Array | None]:
   """KDA on Hopper+ GPUs, with reference.naive_kda's contract and raw-input options.
   Differentiable in q, k, v, g, beta, initial_state (and A_log, dt_bias with a gate): the
   recurrence through mosaic_gpu_bwd's kernel, the rest by JAX (see the module docstring).
   `interpret=True` runs the kernels in Mosaic GPU interpret mode on the CPU."""
-  reference.check_gate(g, A_log, dt_bias, gate, lower_bound)
+  raw.check(g, A_log, dt_bias)
   B, T, H, K = q.shape
   V = v.shape[-1]
   if _layout.tile_multiple(K) > MAX_K:
@@ -254,9 +238,7 @@ def kda_mosaic_gpu(
   seg = (jnp.zeros((B, T), jnp.int32) if segment_ids is None
          else jnp.broadcast_to(segment_ids, (B, T)).astype(jnp.int32))
   qp, kp, gp, bp = reference.prepare_inputs(q, k, g, beta, A_log=A_log, dt_bias=dt_bias,
-                                            gate=gate, lower_bound=lower_bound,
-                                            use_qk_l2norm=use_qk_l2norm, l2norm_eps=l2norm_eps,
-                                            use_beta_sigmoid=use_beta_sigmoid)
+                                            raw=raw)
   xs = _layout.to_kernel_layout(qp, kp, v, gp, bp, h0.astype(_f32),
                                 feature_size=_layout.tile_multiple)
   rc, rr = _layout.reset_counts(seg, B, T, xs[0].shape[2])

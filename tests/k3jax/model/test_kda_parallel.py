@@ -60,7 +60,7 @@ def test_sharded_forward_runs_local_blocks_with_no_collective():
       jax.device_put(a, NamedSharding(make_mesh(MESH, jax.devices()[:8]), s))
       for a, s in zip(raw, specs))
   assert not mesh.empty
-  op = functools.partial(ops.kda, backend="xla_cpu", **kda_cases.RAW_OPTIONS,
+  op = functools.partial(ops.kda, backend="xla_cpu", raw=kda_cases.K3_RAW,
                          output_final_state=True)
   fn = jax.jit(functools.partial(kda_parallel.kda, op))
   compiled = fn.lower(q, k, v, x, logits, A_log=A_log, dt_bias=dt_bias,

@@ -2,11 +2,13 @@
 masks, and the Kimi-Linear variant (plain q_proj, no gate) against transformers'
 KimiLinearAttention."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+import configs
 from k3jax.model.mla import MLA
 from tests.k3jax.model.helpers import F64, kimi_linear_cfg, np64, randomize, tiny_cfg
 
@@ -122,3 +124,18 @@ def test_latent_cache_attention(make, x64):
   c, rot = m.latent(junk)
   got = m.attend_latent(junk, c, rot, jnp.arange(9), jnp.asarray([4, 4], jnp.int32))
   np.testing.assert_allclose(np64(got[:, 4:]), np64(m(x[:, 4:])[0]), atol=1e-12, rtol=0)
+
+
+def test_mla_flash_equals_dense(x64):
+  """attention="flash" (pallas_kernels.flash_attention) gives the dense path's numbers: float64,
+  every value a softmax-weighted sum of O(1) terms over <= 10 keys."""
+  cfg = configs.get("tiny")
+  f64 = F64.replace(matmul_precision="highest")
+  mla = MLA(cfg, f64, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (2, 10, cfg.hidden_size), jnp.float64)
+  seg = jnp.asarray([[1] * 6 + [2] * 4, [1] * 10])
+  flash = MLA(cfg, f64.replace(attention="flash", attention_block=4), rngs=nnx.Rngs(0))
+  y_ref, m_ref = mla(x, segment_ids=seg)
+  y, m = flash(x, segment_ids=seg)
+  np.testing.assert_allclose(y, y_ref, rtol=0, atol=1e-12)
+  np.testing.assert_allclose(m, m_ref, rtol=0, atol=1e-12)

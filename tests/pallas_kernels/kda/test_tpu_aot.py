@@ -23,6 +23,7 @@ pytest.importorskip("libtpu", reason="libtpu is needed to compile for TPU ahead 
 from jax.experimental import topologies  # noqa: E402
 
 from pallas_kernels.kda import _chunk_math as cm  # noqa: E402
+from pallas_kernels.kda.reference import RawInputs  # noqa: E402
 from pallas_kernels.kda.tpu import kda_tpu  # noqa: E402
 
 B, T, H, K, V = 2, 2048, 4, 128, 128
@@ -48,8 +49,8 @@ def _sharded_kda(mesh, fused=False):
   def run(q, k, v, g, beta, h0, *gate):
     opts = {}
     if fused:
-      opts = dict(A_log=gate[0], dt_bias=gate[1], gate="lower_bound", lower_bound=-5.0,
-                  use_qk_l2norm=True, use_beta_sigmoid=True)
+      opts = dict(A_log=gate[0], dt_bias=gate[1], raw=RawInputs(
+          gate="lower_bound", lower_bound=-5.0, use_qk_l2norm=True, use_beta_sigmoid=True))
     return kda_tpu(q, k, v, g, beta, initial_state=h0, output_final_state=True, **opts)
 
   return run, specs
