@@ -72,10 +72,10 @@ def absolute_tokenizer(kind: str) -> str:
 
 
 def _model_folder(path: str, seen: tuple[str, ...]) -> ModelFolder:
-  if not is_run(path):
+  # A run's --init-from that leads back to a run folder met on the way (`--init-from X
+  # --out X`) names that folder's own files: the weights and tokenizer it held before
+  if not is_run(path) or path in seen:
     return ModelFolder(path, TokenizerSource("auto", path))
-  if path in seen:  # a run whose --init-from leads back to itself
-    raise UserError(f"{path}: its {RUN_FILE} --init-from chain loops back to it")
   run_file = os.path.join(path, RUN_FILE)
   try:
     with open(run_file) as f:

@@ -40,7 +40,8 @@ UNSUPPORTED = ("|", "||", "&", ">", ">>", "<", "(", ")")
 
 def shell_blocks(text: str) -> list[str]:
   """The bodies of the ```-fenced blocks whose info string is empty or a shell."""
-  fences = re.finditer(r"^```[ \t]*([\w+-]*)[^\n]*\n(.*?)^```[ \t]*$", text, re.M | re.S)
+  fences = re.finditer(r"^```[ \t]*([\w+-]*)[^\n]*\n(.*?)^```[ \t]*$", text,
+                       re.MULTILINE | re.DOTALL)
   return [m.group(2) for m in fences if m.group(1).lower() in SHELL_TAGS]
 
 
@@ -49,9 +50,7 @@ def commands(block: str) -> list[list[str]]:
   prompt and comments dropped, split at `&&` and `;`."""
   out = []
   for line in block.replace("\\\n", " ").splitlines():
-    line = line.strip()
-    if line.startswith("$ "):
-      line = line[2:]
+    line = line.strip().removeprefix("$ ")
     if not line or line.startswith("#"):
       continue
     lex = shlex.shlex(line, posix=True, punctuation_chars=True)
@@ -112,8 +111,9 @@ def readme_plan(text: str) -> list[tuple[list[str], list[str] | None, str | None
 def test_the_plan_of_a_readme():
   """The parser and the rules, on a README of every kind of line."""
   text = "\n".join([
-      "Set up:", "```", "python3 -m venv .venv && .venv/bin/pip install -e . && "
-      ".venv/bin/k3jax train --config tiny --steps 300 --out runs/tiny", "```",
+      "Set up:", "```", ("python3 -m venv .venv && .venv/bin/pip install -e . && "
+                         ".venv/bin/k3jax train --config tiny --steps 300 --out runs/tiny"),
+      "```",
       "```python", "print('not a shell block')", "```",
       "```bash", "# a comment", "$ k3jax generate runs/tiny --prompt \"def \" \\",
       "    --max-new-tokens=200; .venv/bin/python -m k3jax.train.memory --config k3", "```",

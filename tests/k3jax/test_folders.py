@@ -45,11 +45,13 @@ def test_a_train_output_is_its_model_with_the_runs_tokenizer(tmp_path, monkeypat
   assert tokenizer_source("ft_of_bytes", None) == TokenizerSource("byte", None)
 
 
-def test_run_folders_that_refuse(tmp_path, monkeypatch):
+def test_run_folders_that_loop_or_refuse(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
-  fake_run("loop", init_from="loop")
-  with pytest.raises(UserError, match="loops back"):
-    model_folder("loop")
+  fake_run("self", init_from="self")  # `--init-from X --out X`: X's own files before
+  assert model_folder("self").tokenizer == TokenizerSource("auto", str(tmp_path / "self"))
+  fake_run("a", init_from="b", tokenizer="tiktoken")
+  fake_run("b", init_from="a")
+  assert model_folder("a").tokenizer == TokenizerSource("tiktoken", str(tmp_path / "a"))
   fake_run("broken")
   (tmp_path / "broken" / "run.json").write_text("{not json")
   with pytest.raises(UserError, match="run.json: unreadable"):
