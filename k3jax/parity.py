@@ -1,7 +1,8 @@
 """`k3jax parity`: run a model on a reference file's tokens and compare with its outputs.
 
-MODEL_DIR is an official K3 / Kimi-Linear folder or a converted k3jax checkpoint. The
-reference `.npz` holds `input_ids` [B, T] and `logits` (and, in the k3jax reference files,
+MODEL_DIR is an official K3 / Kimi-Linear folder, a converted k3jax checkpoint or a `k3jax
+train` output (its model/; the command resolves it, k3jax/folders.py). The reference `.npz`
+holds `input_ids` [B, T] and `logits` (and, in the k3jax reference files,
 `logits_fp64`, the official code run in float64, plus `layer_out_i` / `hidden_last`,
 `decode_logits_fp64` and `logits_bf16_official`).
 

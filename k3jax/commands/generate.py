@@ -24,28 +24,15 @@ from k3jax.commands._args import (Formatter, default_compile_cache, nonneg_float
                                   positive_int, token_ids)
 from k3jax.errors import UserError
 from k3jax.execution import NUMERICS
+from k3jax.folders import TokenizerSource, model_folder
 
 DTYPES = ("auto", "float64", "float32", "bfloat16")
 
 
-def resolve_model(path: str) -> tuple[str, dict]:
-  """(weights folder, where its tokenizer comes from): a train output's `model/` with the run's
-  tokenizer settings, or the folder itself."""
-  if not os.path.exists(path):
-    raise UserError(f"{path}: no such model folder")
-  run_file = os.path.join(path, "run.json")
-  if os.path.isfile(run_file) and os.path.isdir(os.path.join(path, "model")):
-    with open(run_file) as f:
-      opts = json.load(f).get("options", {})
-    return os.path.join(path, "model"), {"kind": opts.get("tokenizer", "auto"),
-                                         "folder": opts.get("init_from")}
-  return path, {"kind": "auto", "folder": path}
-
-
-def load_text_tokenizer(source: dict, vocab_size: int):
+def load_text_tokenizer(source: TokenizerSource, vocab_size: int):
   """The folder's tokenizer, or None when text cannot be encoded for this model."""
   from k3jax.tokenizer import ByteTokenizer, load_tokenizer  # noqa: PLC0415
-  tok = load_tokenizer(source["kind"], source["folder"])
+  tok = load_tokenizer(source.kind, source.folder)
   if isinstance(tok, ByteTokenizer) and vocab_size != ByteTokenizer.vocab_size:
     return None  # no tokenizer file and not a byte-level model
   return tok
@@ -174,7 +161,10 @@ def run(args: argparse.Namespace) -> int:
   dtype = args.dtype
   if dtype == "auto":
     dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-  weights, source = resolve_model(args.model)
+  if not os.path.exists(args.model):
+    raise UserError(f"{args.model}: no such model folder")
+  folder = model_folder(args.model)
+  weights, source = folder.weights, folder.tokenizer
   mesh = make_mesh(args.mesh) if args.mesh else None
   with jax.enable_x64(dtype == "float64"):
     t0 = time.perf_counter()
@@ -183,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     except CheckpointError as e:
       raise UserError(str(e)) from None
     tokenizer = load_text_tokenizer(source, cfg.vocab_size)
-    prompts = _prompts(args, tokenizer, find_tokenizer_config([source["folder"], weights]))
+    prompts = _prompts(args, tokenizer, find_tokenizer_config([source.folder, weights]))
     bad = [t for p in prompts for t in p if not 0 <= t < cfg.vocab_size]
     if bad:
       raise UserError(f"token id {bad[0]} outside the vocabulary [0, {cfg.vocab_size})")

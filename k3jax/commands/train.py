@@ -88,7 +88,8 @@ def register(sub) -> None:
   g.add_argument("--config", default=None,
                  help="preset (tiny, k3, ...) or config JSON (none given: tiny)")
   g.add_argument("--init-from", default=None, metavar="CKPT",
-                 help="fine-tune: a converted k3jax checkpoint or an official-layout folder")
+                 help="fine-tune: a converted k3jax checkpoint, an official-layout folder or "
+                      "a `k3jax train` output")
   g.add_argument("--steps", type=positive_int, default=300, help="train until this step")
   g.add_argument("--seed", type=int, default=0, help="init and data-order seed")
   g = p.add_argument_group("data")

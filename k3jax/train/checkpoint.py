@@ -161,7 +161,6 @@ class Checkpointer:
     self.manager.close()
 
 
-MODEL_DIR = "model"
 MODEL_CONFIG = "k3jax_config.json"  # the name `k3jax convert` gives it (convert.to_orbax.CONFIG)
 
 

@@ -37,21 +37,24 @@ import numpy as np
 from k3jax.errors import UserError
 from k3jax.config import ModelConfig
 from k3jax.execution import Execution, recorded
+from k3jax.folders import (MODEL_DIR, RUN_FILE, absolute, absolute_tokenizer, model_folder,
+                           tokenizer_source)
 from k3jax.train import data as data_lib
 from k3jax.train import flops as flops_lib
 from k3jax.train import step as step_lib
-from k3jax.train.checkpoint import MODEL_DIR, Checkpointer, save_model
+from k3jax.train.checkpoint import Checkpointer, save_model
 from k3jax.train.metrics import MetricsWriter, read_records
 from k3jax.tokenizer import load_tokenizer
 from sharding import distributed
 from sharding.mesh import describe, make_mesh
 from sharding.placement import check_batch
 
-RUN_FILE = "run.json"
 # options that fix what a checkpoint and its data position mean: a resume must not change them
 _RESUME_KEYS = ("data", "data_format", "tokenizer", "seq_len", "batch_size", "seed",
                 "init_from", "data_shards", "lora_rank", "lora_alpha", "lora_targets",
                 "base_experts", "experts_qat")
+# path-valued options: a run records them absolute (a later command may run elsewhere)
+_PATHS = {"data": absolute, "init_from": absolute, "tokenizer": absolute_tokenizer}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,10 +189,11 @@ def _model_config(opts: RunOptions) -> ModelConfig:
     raise UserError(f"--init-from {opts.init_from}: no such folder")
   if opts.init_from:
     from convert import load as convert_load  # noqa: PLC0415
-    if convert_load.is_checkpoint(opts.init_from):
-      cfg = convert_load.checkpoint_config(opts.init_from)
+    weights = model_folder(opts.init_from).weights
+    if convert_load.is_checkpoint(weights):
+      cfg = convert_load.checkpoint_config(weights)
     else:
-      cfg = configs.resolve(opts.init_from)
+      cfg = configs.resolve(weights)
   else:
     cfg = configs.resolve(opts.config or "tiny")
   return cfg
@@ -205,6 +209,8 @@ def _check_resume(out: str, opts: RunOptions, cfg: ModelConfig, ex: Execution) -
     raise UserError(f"{out} holds a run of another model config; use a new --out")
   for key in _RESUME_KEYS:
     was = saved["options"].get(key, getattr(RunOptions, key, None))  # runs before the option
+    if key in _PATHS and was is not None:  # older runs recorded them as typed
+      was = _PATHS[key](was)
     now = getattr(opts, key)
     if was != (list(now) if isinstance(now, tuple) else now):  # JSON keeps tuples as lists
       raise UserError(f"{out} holds a run with --{key.replace('_', '-')} "
@@ -301,6 +307,7 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
     opts = dataclasses.replace(opts, data_shards=jax.process_count())
   mesh = make_mesh(opts.mesh) if opts.mesh else None
   out = os.path.abspath(opts.out)
+  opts = dataclasses.replace(opts, **{k: fn(getattr(opts, k)) for k, fn in _PATHS.items()})
   os.makedirs(out, exist_ok=True)
   cfg, ex = _model_config(opts), execution(opts)
   _check_resume(out, opts, cfg, ex)
@@ -316,7 +323,8 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
 
   ckpt = Checkpointer(os.path.join(out, "checkpoints"), keep=opts.keep)
   resume_step = ckpt.latest_step()
-  tokenizer = load_tokenizer(opts.tokenizer, opts.init_from)
+  source = tokenizer_source(opts.tokenizer, opts.init_from)
+  tokenizer = load_tokenizer(source.kind, source.folder)
   if tokenizer.vocab_size > cfg.vocab_size:
     raise UserError(f"the {tokenizer.name} tokenizer has {tokenizer.vocab_size} ids but the "
                     f"model only {cfg.vocab_size} embeddings")
@@ -342,7 +350,8 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
     rng = step_lib.new_rng(opts.seed)
     if opts.init_from:
       shardings = _path_shardings(steps) if mesh is not None and spec is None else None
-      _, params, bias = step_lib.split_model(_load_init(opts.init_from, ex, shardings)[0])
+      init = model_folder(opts.init_from).weights
+      _, params, bias = step_lib.split_model(_load_init(init, ex, shardings)[0])
       if spec is not None:
         params = step_lib.adapt_params(cfg, ex, params, bias, spec, opts.seed)
       if mesh is not None:  # an official-layout folder (or an adapted model) arrives whole

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from k3jax.cli import main
+from tests.runs import fake_run
 
 FILES = ("reference.npz", "reference_b2_t130.npz")
 
@@ -162,3 +163,14 @@ def test_bad_reference_is_a_user_error(ckpt, tmp_path, capsys):
   np.savez(path, logits=np.zeros((1, 2, 3)))
   assert main(["parity", ckpt, "--reference", str(path)]) == 2
   assert "input_ids" in capsys.readouterr().err
+
+
+def test_relative_paths_and_a_train_output(ckpt, hf_dir, tmp_path, capsys, monkeypatch):
+  """A converted checkpoint and a `k3jax train` output folder holding it (run.json + model/),
+  by paths relative to the working directory (Orbax itself takes only absolute ones)."""
+  monkeypatch.chdir(tmp_path)
+  fake_run("run", model=ckpt)
+  ref = os.path.relpath(os.path.join(hf_dir, "reference.npz"))
+  for model in (os.path.relpath(ckpt), "run"):
+    rc, r = parity(capsys, model, ref, "float32")
+    assert rc == 0 and r["passed"] and r["model"] == model

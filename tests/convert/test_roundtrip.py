@@ -24,6 +24,7 @@ from pallas_kernels import mxfp4
 from convert.hf_load import load_model
 from convert.load import load_checkpoint
 from k3jax.cli import main
+from tests.runs import fake_run
 
 FILES = ("config.json", "model.safetensors.index.json", "model-00001-of-00003.safetensors",
          "model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors")
@@ -235,3 +236,18 @@ def test_prefix_of_a_partial_download(hf_dir, tmp_path):
   assert cfg.num_layers == 4 and cfg.mla_layers == (3,)
   with pytest.raises(Exception, match="holds layers 0-3"):
     load_checkpoint(out)
+
+
+def test_relative_paths_and_a_train_output(hf_dir, tmp_path, monkeypatch):
+  """convert and export by paths relative to the working directory (Orbax itself takes only
+  absolute ones); export also takes a `k3jax train` output folder (run.json + model/) for its
+  model/: the source folder comes back byte for byte."""
+  monkeypatch.chdir(tmp_path)
+  assert main(["convert", os.path.relpath(hf_dir), "ckpt", "--experts", "mxfp4",
+               "--quiet"]) == 0
+  fake_run("run", model="ckpt")
+  for source, back in (("ckpt", "back"), ("run", "back_run"), ("run/model", "back_model")):
+    assert main(["export", source, back, "--quiet"]) == 0, source
+    for name in FILES:
+      with open(os.path.join(hf_dir, name), "rb") as a, open(os.path.join(back, name), "rb") as b:
+        assert a.read() == b.read(), (source, name)
