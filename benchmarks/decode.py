@@ -46,7 +46,7 @@ def hybrid_config():
       kda_num_heads=8, kda_head_dim=128, mla_num_heads=8, q_lora_rank=384, kv_lora_rank=512,
       qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, intermediate_size=1536,
       num_experts=8, num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=256,
-      latent_size=256, attn_res_block_size=4, dtype="float32", param_dtype="float32")
+      latent_size=256, attn_res_block_size=4)
 
 
 def twin_config(cfg):
@@ -54,7 +54,7 @@ def twin_config(cfg):
 
 
 def random_model(cfg, seed=0):
-  """The model with small random weights, built without running the initialisers."""
+  """The model (float32) with small random weights, built without running the initialisers."""
   from k3jax.model.transformer import K3Model  # noqa: PLC0415
   model = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
   rng = np.random.default_rng(seed)
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
   gens = {name: Generator(random_model(cfg), prefill_chunk=512) for name, cfg in cfgs.items()}
   print(f"platform {jax.default_backend()}, {os.cpu_count()} CPUs; batch {args.batch}, float32")
   for name, cfg in cfgs.items():
-    s = summary(cfg)
+    s = summary(cfg, "float32")
     print(f"{name}: {cfg.num_layers} layers ({s['layers']['kda']} KDA + {s['layers']['mla']} "
           f"MLA), d={cfg.hidden_size}, {s['total_params'] / 1e6:.1f}M params, "
           f"{active_weight_params(cfg) / 1e6:.1f}M read per decode step; cache per row "

@@ -5,8 +5,8 @@
     python benchmarks/kda_cpu.py --quick      # T=512, H=2: a smoke run
 
 Every implementation computes the same thing: the K3 gate g = -5 sigmoid(exp(A) (x + dt_bias))
-and q/k l2norm fused into the op (tokamax: use_gate_in_kernel / use_qk_l2norm; ours: gate= /
-use_qk_l2norm=; transformers: written out in torch, with use_qk_l2norm_in_kernel), beta given
+and q/k l2norm fused into the op (tokamax: use_gate_in_kernel / use_qk_l2norm; ours: RawInputs(gate=,
+use_qk_l2norm=); transformers: written out in torch, with use_qk_l2norm_in_kernel), beta given
 after its sigmoid. "fwd+bwd" is the gradient of sum(o * w) w.r.t. q, k, v, the raw gate and
 beta. JAX functions are jitted and warmed up; each number is the median of --reps timed runs
 (block_until_ready), every implementation timed in its own block. tokamax gets its inputs
@@ -32,9 +32,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks._timing import timed  # noqa: E402
-from pallas_kernels.kda import kda  # noqa: E402
+from pallas_kernels.kda import RawInputs, kda  # noqa: E402
 
 LOWER_BOUND = -5.0
+RAW = RawInputs(gate="lower_bound", lower_bound=LOWER_BOUND, use_qk_l2norm=True)
 
 
 def parse_args(argv=None):
@@ -68,8 +69,7 @@ def ours(backend, params, w):
   a_log, dt_bias = params
 
   def fwd(q, k, v, x, beta):
-    return kda(q, k, v, x, beta, backend=backend, gate="lower_bound", lower_bound=LOWER_BOUND,
-               A_log=a_log, dt_bias=dt_bias, use_qk_l2norm=True)[0]
+    return kda(q, k, v, x, beta, backend=backend, A_log=a_log, dt_bias=dt_bias, raw=RAW)[0]
 
   loss = lambda *a: jnp.sum(fwd(*a) * w[:, :a[0].shape[1]])
   return jax.jit(fwd), jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))

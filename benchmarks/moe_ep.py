@@ -54,6 +54,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 import configs  # noqa: E402
+from k3jax.execution import Execution  # noqa: E402
 from k3jax.model.moe import MoE  # noqa: E402
 from k3jax.model import expert_parallel  # noqa: E402
 from sharding.activations import activation_spec  # noqa: E402
@@ -81,10 +82,13 @@ def parse_args(argv=None):
   return args
 
 
-def layer_config(args, **kw):
+def layer_config(args):
   return configs.get("tiny", hidden_size=1024, latent_size=512, num_experts=64,
-                     num_experts_per_token=8, moe_intermediate_size=448, num_shared_experts=2,
-                     dtype=args.dtype, param_dtype="float32", **kw)
+                     num_experts_per_token=8, moe_intermediate_size=448, num_shared_experts=2)
+
+
+def layer_execution(args, capacity_factor):
+  return Execution(dtype=args.dtype, param_dtype="float32", moe_capacity_factor=capacity_factor)
 
 
 def placed(state, mesh):
@@ -146,7 +150,7 @@ def timed(fn, *a, reps):
   return statistics.median(wall), statistics.median(cpu)
 
 
-def ragged_payload(experts_nk, mesh, cfg, plan):
+def ragged_payload(experts_nk, mesh, cfg, plan, dtype):
   """Bytes one device sends to others (median over devices) in one exchange of this batch,
   as ragged_all_to_all would move them: the routed rows only."""
   ep, n = plan.ep, plan.n
@@ -156,7 +160,7 @@ def ragged_payload(experts_nk, mesh, cfg, plan):
     return 0.0
   # devices along the expert axis: token block b sits on expert coordinate b % ep
   sent = [(dest[b] != b % ep).sum() for b in range(dest.shape[0])]
-  return float(np.median(sent)) * cfg.latent_size * jnp.dtype(cfg.dtype).itemsize
+  return float(np.median(sent)) * cfg.latent_size * jnp.dtype(dtype).itemsize
 
 
 def main(argv=None):
@@ -174,8 +178,8 @@ def main(argv=None):
                                 ("plain jit", None, None, x_sharded),
                                 ("EP dropless", None, mesh, x_sharded),
                                 (f"EP cap {args.capacity:g}", args.capacity, mesh, x_sharded)]:
-    cfg = layer_config(args, moe_capacity_factor=factor)
-    graphdef, state = nnx.split(MoE(cfg, rngs=nnx.Rngs(0)))
+    cfg, ex = layer_config(args), layer_execution(args, factor)
+    graphdef, state = nnx.split(MoE(cfg, ex, rngs=nnx.Rngs(0)))
     if xs is not x:
       state = placed(state, mesh)
     fn = step_fn(graphdef)
@@ -185,9 +189,10 @@ def main(argv=None):
       compile_s = time.perf_counter() - t0
       secs = timed(compiled, state, xs, reps=args.reps)
       (_, (experts, dropped)), _ = compiled(state, xs)
-      plan = expert_parallel.layout(cfg, args.tokens, "latent", mesh if ctx else None)
+      plan = expert_parallel.layout(cfg, args.tokens, "latent", mesh if ctx else None, factor)
     coll = collective_bytes(compiled.as_text(), mesh) if xs is not x else {}
-    ragged = 2 * 2 * ragged_payload(experts, mesh, cfg, plan) if ctx is not None else None
+    ragged = (2 * 2 * ragged_payload(experts, mesh, cfg, plan, args.dtype) if ctx is not None
+              else None)
     results.append((name, secs, compile_s, coll, int(dropped), ragged))
 
   (base_wall, base_cpu) = results[1][1]

@@ -43,6 +43,7 @@ def main() -> None:
   from flax import nnx  # noqa: PLC0415
 
   import configs  # noqa: PLC0415
+  from k3jax.execution import Execution  # noqa: PLC0415
   from k3jax.model.moe import RouterBias  # noqa: PLC0415
   from k3jax.model.transformer import K3Model  # noqa: PLC0415
   from k3jax.optim import dimension_numbers, per_head_muon  # noqa: PLC0415
@@ -53,7 +54,9 @@ def main() -> None:
 
   cfg = configs.resolve(args.config)
   mesh = make_mesh(args.mesh)
-  model = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
+  # the fp32 master weights Per-Head Muon updates in training (k3jax train, k3jax plan)
+  master = Execution(param_dtype="float32")
+  model = nnx.eval_shape(lambda: K3Model(cfg, master, rngs=nnx.Rngs(0)))
   _, params, _, _ = nnx.split(model, nnx.Param, RouterBias, ...)
   only = args.only.split(",") if args.only else None
   totals = {False: [0, 0], True: [0, 0]}

@@ -26,6 +26,8 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from k3jax.execution import Attention, Remat  # noqa: E402
+
 DEFAULT_TOPOLOGIES = ("v5p:8x8x8", "v5p:8x8x16", "v5p:8x16x16", "tpu7x:8x8x4", "tpu7x:8x8x8",
                       "tpu7x:8x8x16")
 
@@ -34,9 +36,9 @@ def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--config", default="k3")
   p.add_argument("--seq", type=int, default=8192)
-  p.add_argument("--remat", default="full")
+  p.add_argument("--remat", default="full", choices=[r.value for r in Remat])
   p.add_argument("--loss-chunk", type=int, default=2048)
-  p.add_argument("--attention", default=None)
+  p.add_argument("--attention", default=None, choices=[a.value for a in Attention])
   p.add_argument("--capacity-factor", type=float, default=None,
                  help="experts' capacity factor (default dropless: worst-case dispatch buffers)")
   p.add_argument("--global-batch", type=int, default=512, help="sequences per step")

@@ -41,27 +41,32 @@ import numpy as np  # noqa: E402
 
 from benchmarks._timing import median_seconds  # noqa: E402
 from k3jax import allocator  # noqa: E402
+from k3jax.execution import Execution  # noqa: E402
 
 
 def k3_100m():
   """~100M parameters with every K3 part: [KDA, KDA, KDA, MLA] x 2 + the trailing MLA, a
   dense first layer, LatentMoE (32 experts, top 4, latent 256, 2 shared) with QB, AttnRes blocks
   of 3, SiTU, KDA head_dim 128 as in K3. A 32k vocabulary keeps the head K3-like in proportion
-  (byte-level would make the model all layers); the loss in chunks of 512 positions, as K3's
-  recipe runs it (k3jax/train/loss.py: its own backward, no [tokens, vocab] buffers)."""
+  (byte-level would make the model all layers). Run with the loss in chunks of 512 positions
+  (`model_config`), as K3's recipe runs it."""
   import configs  # noqa: PLC0415
   return configs.get("tiny").replace(
       vocab_size=32768, hidden_size=512, num_layers=9, mla_layers=(3, 7, 8),
       kda_num_heads=4, kda_head_dim=128, mla_num_heads=4, q_lora_rank=192, kv_lora_rank=128,
       qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, intermediate_size=1536,
       num_experts=32, num_experts_per_token=4, num_shared_experts=2, moe_intermediate_size=256,
-      latent_size=256, attn_res_block_size=3, loss_chunk=512)
+      latent_size=256, attn_res_block_size=3)
 
 
 def model_config(name: str, dtype: str, remat: bool):
+  """(config, execution): `dtype` compute over fp32 master weights; k3_100m's loss in chunks
+  of 512 positions (k3jax/train/loss.py: its own backward, no [tokens, vocab] buffers)."""
   import configs  # noqa: PLC0415
-  cfg = k3_100m() if name == "k3_100m" else configs.resolve(name)
-  return cfg.replace(dtype=dtype, param_dtype="float32", remat=remat)
+  big = name == "k3_100m"
+  cfg = k3_100m() if big else configs.resolve(name)
+  return cfg, Execution(dtype=dtype, param_dtype="float32", remat=remat,
+                        loss_chunk=512 if big else None)
 
 
 def timed(fn, *args, iters: int) -> tuple[float, float]:
@@ -72,11 +77,11 @@ def timed(fn, *args, iters: int) -> tuple[float, float]:
   return compile_s, median_seconds(lambda: jax.block_until_ready(compiled(*args)), iters)
 
 
-def bench_step(cfg, batch: int, seq: int, iters: int, peak: float, accum: int = 1) -> dict:
+def bench_step(cfg, ex, batch: int, seq: int, iters: int, peak: float, accum: int = 1) -> dict:
   from k3jax.train import flops as flops_lib  # noqa: PLC0415
   from k3jax.train import step as step_lib  # noqa: PLC0415
-  steps = step_lib.build(cfg, step_lib.StepConfig(decay_steps=1000))
-  params, bias = step_lib.init_params(cfg, 0)
+  steps = step_lib.build(cfg, ex, step_lib.StepConfig(decay_steps=1000))
+  params, bias = step_lib.init_params(cfg, ex, 0)
   state = step_lib.place(steps.init(params, bias, step_lib.new_rng(0)))
   rng = np.random.default_rng(0)
   shape = (accum, batch, seq)  # micro-batches, rows, positions
@@ -109,7 +114,7 @@ def bench_step(cfg, batch: int, seq: int, iters: int, peak: float, accum: int = 
   }
 
 
-def breakdown(cfg, batch: int, seq: int, iters: int) -> dict[str, float]:
+def breakdown(cfg, ex, batch: int, seq: int, iters: int) -> dict[str, float]:
   """Seconds of forward+backward of one layer of each kind, and of the optimizer update."""
   from flax import nnx  # noqa: PLC0415
 
@@ -117,24 +122,24 @@ def breakdown(cfg, batch: int, seq: int, iters: int) -> dict[str, float]:
   from k3jax.model.mla import MLA  # noqa: PLC0415
   from k3jax.model.moe import MoE  # noqa: PLC0415
   from k3jax.train import step as step_lib  # noqa: PLC0415
-  x = jax.random.normal(jax.random.key(0), (batch, seq, cfg.hidden_size), cfg.jnp_dtype)
+  x = jax.random.normal(jax.random.key(0), (batch, seq, cfg.hidden_size), ex.jnp_dtype)
   seg = jnp.ones((batch, seq), jnp.int32)
   out = {}
   # the whole model's loss, forward and forward+backward (no optimizer, no QB)
   from k3jax.model.transformer import K3Model  # noqa: PLC0415
   from k3jax.train.loss import model_nll  # noqa: PLC0415
-  graphdef, params, rest = nnx.split(K3Model(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+  graphdef, params, rest = nnx.split(K3Model(cfg, ex, rngs=nnx.Rngs(0)), nnx.Param, ...)
   ids = jax.random.randint(jax.random.key(3), (batch, seq + 1), 0, cfg.vocab_size)
   mask = jnp.ones((batch, seq), bool)
 
   def model_loss(params):
-    out, nll_of = model_nll(nnx.merge(graphdef, params, rest), cfg, ids[:, :-1], seg)
+    out, nll_of = model_nll(nnx.merge(graphdef, params, rest), ids[:, :-1], seg)
     return jnp.mean(nll_of(out, ids[:, 1:], mask))
 
   out["model_fwd_s"] = timed(model_loss, params, iters=iters)[1]
   out["model_fwd_bwd_s"] = timed(jax.value_and_grad(model_loss), params, iters=iters)[1]
   for name, make in (("kda_layer", KDA), ("mla_layer", MLA), ("moe_layer", MoE)):
-    graphdef, state = nnx.split(make(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(make(cfg, ex, rngs=nnx.Rngs(0)))
 
     def loss(state, x, graphdef=graphdef, name=name):
       layer = nnx.merge(graphdef, state)
@@ -145,8 +150,8 @@ def breakdown(cfg, batch: int, seq: int, iters: int) -> dict[str, float]:
   # the routed experts' grouped matmul alone against a dense matmul of the same FLOPs
   m = batch * seq * cfg.num_experts_per_token
   h, f, e = cfg.latent_size or cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
-  z = jax.random.normal(jax.random.key(1), (m, h), cfg.jnp_dtype)
-  w = jax.random.normal(jax.random.key(2), (e, h, f), cfg.jnp_dtype)
+  z = jax.random.normal(jax.random.key(1), (m, h), ex.jnp_dtype)
+  w = jax.random.normal(jax.random.key(2), (e, h, f), ex.jnp_dtype)
   sizes = jnp.asarray(np.random.default_rng(0).multinomial(m, np.ones(e) / e), jnp.int32)
   from pallas_kernels.grouped_matmul import grouped_matmul  # noqa: PLC0415
   dense = lambda z, w: jnp.sum((z @ w[0]) ** 2)  # noqa: E731
@@ -156,8 +161,8 @@ def breakdown(cfg, batch: int, seq: int, iters: int) -> dict[str, float]:
                                                 iters=iters)[1]
   out["same_flops_dense_matmul_fwd_bwd_s"] = timed(jax.grad(dense, argnums=(0, 1)), z, w,
                                                    iters=iters)[1]
-  steps = step_lib.build(cfg, step_lib.StepConfig(decay_steps=1000))
-  params, bias = step_lib.init_params(cfg, 0)
+  steps = step_lib.build(cfg, ex, step_lib.StepConfig(decay_steps=1000))
+  params, bias = step_lib.init_params(cfg, ex, 0)
   opt_state = steps.tx.init(params)
 
   def update(grads, opt_state, params):
@@ -195,8 +200,8 @@ def main(argv=None) -> int:
   for name in a.configs.split(","):
     big = name == "k3_100m"
     batch, seq = a.batch or (4 if big else 8), a.seq or (512 if big else 128)
-    cfg = model_config(name, a.dtype, a.remat)
-    r = bench_step(cfg, batch, seq, a.iters, peak, a.grad_accum)
+    cfg, ex = model_config(name, a.dtype, a.remat)
+    r = bench_step(cfg, ex, batch, seq, a.iters, peak, a.grad_accum)
     print(f"{name}: {r['params'] / 1e6:.1f}M params ({r['active_matmul_params'] / 1e6:.1f}M "
           f"active matmul), batch {a.grad_accum} x {batch} x {seq}: compile "
           f"{r['compile_s']:.0f}s, step "
@@ -210,7 +215,7 @@ def main(argv=None) -> int:
     print("  forward FLOPs/token: " + ", ".join(
         f"{k} {v / 1e6:.2f}M ({100 * v / total:.0f}%)" for k, v in fwd.items()), flush=True)
     if a.breakdown:
-      b = breakdown(cfg, batch, seq, a.iters)
+      b = breakdown(cfg, ex, batch, seq, a.iters)
       r["breakdown"] = b
       print("  breakdown (fwd+bwd seconds): " + ", ".join(
           f"{k.removesuffix('_s')} {v:.3f}" for k, v in b.items()), flush=True)

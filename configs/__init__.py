@@ -1,7 +1,7 @@
 """Built-in model presets: `get(name)` returns a ModelConfig for "k3", "kimi_linear_48b", "tiny".
 
 A preset is a Python module here with a `config()` function. `resolve(name_or_path)` also
-accepts an HF config.json (or a folder holding one) or a k3jax config JSON.
+accepts an HF config.json (or a model folder, k3jax.folders) or a k3jax config JSON.
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ import os
 from typing import Any
 
 from k3jax.errors import ConfigError
-from k3jax.config import ModelConfig, from_hf_config
+from k3jax.config import ModelConfig
+from k3jax.hf_config import from_hf_config
+from k3jax.folders import model_folder
 
 PRESETS = ("k3", "kimi_linear_48b", "tiny")
 
@@ -25,11 +27,13 @@ def get(name: str, **overrides: Any) -> ModelConfig:
 
 
 def resolve(name_or_path: str, **overrides: Any) -> ModelConfig:
-  """A preset name, an HF config.json / model folder, or a k3jax config JSON."""
+  """A preset name, an HF config.json / model folder (a `k3jax train` output: its model/), or
+  a k3jax config JSON."""
   if name_or_path in PRESETS:
     return get(name_or_path, **overrides)
   path = name_or_path
   if os.path.isdir(path):
+    path = model_folder(path).weights
     k3jax_json = os.path.join(path, "k3jax_config.json")
     path = k3jax_json if os.path.exists(k3jax_json) else os.path.join(path, "config.json")
   if not os.path.exists(path):

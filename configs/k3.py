@@ -1,4 +1,5 @@
-"""Kimi K3 (moonshotai/Kimi-K3), the text model of the released checkpoint (SPEC §2.1)."""
+"""Kimi K3 (moonshotai/Kimi-K3), the text model of the released checkpoint
+(docs/model.md#configuration)."""
 
 from k3jax.config import ModelConfig
 
@@ -40,15 +41,13 @@ def config() -> ModelConfig:
       bos_token_id=163584,
       eos_token_id=163586,
       pad_token_id=163839,
-      dtype="bfloat16",
-      param_dtype="bfloat16",
   )
 
 
 def reduced(num_layers: int = 4, num_experts: int = 32, **overrides) -> ModelConfig:
   """K3's widths (d 7168, 96 heads, vocab 163840, latent 3584, ...) with few layers and
-  experts: a K3-shaped model whose train step compiles in about a minute (plan tests, before /
-  after memory figures). The last layer is MLA, as in K3; AttnRes blocks of 2 layers so that
+  experts: a K3-shaped model whose train step compiles quickly (plan tests, before / after memory
+  figures). The last layer is MLA, as in K3; AttnRes blocks of 2 layers so that
   blocks seal inside the stack."""
   return config().replace(num_layers=num_layers, mla_layers=(num_layers - 1,),
                           num_experts=num_experts, attn_res_block_size=2, **overrides)

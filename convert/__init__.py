@@ -1,4 +1,4 @@
-"""Official safetensors <-> k3jax (Orbax) conversion (SPEC §3).
+"""Official safetensors <-> k3jax (Orbax) conversion (docs/checkpoints.md).
 
     k3jax convert HF_DIR OUT_DIR [--layers A-B] [--experts bf16|mxfp4] [--force] [--resume]
                   [--quiet]
@@ -27,7 +27,8 @@ A converted checkpoint restores with the standard Orbax API into the model's abs
     model = nnx.merge(graphdef, ocp.StandardCheckpointer().restore(ckpt, abstract))
 
 (the arrays come back as numpy, as they were written, unless the abstract leaves carry a
-sharding), or `convert.load.load_checkpoint(ckpt, shardings=..., **overrides)`, which also
+sharding; `K3Model(cfg, ex, ...)` with an `Execution` restores them in its dtypes), or
+`convert.load.load_checkpoint(ckpt, ex, shardings=..., **overrides)`, which also
 handles `--experts mxfp4` checkpoints and `--layers` prefixes; with
 `shardings=load.named_shardings(cfg, mesh)` every process reads only its own shards.
 """

@@ -17,15 +17,16 @@ from k3jax.errors import CheckpointError
 from convert.source import open_source, plan, read_weight, to_k3jax
 from convert.variables import Path, abstract_variables
 from k3jax.config import ModelConfig
+from k3jax.execution import Execution
 
 __all__ = ["CheckpointError", "build_model", "load_model"]
 
 
-def build_model(cfg: ModelConfig, arrays: dict[Path, Any]):
-  """A K3Model holding `arrays` (k3jax path -> full stacked array), cast to each variable's
-  dtype (param_dtype, or the >= fp32 of the F32 exceptions)."""
+def build_model(cfg: ModelConfig, ex: Execution, arrays: dict[Path, Any]):
+  """A K3Model run as `ex` says holding `arrays` (k3jax path -> full stacked array), cast to
+  each variable's dtype (ex.param_dtype, or the >= fp32 of the F32 exceptions)."""
   from k3jax.model.transformer import K3Model  # noqa: PLC0415
-  model = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
+  model = nnx.eval_shape(lambda: K3Model(cfg, ex, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(model)
   for path, var in nnx.to_flat_state(state):
     key = tuple(str(p) for p in path)
@@ -39,16 +40,18 @@ def build_model(cfg: ModelConfig, arrays: dict[Path, Any]):
   return nnx.merge(graphdef, state)
 
 
-def load_model(folder: str, cfg: ModelConfig | None = None, **overrides: Any):
-  """(model, cfg) with the folder's weights, in cfg.param_dtype."""
+def load_model(folder: str, ex: Execution = Execution(), *, cfg: ModelConfig | None = None,
+               **overrides: Any):
+  """(model, cfg) with the folder's weights, run as `ex` says (held in ex.param_dtype).
+  `overrides` change the folder's config (architecture fields)."""
   source = open_source(folder, **overrides)
   cfg = cfg or source.cfg
   source.cfg = cfg
-  variables = abstract_variables(cfg)
+  variables = abstract_variables(cfg, ex)
   arrays = {path: np.zeros(v.shape, v.get_value().dtype) for path, v in variables.items()}
   for item in plan(source, shapes={p: tuple(v.shape) for p, v in variables.items()}):
     weight = read_weight(source, item)
     for path, arr in zip(item.slot.entry.paths, to_k3jax(item, weight, cfg)):
       arrays[path][item.slot.index] = arr
   source.reader.close()
-  return build_model(cfg, arrays), cfg
+  return build_model(cfg, ex, arrays), cfg

@@ -24,6 +24,7 @@ from convert.hf_load import build_model, load_model
 from convert.to_orbax import CONFIG, MANIFEST, packed_paths
 from convert.variables import abstract_variables
 from k3jax.config import ModelConfig
+from k3jax.execution import Execution, recorded
 from k3jax.model.schedule import STACKS, stack_sizes
 
 
@@ -51,6 +52,21 @@ def checkpoint_config(directory: str, **overrides: Any) -> ModelConfig:
   return configs.resolve(directory, **overrides)
 
 
+def checkpoint_execution(directory: str) -> Execution:
+  """The execution a checkpoint records for its weights (`k3jax train` outputs: the compute
+  and master dtypes they were trained in; k3jax_config.json files written before the split
+  hold them in "config"); the defaults (float32) for a converted checkpoint, which records
+  none: its arrays keep their own dtypes on disk and are restored into `ex`'s."""
+  path = os.path.join(directory, CONFIG)
+  try:
+    with open(path) as f:
+      return recorded(json.load(f))
+  except FileNotFoundError:
+    raise CheckpointError(f"{directory}: no {CONFIG} (not a k3jax checkpoint)") from None
+  except json.JSONDecodeError as e:
+    raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+
+
 def prefix_config(cfg: ModelConfig, n_layers: int) -> ModelConfig:
   """The model made of layers 0..n_layers-1 of `cfg`."""
   return cfg.replace(num_layers=n_layers, mla_layers=tuple(l for l in cfg.mla_layers
@@ -65,13 +81,14 @@ def named_shardings(cfg: ModelConfig, mesh) -> dict:
   return path_shardings(abstract_variables(cfg), mesh)
 
 
-def load_checkpoint(directory: str, *, allow_partial: bool = False, shardings=None,
-                    **overrides: Any):
-  """(model, cfg) from a converted checkpoint, in cfg.param_dtype (override it as for
-  `load_model`: dtype=..., param_dtype=..., matmul_precision=...). `shardings` (k3jax path ->
-  jax.sharding.Sharding, e.g. `named_shardings(cfg, mesh)`) places each array as Orbax
-  restores it: each process reads only the chunks of its own shards."""
+def load_checkpoint(directory: str, ex: Execution | None = None, *, allow_partial: bool = False,
+                    shardings=None, **overrides: Any):
+  """(model, cfg) from a converted checkpoint, run as `ex` says and held in ex.param_dtype
+  (None: the execution the checkpoint records, `checkpoint_execution`). `shardings` (k3jax
+  path -> jax.sharding.Sharding, e.g. `named_shardings(cfg, mesh)`) places each array as
+  Orbax restores it: each process reads only the chunks of its own shards."""
   cfg = checkpoint_config(directory, **overrides)
+  ex = checkpoint_execution(directory) if ex is None else ex
   manifest = read_manifest(directory) or {}
   layers = manifest.get("layers")
   if layers is not None and not allow_partial:
@@ -81,7 +98,7 @@ def load_checkpoint(directory: str, *, allow_partial: bool = False, shardings=No
     raise CheckpointError(f"{directory} holds layers {layers[0]}-{layers[1]}: only a prefix "
                           "(0-B) can be run")
   codes = manifest.get("experts") == "mxfp4"
-  variables = abstract_variables(cfg)
+  variables = abstract_variables(cfg, ex)
   saved = orbax_io.saved_paths(directory)
   target = {}
   for path, var in variables.items():
@@ -104,16 +121,16 @@ def load_checkpoint(directory: str, *, allow_partial: bool = False, shardings=No
     raise CheckpointError(f"{directory}: unexpected array {extra[0]}")
 
   if layers is not None:
-    return _load_prefix(directory, cfg, layers[1] + 1, target, codes)
+    return _load_prefix(directory, cfg, ex, layers[1] + 1, target, codes)
   if codes and shardings:  # the experts straight into their shardings, block by block
     arrays = orbax_io.restore(directory, {p: t for p, t in target.items()
                                           if not p[-1].endswith(("_packed", "_scale"))})
     arrays.update(_dequantized_sharded(directory, variables, shardings))
-    return build_model(cfg, arrays), cfg
+    return build_model(cfg, ex, arrays), cfg
   arrays = orbax_io.restore(directory, target)
   if codes:
     _dequantize_experts(arrays, variables)
-  return build_model(cfg, arrays), cfg
+  return build_model(cfg, ex, arrays), cfg
 
 
 def _dequantized_sharded(directory: str, variables: dict, shardings: dict) -> dict:
@@ -164,7 +181,7 @@ def _dequantize_experts(arrays: dict, variables: dict) -> None:
     arrays[path] = w
 
 
-def _load_prefix(directory, cfg, n_layers, target, codes):
+def _load_prefix(directory, cfg, ex, n_layers, target, codes):
   """The truncated model of the layers a partial checkpoint holds, read with TensorStore: the
   arrays have the full model's shapes, and the entries never converted read as zeros."""
   small = prefix_config(cfg, n_layers)
@@ -178,26 +195,28 @@ def _load_prefix(directory, cfg, n_layers, target, codes):
       store = store[: counts[path[0]]]
     arrays[path] = store.read().result()
   if codes:
-    _dequantize_experts(arrays, abstract_variables(small))
-  return build_model(small, arrays), small
+    _dequantize_experts(arrays, abstract_variables(small, ex))
+  return build_model(small, ex, arrays), small
 
 
-def load_any(path: str, *, mesh=None, **overrides: Any):
-  """(model, cfg) from a converted checkpoint or an official-layout folder. With `mesh`, every
-  array in its sharding from the rules table (a mesh that cannot split the model is refused
-  before anything is read): a checkpoint is restored by Orbax straight into its shards; an
-  official-layout folder is read into host memory and then placed (convert it first for a
-  model that does not fit one host)."""
+def load_any(path: str, ex: Execution | None = None, *, mesh=None, **overrides: Any):
+  """(model, cfg) from a converted checkpoint or an official-layout folder, run as `ex` says
+  (None: what a checkpoint records, `checkpoint_execution`; the defaults for a folder). With
+  `mesh`, every array in its sharding from the rules table (a mesh that cannot split the model
+  is refused before anything is read): a checkpoint is restored by Orbax straight into its
+  shards; an official-layout folder is read into host memory and then placed (convert it
+  first for a model that does not fit one host)."""
   if mesh is None:
     if is_checkpoint(path):
-      return load_checkpoint(path, allow_partial=True, **overrides)
-    return load_model(path, **overrides)
+      return load_checkpoint(path, ex, allow_partial=True, **overrides)
+    return load_model(path, ex or Execution(), **overrides)
   import configs  # noqa: PLC0415
   from sharding.placement import place_model  # noqa: PLC0415
   shardings = named_shardings(configs.resolve(path, **overrides), mesh)
   if is_checkpoint(path):
-    model, cfg = load_checkpoint(path, allow_partial=True, shardings=shardings, **overrides)
+    model, cfg = load_checkpoint(path, ex, allow_partial=True, shardings=shardings,
+                                 **overrides)
   else:
-    model, cfg = load_model(path, **overrides)
+    model, cfg = load_model(path, ex or Execution(), **overrides)
   place_model(model, mesh)  # a no-op for arrays already in their shardings
   return model, cfg

@@ -62,8 +62,9 @@ _TILE = 512
 
 def transpose(a: np.ndarray) -> np.ndarray:
   """a.T of a 2-D array as a C-contiguous copy, made tile by tile: numpy's plain copy of a
-  transposed array strides through memory and runs ~5x slower on big bf16 matrices. Small or
-  zero-stride arrays (shape computations) stay a view."""
+  transposed array strides through memory and runs several times slower on big bf16 matrices
+  (docs/benchmarks.md#development-measurements). Small or zero-stride arrays (shape
+  computations) stay a view."""
   if a.size < _TILE * _TILE or 0 in a.strides:
     return a.T
   # as plain unsigned ints: numpy has no fast copy loop for ml_dtypes' bfloat16

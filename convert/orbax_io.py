@@ -30,7 +30,7 @@ order. Nothing bigger than one tensor plus the writes in flight is ever held.
   speed across chunk sizes).
 - B-tree nodes of <= `NODE_BYTES`: every commit rewrites the B-tree nodes it touches whole,
   so Orbax's default 100 MB nodes make a commit's cost grow with the number of chunks
-  already written; K3 makes ~10^6 chunks and ~2*10^4 commits (README, Benchmarks).
+  already written (docs/benchmarks.md#conversion).
 - Resume: `on_commit(keys)` is called with the stream keys of every batch once its commit
   (and TensorStore's fsync) has finished; `convert` journals them and skips them on
   `--resume`. A batch interrupted mid-commit leaves an orphaned data file at most; the
@@ -60,7 +60,7 @@ import numpy as np
 import tensorstore as ts
 from etils import epath
 
-from k3jax.errors import CheckpointError
+from k3jax.errors import CheckpointError, K3jaxError
 
 Path = tuple[str, ...]
 CHUNK_BYTES = 4 << 20
@@ -70,6 +70,11 @@ METADATA = "_METADATA"
 STEP_METADATA = "_CHECKPOINT_METADATA"  # Orbax's per-checkpoint metadata file (Checkpointer)
 # A stream item: (journal key, bytes as stored, () -> [(array path, stack index, tensor)]).
 Item = tuple[str, int, Callable[[], list[tuple[Path, tuple[int, ...], np.ndarray]]]]
+
+
+def _orbax_path(directory: str) -> epath.Path:
+  """`directory` as Orbax takes it: absolute (Orbax refuses relative checkpoint paths)."""
+  return epath.Path(os.path.abspath(directory))
 
 
 def param_name(path: Path) -> str:
@@ -112,8 +117,20 @@ class Stream:
     self.items, self.on_commit = items, on_commit
     self.txn_bytes = TXN_BYTES if txn_bytes is None else txn_bytes
     self.stop = threading.Event()
+    self.error: BaseException | None = None  # why the stream stopped early (bad input, stop)
 
   async def run(self, stores: dict[Path, ts.TensorStore]) -> None:
+    """Write every item. Bad input met on the way (a `K3jaxError` from `read`, e.g. a
+    tensor its layout transform refuses) or a stop request ends the save as a cancellation:
+    Orbax logs any other exception of its save threads with a traceback, and the error is
+    the caller's to report (`write_checkpoint` raises `self.error`)."""
+    try:
+      await self._run(stores)
+    except (K3jaxError, Interrupted) as e:
+      self.error = e
+      raise asyncio.CancelledError() from None
+
+  async def _run(self, stores: dict[Path, ts.TensorStore]) -> None:
     txn, keys, staged = ts.Transaction(), [], 0
     committing: tuple[Any, list[str], int] | None = None
     try:
@@ -228,7 +245,7 @@ def write_checkpoint(directory: str, arrays: dict[Path, tuple[tuple[int, ...], A
                                         type_handler_registry=registry)
   save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), tree)
   started = time.time_ns()
-  path = epath.Path(directory)
+  path = _orbax_path(directory)
   done = threading.Event()
   errors: list[BaseException] = []
 
@@ -256,6 +273,8 @@ def write_checkpoint(directory: str, arrays: dict[Path, tuple[tuple[int, ...], A
     stream.stop.set()
     done.wait()
     raise
+  if stream.error is not None:
+    raise stream.error
   if errors:
     raise errors[0]
   # What `ocp.Checkpointer.save` records around its handler's save (this save is resumable, so
@@ -285,7 +304,7 @@ def _tree_metadata(directory: str):
   if not os.path.exists(os.path.join(directory, METADATA)):
     raise CheckpointError(f"{directory}: not an Orbax checkpoint (no {METADATA})")
   try:
-    return ocp.PyTreeCheckpointHandler().metadata(epath.Path(directory))
+    return ocp.PyTreeCheckpointHandler().metadata(_orbax_path(directory))
   except (OSError, ValueError, KeyError, TypeError) as e:
     raise CheckpointError(f"{directory}: unreadable Orbax metadata ({e})") from None
 
@@ -318,9 +337,10 @@ def open_array(directory: str, path: Path) -> ts.TensorStore:
   the one-folder-per-array layout of checkpoints converted before OCDBT). Chunks never
   written (the layers a `--layers` slice does not hold) read as zeros."""
   import orbax.checkpoint as ocp  # noqa: PLC0415
-  use_ocdbt = ocp.type_handlers.is_ocdbt_checkpoint(epath.Path(directory))
+  parent = _orbax_path(directory)
+  use_ocdbt = ocp.type_handlers.is_ocdbt_checkpoint(parent)
   context = _read_context(use_ocdbt)
-  info = ocp.type_handlers.ParamInfo(name=param_name(path), parent_dir=epath.Path(directory),
+  info = ocp.type_handlers.ParamInfo(name=param_name(path), parent_dir=parent,
                                      is_ocdbt_checkpoint=use_ocdbt, use_zarr3=False,
                                      ts_context=context)
   spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=use_ocdbt,
@@ -343,7 +363,7 @@ def restore(directory: str, target: dict[Path, Any]) -> dict[Path, Any]:
       node = node.setdefault(k, {})
     node["value"] = leaf
   restored = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).restore(
-      directory, args=ocp.args.PyTreeRestore(
+      _orbax_path(directory), args=ocp.args.PyTreeRestore(
           tree, restore_args=ocp.checkpoint_utils.construct_restore_args(tree),
           partial_restore=True))
   out = {}

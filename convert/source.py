@@ -25,7 +25,8 @@ from convert.name_map import (DIALECTS, PACKED, SCALE, Dialect, Entry, Slot, ful
 from convert.safetensors_io import Header, ShardReader, TensorInfo
 from convert.variables import param_shapes
 from k3jax.errors import ConfigError
-from k3jax.config import ModelConfig, from_hf_config
+from k3jax.config import ModelConfig
+from k3jax.hf_config import from_hf_config
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

@@ -32,7 +32,8 @@ from convert.safetensors_io import DTYPES, ShardWriter, plan_header
 from convert.source import INDEX, SINGLE
 from convert.to_orbax import HF_DIR, packed_paths
 from convert.variables import param_shapes
-from k3jax.config import ModelConfig, to_hf_config
+from k3jax.config import ModelConfig
+from k3jax.hf_config import to_hf_config
 
 SHARD_BYTES = 5 << 30  # default shard size when the source's sharding is unknown
 
@@ -79,7 +80,8 @@ def _cast(a: np.ndarray, dtype: str, name: str) -> np.ndarray:
     raise CheckpointError(f"tensor {name}: cannot write a float weight as {dtype}")
   if target == ml_dtypes.bfloat16 and a.dtype == np.float64:
     # through float32, as torch's and XLA's float64 -> bf16 conversions round (twice):
-    # ml_dtypes >= 0.7 rounds float64 straight to bf16, which differs on ~5 values in 10^6
+    # ml_dtypes >= 0.7 rounds float64 straight to bf16, which differs on a few values
+    # (docs/benchmarks.md#development-measurements)
     a = a.astype(np.float32)
   return a.astype(target)  # float -> bf16 rounds to nearest even (ml_dtypes)
 

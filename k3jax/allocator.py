@@ -3,12 +3,11 @@
 Why it matters on a CPU host: every execution of a jitted step allocates its temporaries
 afresh, hundreds of MB for a ~100M-parameter train step. glibc malloc serves every block over
 32 MiB (its largest mmap threshold) with a fresh mmap and returns it to the kernel on free, so
-each step touches those pages for the first time again: measured on the ~100M step's MoE layer,
-57k page faults per forward+backward (222 MB zero-filled by the kernel, ~1 us a page), a
-quarter of the layer's time, and large copies ran at 2-5 GB/s. tcmalloc keeps freed memory
-mapped for the next step (5.7k faults, the layer 157 -> 114 ms, the whole step -15%; see
-benchmarks/train.py). The allocator is chosen when the process starts (LD_PRELOAD), hence the
-re-exec below. On TPU and GPU the step's buffers live in device memory and this does not apply.
+each step touches those pages for the first time again: every page fault zero-fills a page,
+and the faults take a large share of a layer's time. tcmalloc keeps freed memory mapped for
+the next step (benchmarks/train.py measures both: docs/benchmarks.md#train-step). The
+allocator is chosen when the process starts (LD_PRELOAD), hence the re-exec below. On TPU and
+GPU the step's buffers live in device memory and this does not apply.
 
     LD_PRELOAD=$(python -c "from k3jax import allocator; print(allocator.find_tcmalloc())") ...
 

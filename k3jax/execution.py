@@ -172,3 +172,14 @@ def split_fields(d: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
   before the two were separated hold them together."""
   arch = {k: v for k, v in d.items() if k not in FIELDS}
   return arch, {k: v for k, v in d.items() if k in FIELDS}
+
+
+def recorded(file: Mapping[str, Any]) -> Execution:
+  """The execution a k3jax config file (`{"format": "k3jax", "config": ..., "execution":
+  ...}`) records for its weights: its "execution" object; in a file written before the split,
+  the execution fields of its "config" (an older `remat` bool included); the defaults when it
+  records none (a converted checkpoint)."""
+  fields = file.get("execution")
+  if fields is None:
+    fields = split_fields(file.get("config") or {})[1]
+  return Execution.from_dict(fields)

@@ -46,7 +46,9 @@ def param_breakdown(cfg: ModelConfig) -> dict[str, int]:
   return dict(counts)
 
 
-def summary(cfg: ModelConfig) -> dict:
+def summary(cfg: ModelConfig, cache_dtype: str = "bfloat16") -> dict:
+  """Parameter counts and per-request decode state of `cfg`, the cache held in `cache_dtype`
+  (default bfloat16: what K3 serves in on TPU/GPU)."""
   counts = param_breakdown(cfg)
   total = sum(counts.values())
   n_moe = len(cfg.moe_layers)
@@ -54,7 +56,7 @@ def summary(cfg: ModelConfig) -> dict:
   routed = counts.get("routed_experts", 0)
   active = total - routed + n_moe * cfg.num_experts_per_token * per_expert
   n_kda, n_mla = len(cfg.kda_layers), len(cfg.mla_layers)
-  kv_bytes = jnp.dtype(cfg.dtype).itemsize
+  kv_bytes = jnp.dtype(cache_dtype).itemsize
   kda_state = n_kda * cfg.kda_num_heads * cfg.kda_head_dim * cfg.kda_head_dim * 4
   conv_state = n_kda * (cfg.conv_kernel_size - 1) * 3 * cfg.kda_num_heads * cfg.kda_head_dim
   mla_token = n_mla * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * kv_bytes
@@ -70,7 +72,7 @@ def summary(cfg: ModelConfig) -> dict:
       "mla_cache_bytes_per_token": mla_token,
       "mla_cache_bytes_per_token_if_all_mla": cfg.num_layers * (
           cfg.kv_lora_rank + cfg.qk_rope_head_dim) * kv_bytes,
-      "cache_dtype": cfg.dtype,
+      "cache_dtype": cache_dtype,
   }
 
 

@@ -1,23 +1,24 @@
 """`k3jax parity`: run a model on a reference file's tokens and compare with its outputs.
 
-MODEL_DIR is an official K3 / Kimi-Linear folder or a converted k3jax checkpoint. The
-reference `.npz` holds `input_ids` [B, T] and `logits` (and, in the k3jax reference files,
+MODEL_DIR is an official K3 / Kimi-Linear folder, a converted k3jax checkpoint or a `k3jax
+train` output (its model/; the command resolves it, k3jax/folders.py). The reference `.npz`
+holds `input_ids` [B, T] and `logits` (and, in the k3jax reference files,
 `logits_fp64`, the official code run in float64, plus `layer_out_i` / `hidden_last`,
 `decode_logits_fp64` and `logits_bf16_official`).
 
-Verdict (SPEC §8, ../shared/reference/README.md), against `logits_fp64` when present:
+Verdict (docs/correctness.md#whole-model-rules), against `logits_fp64` when present:
   float64   max |logit diff| <= 1e-5 (the float32 rounding of the stored truth)
-  float32   max |logit diff| <= 2e-3 (the float32 noise floor of the random tiny network: the
-            official float32 run itself is 4e-4..6e-4 away) and the same argmax everywhere
+  float32   max |logit diff| <= 2e-3 (the float32 noise floor of the random tiny network)
+            and the same argmax everywhere
   bfloat16  judged against the official code run in bf16 (`logits_bf16_official`): mean
             KL(truth || model) over positions <= 2x the official bf16 run's, and argmax
             agreement with the truth >= the official's - 0.10 (on these random networks the
-            official bf16 run itself agrees on only 29-85% of positions). A file without
+            official bf16 run itself is far from the truth). A file without
             `logits_bf16_official` falls back to the same argmax on >= 99% of positions.
 A file with only (float32) `logits` carries float32 noise itself, so float64 and float32 runs
 are then held to the float32 rule. Per-layer differences are reported, not judged: the stored
 `layer_out_i` come from the official float32 run, so even an exact float64 run sits at the
-float32 noise floor there (~1e-6 at layer 0, growing to ~1e-4..1e-3 with depth). For a
+float32 noise floor there, growing with depth. For a
 partial checkpoint (a prefix converted with --layers) only those layers can be compared, and
 they are judged by the float32 noise floor.
 
@@ -28,7 +29,7 @@ bf16 the yardstick stays the official bf16 forward (the reference has no officia
 decode): decode KL from the decode truth <= 2x the official forward's KL from its truth.
 Both must pass. --save-logits writes what was computed (float64 arrays) to an .npz.
 
---mesh SPEC runs the model sharded (SPEC §6): a converted checkpoint is restored by Orbax
+--mesh MESH runs the model sharded (docs/sharding.md): a converted checkpoint is restored by Orbax
 straight into its shards, and the forward (and decode) run under that mesh, the routed experts
 expert-parallel; the verdict is the same rule.
 """
@@ -42,17 +43,13 @@ import os
 import numpy as np
 
 from k3jax.errors import UserError
+from k3jax.execution import NUMERICS  # the numerics of each --dtype (also read from here)
 
 TOLERANCE = {"float64": 1e-5, "float32": 2e-3}
 FLOAT32_NOISE = 2e-3
 BF16_ARGMAX = 0.99        # fallback rule when the file has no logits_bf16_official
-BF16_KL_RATIO = 2.0       # SPEC §8: mean KL <= 2x the official bf16 run's
-BF16_ARGMAX_SLACK = 0.10  # SPEC §8: argmax agreement >= the official's - 0.10
-NUMERICS = {
-    "float64": dict(dtype="float64", param_dtype="float64", matmul_precision="highest"),
-    "float32": dict(dtype="float32", param_dtype="float32", matmul_precision="highest"),
-    "bfloat16": dict(dtype="bfloat16", param_dtype="bfloat16", matmul_precision="default"),
-}
+BF16_KL_RATIO = 2.0       # docs/correctness.md#bf16: mean KL <= 2x the official bf16 run's
+BF16_ARGMAX_SLACK = 0.10  # docs/correctness.md#bf16: argmax agreement >= the official's - 0.10
 
 
 def load_reference(path: str) -> dict[str, np.ndarray]:
@@ -72,7 +69,7 @@ def run_model(model_dir: str, ids: np.ndarray, dtype: str, layers: bool = False,
               decode_prefill: int | None = None, mesh: str | None = None) -> dict:
   """The model's outputs on `ids` in `dtype` (float64 arrays): logits, layer_out, hidden, and
   with `decode_prefill` P the decode logits (prefill P tokens, then one token per step).
-  `mesh` (a spec such as "data=2,expert=2,tensor=2") runs it sharded (SPEC §6)."""
+  `mesh` (a spec such as "data=2,expert=2,tensor=2") runs it sharded."""
   import contextlib  # noqa: PLC0415
 
   import jax  # noqa: PLC0415
@@ -85,7 +82,7 @@ def run_model(model_dir: str, ids: np.ndarray, dtype: str, layers: bool = False,
     if mesh is not None:
       from sharding.mesh import make_mesh  # noqa: PLC0415
       device_mesh = make_mesh(mesh)
-    model, cfg = load_any(model_dir, mesh=device_mesh, **NUMERICS[dtype])
+    model, cfg = load_any(model_dir, NUMERICS[dtype], mesh=device_mesh)
     partial = (read_manifest(model_dir) or {}).get("layers") if os.path.isdir(model_dir) else None
     ids = jnp.asarray(ids, jnp.int32)
     if int(ids.max()) >= cfg.vocab_size or int(ids.min()) < 0:
@@ -178,7 +175,8 @@ def mean_kl(truth: np.ndarray, logits: np.ndarray) -> float:
 
 
 def verdict(logits: np.ndarray, ref: dict[str, np.ndarray], key: str, dtype: str) -> dict:
-  """Distance of `logits` from ref[key] and the SPEC §8 rule for `dtype`."""
+  """Distance of `logits` from ref[key] and the rule for `dtype`
+  (docs/correctness.md#whole-model-rules)."""
   truth = ref[key].astype(np.float64)
   if truth.shape != logits.shape:
     raise UserError(f"reference {key} has shape {list(truth.shape)}, the model gives "

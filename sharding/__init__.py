@@ -1,4 +1,4 @@
-"""Mesh axes, logical-axis rules, placement and expert parallelism for k3jax (SPEC §6).
+"""Mesh axes, logical-axis rules and placement for k3jax (docs/sharding.md).
 
   rules.py        the one table: logical axis names -> mesh axes (parameters, activations)
   mesh.py         `make_mesh("data=2,expert=2,tensor=2", devices)`

@@ -1,4 +1,4 @@
-"""Activation sharding constraints at layer boundaries (SPEC §6).
+"""Activation sharding constraints at layer boundaries (docs/sharding.md#activations).
 
 `constrain(x, ("batch", "length", "embed"))` maps logical names through the activation column
 of the rules table and pins x there with `jax.lax.with_sharding_constraint`, under the context

@@ -1,4 +1,5 @@
-"""Many processes (hosts): start-up, and which rows of a batch each process supplies (SPEC §6).
+"""Many processes (hosts): start-up, and which rows of a batch each process supplies
+(docs/sharding.md#multi-host).
 
 Start-up (`initialize`): `jax.distributed.initialize(coordinator, num_processes, process_id)`
 when the three are given (`--coordinator HOST:PORT --num-processes N --process-id I`); with

@@ -1,4 +1,4 @@
-"""Device meshes from a spec string (SPEC §6).
+"""Device meshes from a spec string (docs/sharding.md#mesh).
 
     data=2,fsdp=1,expert=2,tensor=2     axis sizes by name, in any order
     expert=4,tensor=2                   axes left out have size 1

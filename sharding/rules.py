@@ -1,4 +1,4 @@
-"""The one table that maps logical axis names to mesh axes (SPEC §6).
+"""The one table that maps logical axis names to mesh axes (docs/sharding.md#the-rules-table).
 
 Layers annotate every parameter with logical names only (nnx metadata `out_sharding`) and call
 `sharding.constrain(x, names)` on activations at layer boundaries; this table decides where

@@ -1,12 +1,13 @@
 """Test-suite set-up shared by every test file.
 
-8 fake CPU devices so sharding tests can build real meshes (SPEC §6); a single-device test
+8 fake CPU devices so sharding tests can build real meshes (docs/sharding.md); a single-device test
 simply uses device 0. float64 tests enter `jax.enable_x64(True)` themselves (fixture `x64`)
 so that float32 code paths stay float32 everywhere else.
 """
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 
@@ -14,18 +15,26 @@ os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# One persistent XLA compilation cache for this test run, shared by the xdist workers (they
-# inherit the controller's environment) and the `k3jax train` subprocesses: many tests compile
-# the same programs (the micro model's train step, the reference models' forwards), which then
-# compile once per run instead of once per test. A fresh folder per run, so no run reuses
-# another's programs; XLA keys every entry by program, options and backend.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+# A persistent XLA compilation cache for the subprocesses the tests start (they inherit this
+# environment): the `k3jax train` runs of test_run.py compile the same train step, so the later
+# ones load it instead of compiling it again. A fresh folder per run, so no run reuses another's
+# programs. The test processes themselves (the xdist workers) neither read nor write it (below).
+_CACHE_MADE_HERE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _CACHE_MADE_HERE:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="k3jax-tests-xla-")
 # transformers and fla pick Triton kernels when fla imports; those fail on a CPU.
 sys.modules.setdefault("fla", None)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# No persistent cache in the test processes themselves. Writing an entry serializes the
+# executable, and XLA:CPU once segfaulted there, taking an xdist worker down with it; JAX writes
+# every program that took over a second to compile (jax_persistent_cache_min_compile_time_secs),
+# so the workers serialized programs all run long, for nothing: nothing but the trainer
+# subprocesses read entries back. A crash in a subprocess fails its test with the subprocess's
+# output instead of killing a worker, and those subprocesses write a handful of programs.
+jax.config.update("jax_enable_compilation_cache", False)
 
 REFERENCE_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "reference")
 
@@ -73,6 +82,56 @@ def pytest_collection_modifyitems(config, items):
 def pytest_runtest_logreport(report):
   if _RECORD:  # setup, call and teardown; under xdist the controller sees every worker's
     _seconds[_file(report.nodeid)] = _seconds.get(_file(report.nodeid), 0.0) + report.duration
+
+
+class _EndOnWorkerCrash:
+  """xdist controller: a worker that crashes (a segfault in XLA, an OOM kill) ends the run.
+
+  xdist reports the test a worker died in as failed, then by default starts a replacement
+  worker and gives it the rest of that file, the crashed test included. Under --dist loadfile
+  (pytest-xdist 3.8.0) that replacement can wait forever for work the scheduler never sends
+  (pytest-dev/pytest-xdist#784, #1327, #1378), and a test that crashes every time re-crashes
+  each replacement. `--max-worker-restart=0` (pyproject.toml) stops the replacements; then the
+  controller would still wait for the other workers to finish the files already queued on
+  them. This ends the session as soon as the crash's failure is recorded, naming the worker
+  and the test; the workers still running are terminated by xdist's teardown.
+  """
+
+  def __init__(self):
+    self.crashed = {}
+
+  def pytest_testnodedown(self, node, error):
+    if error is not None:  # None: the worker finished normally
+      self.crashed[node.gateway.id] = error
+
+  @pytest.hookimpl(trylast=True)  # after the terminal reporter has recorded the failure
+  def pytest_runtest_logreport(self, report):
+    node = getattr(report, "node", None)
+    # the only report for a worker after its node-down event is xdist's crash report
+    if report.failed and node is not None and node.gateway.id in self.crashed:
+      pytest.exit(f"worker {node.gateway.id} crashed while running {report.nodeid} "
+                  f"({self.crashed[node.gateway.id]}); ending the run",
+                  returncode=pytest.ExitCode.TESTS_FAILED)
+
+  def pytest_sessionfinish(self, session):
+    # a crash outside any test (while the worker shut down) reports no failure of its own
+    if self.crashed and session.exitstatus == pytest.ExitCode.OK:
+      session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+  def pytest_terminal_summary(self, terminalreporter):
+    for worker, error in self.crashed.items():
+      terminalreporter.write_line(f"worker {worker} crashed: {error}", red=True)
+
+
+def pytest_configure(config):
+  if (config.pluginmanager.hasplugin("xdist") and config.getoption("numprocesses", None)
+      and not hasattr(config, "workerinput")):
+    config.pluginmanager.register(_EndOnWorkerCrash(), "k3jax-end-on-worker-crash")
+
+
+def pytest_unconfigure(config):
+  if _CACHE_MADE_HERE and not hasattr(config, "workerinput"):  # the process that made it
+    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 def pytest_sessionfinish(session):

@@ -1,13 +1,13 @@
 """Numerics shared by the tests: float64 truths and tolerances derived from float32 error growth.
 
-SPEC §8: a float32 result is compared with a float64 truth (the same computation, or an
+docs/correctness.md: a float32 result is compared with a float64 truth (the same computation, or an
 independent reference, run in float64 on the very same input values), never with a second
 float32 computation whose summation order differs: two such runs can disagree by the sum of
 both errors in a way that depends on the CPU's vector width and XLA's fusion choices.
 
 The tolerances, each derived here once and cited where it is used (u = 2^-24 ~ 6e-8, float32's
 unit roundoff):
-  * `tolerance`: SPEC §8's 1e-5, relative to the tensor's scale max(1, max|truth|). A float32
+  * `tolerance`: the 1e-5 bound, relative to the tensor's scale max(1, max|truth|). A float32
     result is a chain of roundings, each at most u times an intermediate value; where the
     intermediates are of the result's own magnitude (no cancelling sums: unit q/k, O(1) values
     and states in KDA), the error grows with that magnitude. Over the KDA grids it measured
@@ -57,7 +57,7 @@ def float64_truth(fn, *args, **kwargs):
 
 
 def tolerance(want, atol=ATOL):
-  """SPEC §8's float32 tolerance for the float64 truth `want`: atol times its scale."""
+  """docs/correctness.md's float32 tolerance for the float64 truth `want`: atol times its scale."""
   want = np.asarray(want, np.float64)
   return atol * max(1.0, float(np.max(np.abs(want), initial=0.0)))
 

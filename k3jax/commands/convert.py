@@ -13,7 +13,7 @@ from k3jax.errors import CheckpointError
 def _fixed_mmap_threshold() -> None:
   """glibc raises its mmap threshold whenever a big buffer is freed (up to 32 MiB); tensors
   of a few MiB then come from the heap arenas of TensorStore's threads and stay there after
-  they are freed (+0.3 GiB resident on benchmarks/convert.py). A fixed 1 MiB threshold hands
+  they are freed (docs/benchmarks.md#conversion). A fixed 1 MiB threshold hands
   every tensor's memory back to the OS when it is freed."""
   try:
     ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # -3: M_MMAP_THRESHOLD

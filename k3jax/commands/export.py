@@ -8,18 +8,20 @@ from convert.lora_export import export_adapters
 from convert.to_hf import export
 from k3jax.commands._args import io_errors_are_user_errors
 from k3jax.errors import CheckpointError
+from k3jax.folders import model_folder
 
 
 @io_errors_are_user_errors
 def run(args: argparse.Namespace) -> int:
   if args.merge_lora and args.adapter_only:
     raise CheckpointError("--merge-lora and --adapter-only are exclusive")
+  ckpt_dir = model_folder(args.ckpt_dir).weights  # a `k3jax train` output: its model/
   if args.adapter_only:
-    summary = export_adapters(args.ckpt_dir, args.out_dir, force=args.force)
+    summary = export_adapters(ckpt_dir, args.out_dir, force=args.force)
     print(f"wrote {args.out_dir}: {summary['tensors']} adapter tensors, "
           f"{summary['params']:,} parameters")
     return 0
-  summary = export(args.ckpt_dir, args.out_dir, force=args.force, progress=not args.quiet,
+  summary = export(ckpt_dir, args.out_dir, force=args.force, progress=not args.quiet,
                    num_shards=args.num_shards, merge_lora=args.merge_lora)
   print(f"wrote {args.out_dir}: {len(summary['files'])} shard(s), "
         f"{summary['total_size']:,} bytes of tensors ({summary['dialect']} layout)")

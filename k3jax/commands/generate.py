@@ -1,4 +1,4 @@
-"""`k3jax generate`: sample from a model folder (SPEC §7, §9).
+"""`k3jax generate`: sample from a model folder (docs/inference.md).
 
 MODEL is an official K3 / Kimi-Linear folder, a converted k3jax checkpoint, or a `k3jax train`
 output folder (its `model/` weights and the run's tokenizer: bytes for the tiny preset). Text
@@ -23,28 +23,16 @@ import time
 from k3jax.commands._args import (Formatter, default_compile_cache, nonneg_float, nonneg_int,
                                   positive_int, token_ids)
 from k3jax.errors import UserError
+from k3jax.execution import NUMERICS
+from k3jax.folders import TokenizerSource, model_folder
 
 DTYPES = ("auto", "float64", "float32", "bfloat16")
 
 
-def resolve_model(path: str) -> tuple[str, dict]:
-  """(weights folder, where its tokenizer comes from): a train output's `model/` with the run's
-  tokenizer settings, or the folder itself."""
-  if not os.path.exists(path):
-    raise UserError(f"{path}: no such model folder")
-  run_file = os.path.join(path, "run.json")
-  if os.path.isfile(run_file) and os.path.isdir(os.path.join(path, "model")):
-    with open(run_file) as f:
-      opts = json.load(f).get("options", {})
-    return os.path.join(path, "model"), {"kind": opts.get("tokenizer", "auto"),
-                                         "folder": opts.get("init_from")}
-  return path, {"kind": "auto", "folder": path}
-
-
-def load_text_tokenizer(source: dict, vocab_size: int):
+def load_text_tokenizer(source: TokenizerSource, vocab_size: int):
   """The folder's tokenizer, or None when text cannot be encoded for this model."""
   from k3jax.tokenizer import ByteTokenizer, load_tokenizer  # noqa: PLC0415
-  tok = load_tokenizer(source["kind"], source["folder"])
+  tok = load_tokenizer(source.kind, source.folder)
   if isinstance(tok, ByteTokenizer) and vocab_size != ByteTokenizer.vocab_size:
     return None  # no tokenizer file and not a byte-level model
   return tok
@@ -164,7 +152,6 @@ def run(args: argparse.Namespace) -> int:
   from k3jax.errors import CheckpointError  # noqa: PLC0415
   from convert.load import load_any  # noqa: PLC0415
   from k3jax.generate.chat import find_tokenizer_config  # noqa: PLC0415
-  from k3jax.parity import NUMERICS  # noqa: PLC0415
   from sharding.mesh import make_mesh  # noqa: PLC0415
 
   if not 0 < args.top_p <= 1:
@@ -174,16 +161,19 @@ def run(args: argparse.Namespace) -> int:
   dtype = args.dtype
   if dtype == "auto":
     dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-  weights, source = resolve_model(args.model)
+  if not os.path.exists(args.model):
+    raise UserError(f"{args.model}: no such model folder")
+  folder = model_folder(args.model)
+  weights, source = folder.weights, folder.tokenizer
   mesh = make_mesh(args.mesh) if args.mesh else None
   with jax.enable_x64(dtype == "float64"):
     t0 = time.perf_counter()
     try:  # placed on the mesh as loaded (a converted checkpoint straight into its shards)
-      model, cfg = load_any(weights, mesh=mesh, **NUMERICS[dtype])
+      model, cfg = load_any(weights, NUMERICS[dtype], mesh=mesh)
     except CheckpointError as e:
       raise UserError(str(e)) from None
     tokenizer = load_text_tokenizer(source, cfg.vocab_size)
-    prompts = _prompts(args, tokenizer, find_tokenizer_config([source["folder"], weights]))
+    prompts = _prompts(args, tokenizer, find_tokenizer_config([source.folder, weights]))
     bad = [t for p in prompts for t in p if not 0 <= t < cfg.vocab_size]
     if bad:
       raise UserError(f"token id {bad[0]} outside the vocabulary [0, {cfg.vocab_size})")
@@ -238,7 +228,7 @@ def register(sub) -> None:
                  help="do not stop at the config's eos_token_id")
   p.add_argument("--dtype", choices=DTYPES, default="auto",
                  help="auto: float32 on CPU, bfloat16 on TPU/GPU")
-  p.add_argument("--mesh", metavar="SPEC", help="device mesh, e.g. data=2,tensor=4")
+  p.add_argument("--mesh", metavar="MESH", help="device mesh, e.g. data=2,tensor=4")
   p.add_argument("--json", action="store_true", help="one JSON object per prompt")
   p.add_argument("--prefill-chunk", type=positive_int, default=512,
                  help="prompt tokens per prefill call")

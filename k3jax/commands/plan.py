@@ -8,6 +8,7 @@ import sys
 
 from k3jax import plan
 from k3jax.commands._args import positive_int
+from k3jax.execution import Attention, Remat
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,15 +55,15 @@ def register(sub) -> None:
                  help="--mode lora: projection path patterns (default: as k3jax train)")
   p.add_argument("--base-experts", choices=("float", "mxfp4"), default="mxfp4",
                  help="--mode lora: routed experts held as bf16 or MXFP4 codes (default)")
-  p.add_argument("--remat", default=None, choices=("none", "full", "save-dots", "offload"),
-                 help="remat policy: none | full | save-dots | offload (default: the config's)")
+  p.add_argument("--remat", default=None, choices=[r.value for r in Remat],
+                 help="remat policy: none | full | save-dots | offload (default: none)")
   p.add_argument("--loss-chunk", type=int, default=None,
-                 help="positions per loss chunk (0: whole logits; default: the config's)")
-  p.add_argument("--attention", choices=("dense", "flash"), default=None,
-                 help="MLA attention (default: the config's)")
+                 help="positions per loss chunk (0 or unset: whole logits)")
+  p.add_argument("--attention", choices=[a.value for a in Attention], default=None,
+                 help="MLA attention (default: dense)")
   p.add_argument("--capacity-factor", type=float, default=None, metavar="F",
-                 help="routed experts' capacity factor (default: the config's; none: dropless, "
-                      "whose receive buffers are sized for the worst case)")
+                 help="routed experts' capacity factor (default: none, dropless, whose receive "
+                      "buffers are sized for the worst case)")
   p.add_argument("--prefill-chunk", type=positive_int, default=512,
                  help="--mode decode: prompt tokens per prefill call (as k3jax generate)")
   p.add_argument("--block", type=positive_int, default=8,

@@ -7,8 +7,9 @@
   k3jax tokenize MODEL_DIR --chat DATA.jsonl --line 17 one row of a JSONL data set
 
 MODEL_DIR: an official-layout model folder (tiktoken.model, tokenization_*.py,
-tokenizer_config.json) or a converted checkpoint (its hf/ copy). --text encodes as
-transformers does (special-token text becomes the special token); --document encodes as a
+tokenizer_config.json), a converted checkpoint (its hf/ copy) or a `k3jax train` output (the
+tokenizer it trained with). --text encodes as transformers does (special-token text becomes
+the special token); --document encodes as a
 `--format text` training document does (special-token text stays text). --chat takes a row
 `{"messages": [...], "tools": [...]}` or a bare list of messages; mask[i] = 1 means token i is
 an assistant token, trained as a target. --add-generation-prompt renders the prompt a model
@@ -22,6 +23,7 @@ import json
 import sys
 
 from k3jax.errors import UserError
+from k3jax.folders import model_folder
 
 
 def _token_texts(tok, ids) -> list[str]:
@@ -59,10 +61,11 @@ def _read_conversation(path: str, line: int | None):
 
 def run(args: argparse.Namespace) -> int:
   from k3jax.tokenizer import TIKTOKEN_FILE, chat, find_tiktoken_file, load_tokenizer  # noqa: PLC0415
-  if find_tiktoken_file(args.model_dir) is None:
+  folder = model_folder(args.model_dir).tokenizer.folder  # a run: the one it trained with
+  if folder is None or find_tiktoken_file(folder) is None:
     raise UserError(f"{args.model_dir}: no {TIKTOKEN_FILE} (nor hf/{TIKTOKEN_FILE}): not a "
                     "model folder with the checkpoint's tokenizer")
-  tok = load_tokenizer("tiktoken", args.model_dir)
+  tok = load_tokenizer("tiktoken", folder)
   if args.text is not None:
     text = sys.stdin.read() if args.text == "-" else args.text
     ids = tok.encode(text, allow_special=not args.document).tolist()
@@ -116,7 +119,8 @@ def register(sub) -> None:
                      "loss mask for your data", description=__doc__,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("model_dir", metavar="MODEL_DIR",
-                 help="model folder with tiktoken.model (or a converted checkpoint)")
+                 help="model folder with tiktoken.model (or a converted checkpoint, or a "
+                      "`k3jax train` output)")
   what = p.add_mutually_exclusive_group(required=True)
   what.add_argument("--text", help="text to encode ('-': read standard input)")
   what.add_argument("--chat", metavar="FILE", help="a conversation: JSON row or message list")

@@ -1,4 +1,4 @@
-"""`k3jax train`: train or fine-tune a K3-family model (SPEC §5, §9).
+"""`k3jax train`: train or fine-tune a K3-family model (docs/training.md).
 
 Embedded default: `k3jax train --config tiny --steps 300 --out DIR` trains the tiny K3-shaped
 preset byte-level on this interpreter's standard-library sources (no download). The same
@@ -8,7 +8,7 @@ tiktoken tokenizer when it has one. `--format chat --data FILE.jsonl` is chat SF
 {"messages": [...], "tools": [...]} rendered with the folder's chat template, the loss on
 assistant tokens only (`k3jax tokenize MODEL_DIR --chat ROW.json` shows what is trained).
 
-Scale-out (SPEC §6): --mesh data=2,fsdp=1,expert=2,tensor=2 runs the step sharded over the
+Scale-out (docs/sharding.md): --mesh data=2,fsdp=1,expert=2,tensor=2 runs the step sharded over the
 devices (axes left out have size 1; one axis may be -1: the devices left over; the sizes must
 multiply to the device count). Several processes (hosts): start the same command on each with
 --coordinator HOST:PORT --num-processes N --process-id I (on Cloud TPU the environment
@@ -25,6 +25,7 @@ import os
 from k3jax.commands._args import (Formatter, default_compile_cache, optional_float,
                                   positive_float, positive_int)
 from k3jax.errors import UserError
+from k3jax.execution import Remat
 
 
 def options_from_args(args: argparse.Namespace):
@@ -87,7 +88,8 @@ def register(sub) -> None:
   g.add_argument("--config", default=None,
                  help="preset (tiny, k3, ...) or config JSON (none given: tiny)")
   g.add_argument("--init-from", default=None, metavar="CKPT",
-                 help="fine-tune: a converted k3jax checkpoint or an official-layout folder")
+                 help="fine-tune: a converted k3jax checkpoint, an official-layout folder or "
+                      "a `k3jax train` output")
   g.add_argument("--steps", type=positive_int, default=300, help="train until this step")
   g.add_argument("--seed", type=int, default=0, help="init and data-order seed")
   g = p.add_argument_group("data")
@@ -126,7 +128,7 @@ def register(sub) -> None:
                  help="Quantile Balancing estimator: exact (sort; gathers the rows on a mesh) "
                       "or histogram (one psum of [E, bins] counts)")
   g.add_argument("--qb-rule", choices=("k3", "per_expert"), default="k3",
-                 help="QB threshold: k3 (SPEC 2.6 as written: the (k+1)-th biased score for "
+                 help="QB threshold: k3 (the K3 report's formula: the (k+1)-th biased score for "
                       "every pair) or per_expert (the exact per-pair threshold)")
   g = p.add_argument_group("fine-tuning (LoRA, MXFP4 experts)")
   g.add_argument("--lora", type=int, default=None, metavar="RANK",
@@ -152,7 +154,7 @@ def register(sub) -> None:
                  help="compute dtype over fp32 master weights (auto: bf16 on TPU/GPU, fp32 "
                       "on CPU); float64: fp64 weights and compute, for exactness checks")
   g.add_argument("--remat", nargs="?", const="full", default="none",
-                 choices=("none", "full", "save-dots", "offload"),
+                 choices=[r.value for r in Remat],
                  help="rematerialisation policy per layer (bare --remat: full; save-dots keeps "
                       "the projections' outputs; offload keeps them in host memory)")
   g.add_argument("--peak-tflops", type=positive_float, default=None,
@@ -160,7 +162,7 @@ def register(sub) -> None:
   g.add_argument("--compile-cache", default=default_compile_cache(),
                  help="persistent XLA compilation cache folder (none: off)")
   g = p.add_argument_group("scale-out (devices and hosts)")
-  g.add_argument("--mesh", default=None, metavar="SPEC",
+  g.add_argument("--mesh", default=None, metavar="MESH",
                  help="device mesh, e.g. data=2,expert=2,tensor=2 (axes data, fsdp, expert, "
                       "tensor; omitted axes 1; one may be -1); none given: one device")
   g.add_argument("--data-shards", type=positive_int, default=None,

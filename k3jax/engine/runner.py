@@ -90,14 +90,14 @@ class Runner:
   """Holds the device cache and the weights; runs steps."""
 
   def __init__(self, model: nnx.Module, config: EngineConfig):
-    self.cfg, self.config = model.cfg, config
+    self.cfg, self.ex, self.config = model.cfg, model.ex, config
     layout = config.layout or ("unstacked" if jax.default_backend() == "cpu" else "stacked")
     self.layout = layout
     self.graphdef = nnx.graphdef(model)
     self.set_params(nnx.state(model))
-    self.cache = paged.init_cache(self.cfg, slots=config.max_num_seqs,
+    self.cache = paged.init_cache(self.cfg, self.ex, slots=config.max_num_seqs,
                                   pages=config.pool_pages + 1, page_size=config.page_size,
-                                  snapshots=config.snapshots, dtype=self.cfg.jnp_dtype)
+                                  snapshots=config.snapshots)
 
   def set_params(self, state) -> None:
     """New weights (an nnx.State of the engine's model graph): stacked, used as they are;
@@ -115,6 +115,6 @@ class Runner:
         tuple(paged.Rows(*(jnp.asarray(a) for a in p)) for p in parts),
         jax.tree.map(jnp.asarray, rows),
         None if targets is None else jnp.asarray(targets),
-        ctx_pages=ctx_pages, top_n=self.config.max_top_logprobs,
+        ctx_pages=ctx_pages, top_n=min(self.config.max_top_logprobs, self.cfg.vocab_size),
         prompt_targets=targets is not None)
     return jax.tree.map(np.asarray, out)

@@ -4,7 +4,7 @@ Minimal on purpose: the template is `chat_template` of the folder's `tokenizer_c
 (Jinja), rendered in a sandbox the way transformers' `apply_chat_template` renders it
 (trim_blocks, lstrip_blocks, `raise_exception`, `tojson`, the special-token strings of the
 config as variables, `add_generation_prompt=True`). The rendered text is then tokenized with
-its special tokens recognised as such. The fine-tuning work (SPEC §10) owns the full version
+its special tokens recognised as such. Chat SFT (k3jax/tokenizer/chat.py) owns the full version
 (roles, tools, assistant masks); generate needs one user turn.
 """
 

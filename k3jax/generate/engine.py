@@ -122,7 +122,7 @@ class Generator:
       raise ValueError(f"unknown layout {self.layout!r}")
 
   def new_cache(self, batch: int, max_len: int, start=None) -> Cache:
-    cache = init_cache(self.cfg, batch, max_len, start)
+    cache = init_cache(self.cfg, self.model.ex, batch, max_len, start)
     return cache if self.layout == "stacked" else cache_lib.unstack(cache)
 
   def extend(self, ids: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:

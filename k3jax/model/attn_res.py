@@ -1,4 +1,5 @@
-"""Block Attention Residuals (SPEC §2.2): softmax over depth instead of a residual sum.
+"""Block Attention Residuals (docs/model.md#layer-schedule-and-block-attnres): softmax over depth
+instead of a residual sum.
 
 The model carries `blocks` (sealed block representations) and `partial` (running sum of the
 current block). Each read point mixes them with one learned pseudo-query per layer:
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import ModelConfig
+from k3jax.execution import Execution
 from k3jax.model.layers import annotated, ones_param, rms_normalize, wide_dtype
 
 
@@ -58,10 +60,10 @@ class AttnResQuery(nnx.Module):
   """One AttnRes read point: pseudo-query w [d] (`*_res_proj`, zero-initialised so step 0 is
   a uniform average) and norm gain gamma [d] (`*_res_norm`)."""
 
-  def __init__(self, cfg: ModelConfig):
+  def __init__(self, cfg: ModelConfig, ex: Execution):
     self.eps = cfg.rms_norm_eps
-    self.proj = annotated(jnp.zeros((cfg.hidden_size,), cfg.jnp_param_dtype), ("embed",))
-    self.norm = ones_param((cfg.hidden_size,), ("embed",), cfg.jnp_param_dtype)
+    self.proj = annotated(jnp.zeros((cfg.hidden_size,), ex.jnp_param_dtype), ("embed",))
+    self.norm = ones_param((cfg.hidden_size,), ("embed",), ex.jnp_param_dtype)
 
   def __call__(self, blocks: jax.Array | Sequence[jax.Array], partial: jax.Array,
                valid_n: jax.Array | None = None) -> jax.Array:

@@ -1,4 +1,5 @@
-"""The decode cache (SPEC §7): what a request keeps between tokens, stacked per layer kind.
+"""The decode cache (docs/inference.md#the-cache): what a request keeps between tokens, stacked per
+layer kind.
 
     kda    KDAState, each field stacked on a leading `layers` axis like the KDA parameters:
              conv_q, conv_k, conv_v  [n_kda, B, taps-1, H, K]  compute dtype (the conv tails)
@@ -38,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.config import ModelConfig
+from k3jax.execution import Execution
 from k3jax.model.kda import KDAState
 from k3jax.model.kda import initial_state as kda_initial_state
 from sharding.activations import activation_spec
@@ -62,20 +64,20 @@ LOGICAL_AXES = Cache(
     start=("batch",), length=())
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int,
+def init_cache(cfg: ModelConfig, ex: Execution, batch: int, max_len: int,
                start: jax.Array | np.ndarray | None = None) -> Cache:
-  """An empty cache for `batch` rows of up to `max_len` positions. `start` [B]: the number of
-  left-pad positions of each row (default 0)."""
+  """An empty cache for `batch` rows of up to `max_len` positions, in `ex`'s compute dtype.
+  `start` [B]: the number of left-pad positions of each row (default 0)."""
   n_kda, n_mla = len(cfg.kda_layers), len(cfg.mla_layers)
   kda = None
   if n_kda:
-    one = kda_initial_state(cfg, batch)
+    one = kda_initial_state(cfg, ex, batch)
     kda = KDAState(*(jnp.zeros((n_kda, *a.shape), a.dtype) for a in one))
   mla = None
   if n_mla:
     shape = (n_mla, batch, max_len)
-    mla = MLACache(jnp.zeros((*shape, cfg.kv_lora_rank), cfg.jnp_dtype),
-                   jnp.zeros((*shape, cfg.qk_rope_head_dim), cfg.jnp_dtype))
+    mla = MLACache(jnp.zeros((*shape, cfg.kv_lora_rank), ex.jnp_dtype),
+                   jnp.zeros((*shape, cfg.qk_rope_head_dim), ex.jnp_dtype))
   start = jnp.zeros((batch,), jnp.int32) if start is None else jnp.asarray(start, jnp.int32)
   if start.shape != (batch,):
     raise ValueError(f"start has shape {start.shape}, expected ({batch},)")

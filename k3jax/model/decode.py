@@ -1,7 +1,7 @@
-"""The model with a cache (SPEC §7): `extend(model, ids, cache)` runs T new tokens and returns
-their logits and the cache after them. Prefill is `extend` on the prompt in chunks of any size
-(chunked KDA op); decoding is `extend` on one token per row (the fused `kda_step`, MLA with
-k_b / v_b absorbed). Both equal the full-sequence forward at every position.
+"""The model with a cache (docs/inference.md#prefill-and-decode): `extend(model, ids, cache)` runs T
+new tokens and returns their logits and the cache after them. Prefill is `extend` on the prompt in
+chunks of any size (chunked KDA op); decoding is `extend` on one token per row (the fused
+`kda_step`, MLA with k_b / v_b absorbed). Both equal the full-sequence forward at every position.
 
 Two forms of one computation (same `layer_step`: AttnRes blocks, norms, MLPs; a mixer adapter
 reads and writes the layer's cache entry):
@@ -30,6 +30,7 @@ from flax import nnx
 
 from k3jax.model import schedule
 from k3jax.config import ModelConfig
+from k3jax.execution import Execution
 from k3jax.model.cache import Cache, MLACache, constrain
 from k3jax.model.kda import KDA, KDAState
 from k3jax.model.mla import heads_major_kv_b
@@ -81,26 +82,26 @@ def extend(model: K3Model, input_ids: jax.Array, cache: Cache) -> tuple[jax.Arra
 
   The caller keeps length + T <= the cache's max_len (positions past it would be clamped).
   """
-  cfg = model.cfg
+  cfg, ex = model.cfg, model.ex
   b, t = input_ids.shape
   cache = constrain(cache)
   q_pos = cache.length + jnp.arange(t, dtype=jnp.int32)
   ctx = _Context(cache.length, q_pos, cache.start, q_pos[None, :] >= cache.start[:, None])
-  x = model.embed[...][input_ids].astype(cfg.jnp_dtype)
+  x = model.embed[...][input_ids].astype(ex.jnp_dtype)
   stacks = {name: nnx.split(getattr(model, name))
             for name in schedule.STACKS
             if getattr(model, name) is not None}
   carry = initial_carry(cfg, x)
   layers = _Layers(cache.kda, cache.mla)
-  for run in schedule.plan(cfg, scan=cfg.scan_layers):
+  for run in schedule.plan(cfg, scan=ex.scan_layers):
     carry, layers = _run(cfg, run, stacks, carry, layers, ctx)
   if cfg.attn_res_block_size is not None:
     h = model.output_res(carry.blocks, carry.partial, _valid(carry))
   else:
     h = carry.partial
   head = model.embed[...].T if cfg.tie_word_embeddings else model.lm_head[...]
-  logits = jnp.einsum("btd,dv->btv", model.final_norm(h), head.astype(cfg.jnp_dtype),
-                      precision=cfg.precision)
+  logits = jnp.einsum("btd,dv->btv", model.final_norm(h), head.astype(ex.jnp_dtype),
+                      precision=ex.precision)
   return logits, constrain(Cache(layers.kda, layers.mla, cache.start, cache.length + t))
 
 
@@ -161,8 +162,9 @@ class Unstacked(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class UnstackedDefs:
-  """The static half: config and the graph definitions to merge the states with."""
+  """The static half: config, execution and the graph definitions to merge the states with."""
   cfg: ModelConfig
+  ex: Execution
   final_norm: Any
   output_res: Any
   kinds: tuple[tuple[str, Any], ...]
@@ -186,7 +188,7 @@ def unstack_model(model: K3Model) -> tuple[UnstackedDefs, Unstacked]:
   head = None if model.cfg.tie_word_embeddings else model.lm_head[...]
   graphdefs = dict(kinds)
   heads = tuple(heads_major_kv_b(nnx.merge(graphdefs["mla"], s)) for s in layers.get("mla", ()))
-  return (UnstackedDefs(model.cfg, norm_def, res_def, tuple(kinds)),
+  return (UnstackedDefs(model.cfg, model.ex, norm_def, res_def, tuple(kinds)),
           Unstacked(model.embed[...], head, norm, res, layers, heads))
 
 
@@ -218,14 +220,14 @@ class _LayerMixer:
 def extend_unstacked(defs: UnstackedDefs, params: Unstacked, input_ids: jax.Array,
                      cache: Cache) -> tuple[jax.Array, Cache]:
   """`extend` on per-layer weights and a per-layer cache (cache.unstack); same numbers."""
-  cfg = defs.cfg
+  cfg, ex = defs.cfg, defs.ex
   t = input_ids.shape[1]
   cache = constrain(cache)
   q_pos = cache.length + jnp.arange(t, dtype=jnp.int32)
   ctx = _Context(cache.length, q_pos, cache.start, q_pos[None, :] >= cache.start[:, None])
   graphdefs = dict(defs.kinds)
   entries = {"kda": list(cache.kda or ()), "mla": list(cache.mla or ())}
-  carry = initial_carry(cfg, params.embed[input_ids].astype(cfg.jnp_dtype))
+  carry = initial_carry(cfg, params.embed[input_ids].astype(ex.jnp_dtype))
   for l in range(cfg.num_layers):
     kinds, idx = schedule.layer_kinds(cfg, l), schedule.layer_indices(cfg, l)
     norms, mixer, mlp = (nnx.merge(graphdefs[k], params.layers[k][i]) for k, i in zip(kinds, idx))
@@ -238,7 +240,7 @@ def extend_unstacked(defs: UnstackedDefs, params: Unstacked, input_ids: jax.Arra
     h = nnx.merge(defs.output_res, params.output_res)(carry.blocks, carry.partial, _valid(carry))
   head = params.embed.T if cfg.tie_word_embeddings else params.lm_head
   logits = jnp.einsum("btd,dv->btv", nnx.merge(defs.final_norm, params.final_norm)(h),
-                      head.astype(cfg.jnp_dtype), precision=cfg.precision)
+                      head.astype(ex.jnp_dtype), precision=ex.precision)
   new = Cache(tuple(entries["kda"]) or None, tuple(entries["mla"]) or None, cache.start,
               cache.length + t)
   return logits, constrain(new)

@@ -1,4 +1,5 @@
-"""Dropless expert parallelism: the routed experts of a MoE layer inside `jax.shard_map` (SPEC §6).
+"""Dropless expert parallelism: the routed experts of a MoE layer inside `jax.shard_map`
+(docs/sharding.md#expert-parallelism).
 
 Under plain `jit`, `ragged_dot` on expert-sharded weights makes the partitioner all-gather the
 expert stacks to every device (and the global sort of (token, expert) pairs gathers the tokens).
@@ -36,7 +37,7 @@ The axes of the expert weights [E, h, F] follow the one rules table:
     (the backward's are the same collectives transposed). Outside, the rows stay split over
     `tensor` (`split_rows`): the router, routed_down, RMSNorm_l and routed_up each run on 1/tensor
     of the rows. Tokens replicated over `tensor` there instead would have every tensor rank
-    repeat them (K3 at tensor = 8: 0.4 of the step's model FLOPs in repeated matmuls). Every
+    repeat them (K3's plan: docs/plan.md#what-got-it-there). Every
     tensor rank sends the same rows over the expert axes.
   latent (h) -> fsdp, only when E does not divide over expert x fsdp (the table's fallback
     row): FSDP inside the shard_map: each layer all-gathers its E/EP local experts over fsdp
@@ -64,15 +65,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from k3jax.execution import Dispatch, Execution
 from pallas_kernels.grouped_matmul import ALIGN as GROUPED_ROWS
 from pallas_kernels.grouped_matmul import grouped_matmul
 from k3jax.model.layers import wide_dtype
 from k3jax.model.mlp import glu
 from sharding.activations import pin
 from sharding.rules import ACTIVATION_RULES, MESH_AXES, fit_spec, logical_to_spec
-
-DISPATCHES = ("ragged", "padded")
-
 
 def context_mesh() -> jax.sharding.AbstractMesh | None:
   """The mesh the caller traces under (`jax.set_mesh`) when it is a k3jax mesh (axes
@@ -109,8 +108,10 @@ def _axes(entry) -> tuple[str, ...]:
   return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def layout(cfg, n_tokens: int, in_name: str, mesh=None) -> Layout:
-  """The plan for `n_tokens` tokens (global) on `mesh` (None: one device)."""
+def layout(cfg, n_tokens: int, in_name: str, mesh=None,
+           capacity_factor: float | None = None) -> Layout:
+  """The plan for `n_tokens` tokens (global) on `mesh` (None: one device), dropless or with
+  the experts' capacity factor (`Execution.moe_capacity_factor`)."""
   e, k = cfg.num_experts, cfg.num_experts_per_token
   if mesh is None:
     ep_axes = gather_axes = psum_axes = token_axes = ()
@@ -132,19 +133,19 @@ def layout(cfg, n_tokens: int, in_name: str, mesh=None) -> Layout:
   per_dest = n * min(k, e // ep)   # one device's pairs that can reach one destination
   recv = ep * per_dest
   capacity = None
-  if cfg.moe_capacity_factor is not None:
-    capacity = math.ceil(cfg.moe_capacity_factor * k * ep * n / e)
+  if capacity_factor is not None:
+    capacity = math.ceil(capacity_factor * k * ep * n / e)
     recv = min(recv, e // ep * capacity)
   # aligned: the experts' grouped matmuls run on these rows (a misaligned count would cost
-  # grouped_matmul a padded copy; K3 at fsdp=128, capacity 1: 131,075 -> 131,200)
+  # grouped_matmul a padded copy; docs/plan.md#what-got-it-there)
   recv = -(-recv // GROUPED_ROWS) * GROUPED_ROWS
   return Layout(ep_axes, ep, gather_axes, psum_axes, token_axes, n, capacity, recv,
                 min(per_dest, recv))
 
 
-def routed_experts(cfg, route, x_nd: jax.Array, z_nh: jax.Array, router_de: jax.Array,
-                   bias_e: jax.Array, w1: jax.Array, w3: jax.Array, w2: jax.Array, *,
-                   in_name: str):
+def routed_experts(cfg, ex: Execution, route, x_nd: jax.Array, z_nh: jax.Array,
+                   router_de: jax.Array, bias_e: jax.Array, w1: jax.Array, w3: jax.Array,
+                   w2: jax.Array, *, in_name: str):
   """Router, dispatch and routed experts, expert-parallel on the context mesh (or on one
   device without one). `route(x, router_de, bias_e)` -> (scores, experts, weights) is the
   router; it runs per device too (the partitioner gathers every token for a sharded top_k).
@@ -153,14 +154,14 @@ def routed_experts(cfg, route, x_nd: jax.Array, z_nh: jax.Array, router_de: jax.
   weights [N, k]) and the dropped pairs (int32 [], summed over the mesh). On a mesh, x, z, u
   and the scores have their rows split as `split_rows` puts them (over tensor too: each
   tensor rank routes its share of the rows), experts and weights as the batch."""
-  dt = cfg.jnp_dtype
+  dt = ex.jnp_dtype
   w1, w3, w2 = (w.astype(dt) for w in (w1, w3, w2))  # an FSDP gather moves compute dtype
   mesh = context_mesh()
   n_tokens = z_nh.shape[0]
-  plan = layout(cfg, n_tokens, in_name, mesh)
+  plan = layout(cfg, n_tokens, in_name, mesh, ex.moe_capacity_factor)
   if mesh is None:
     routing = route(x_nd, router_de, bias_e)
-    u, dropped = _local(plan, cfg, z_nh, routing[1], routing[2], w1, w3, w2)
+    u, dropped = _local(plan, cfg, ex, z_nh, routing[1], routing[2], w1, w3, w2)
     return u, routing[:3], dropped
   r_spec = logical_to_spec(("embed", "expert_scores"), mesh=mesh)
   b_spec = logical_to_spec(("expert_scores",), mesh=mesh)
@@ -174,7 +175,7 @@ def routed_experts(cfg, route, x_nd: jax.Array, z_nh: jax.Array, router_de: jax.
                           for a in (experts, weights))
       z = jax.lax.all_gather(z, split, axis=0, tiled=True)  # backward: reduce-scatter of dz
     experts_v = jnp.where(live[:, None], experts, cfg.num_experts)  # padding: expert E, unsent
-    u, dropped = _local(plan, cfg, z, experts_v, weights, w1, w3, w2)
+    u, dropped = _local(plan, cfg, ex, z, experts_v, weights, w1, w3, w2)
     return u, scores, experts, weights, dropped
 
   live = jnp.ones((n_tokens,), bool)
@@ -226,7 +227,7 @@ def _gather(w: jax.Array, spec: P) -> jax.Array:
   return w
 
 
-def _local(plan: Layout, cfg, z_nh, experts_nk, weights_nk, w1, w3, w2):
+def _local(plan: Layout, cfg, ex: Execution, z_nh, experts_nk, weights_nk, w1, w3, w2):
   """One device's part: its tokens, its experts (see the module docstring)."""
   if plan.gather_axes:  # FSDP: the local experts' full input width, for this layer only
     w1, w3 = (jax.lax.all_gather(w, plan.gather_axes, axis=1, tiled=True) for w in (w1, w3))
@@ -255,7 +256,7 @@ def _local(plan: Layout, cfg, z_nh, experts_nk, weights_nk, w1, w3, w2):
 
   def experts(x, group_sizes):
     gmm = functools.partial(grouped_matmul, group_sizes_e=group_sizes,
-                            impl=cfg.moe_grouped_matmul, precision=cfg.precision)
+                            impl=ex.moe_grouped_matmul, precision=ex.precision)
     return gmm(glu(cfg, gmm(x, w1), gmm(x, w3)), w2)
 
   if ep == 1:
@@ -263,11 +264,12 @@ def _local(plan: Layout, cfg, z_nh, experts_nk, weights_nk, w1, w3, w2):
   else:
     args = (x_send, a, flat_e[pair], live, me)
     run = lambda kind: functools.partial(_exchange, kind, plan, experts)  # noqa: E731
-    if cfg.moe_dispatch is not None:
-      y_send = run(cfg.moe_dispatch)(*args)
+    if ex.moe_dispatch is not None:
+      y_send = run(ex.moe_dispatch)(*args)
     else:  # decided when lowered for a platform: XLA:CPU has no ragged_all_to_all
-      y_send = jax.lax.platform_dependent(*args, cpu=run("padded"), default=run("ragged"))
-  wide = wide_dtype(cfg.jnp_dtype)
+      y_send = jax.lax.platform_dependent(*args, cpu=run(Dispatch.PADDED),
+                                          default=run(Dispatch.RAGGED))
+  wide = wide_dtype(ex.jnp_dtype)
   p = jnp.where(live, weights_nk.reshape(-1)[pair], 0).astype(wide)
   u = jnp.zeros((n, y_send.shape[-1]), wide).at[token].add(y_send.astype(wide) * p[:, None])
   if plan.psum_axes:  # tensor-parallel experts: partial sums over F, each rank its rows' sum
@@ -288,12 +290,12 @@ def _exchange(kind, plan: Layout, experts, x_send, a, expert_m, live, me):
   send_off = jnp.cumsum(c[me]) - c[me]         # my chunk for device j starts here in x_send
   recv_n = c[:, me]                            # rows I get from device i
   a_loc = jax.lax.dynamic_slice_in_dim(a, me * e_loc, e_loc, axis=1)  # [EP, E/EP] to my experts
-  if kind == "ragged":
+  if kind == Dispatch.RAGGED:
     base = jnp.cumsum(recv_n) - recv_n         # device i's rows start here in my buffer
     land = (jnp.cumsum(c, 0) - c)[me]          # my rows start here in device j's buffer
     recv = jax.lax.ragged_all_to_all(x_send, _zeros_like(x_send, plan.recv),
                                      send_off, c[me], land, recv_n, axis_name=axes)
-  elif kind == "padded":
+  elif kind == Dispatch.PADDED:
     base = jnp.arange(ep) * plan.slot
     dest = jnp.minimum(expert_m // e_loc, ep - 1)
     slot = jnp.where(live, dest * plan.slot + jnp.arange(m) - send_off[dest], ep * plan.slot)
@@ -301,7 +303,8 @@ def _exchange(kind, plan: Layout, experts, x_send, a, expert_m, live, me):
     recv = jax.lax.all_to_all(buf.reshape(ep, plan.slot, h), axes, 0, 0)
     recv = recv.reshape(ep * plan.slot, h)
   else:
-    raise ValueError(f"unknown moe_dispatch {kind!r}; expected one of {DISPATCHES}")
+    raise ValueError(f"unknown moe_dispatch {kind!r}; expected one of "
+                     f"{', '.join(d.value for d in Dispatch)}")
 
   # received rows come device-major (each device's rows sorted by expert): to expert-major
   sizes = a_loc.T.reshape(-1)                  # (local expert, device) order
@@ -317,7 +320,7 @@ def _exchange(kind, plan: Layout, experts, x_send, a, expert_m, live, me):
   y_recv = jnp.zeros((recv.shape[0], y_em.shape[1]), y_em.dtype).at[
       jnp.where(valid, src, recv.shape[0])].set(y_em, mode="drop")
 
-  if kind == "ragged":
+  if kind == Dispatch.RAGGED:
     back_land = (jnp.cumsum(c, 1) - c)[:, me]  # where device i's rows for me sit in its x_send
     return jax.lax.ragged_all_to_all(y_recv, _zeros_like(y_recv, m),
                                      base, recv_n, back_land, c[me], axis_name=axes)

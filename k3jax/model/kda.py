@@ -1,4 +1,5 @@
-"""Kimi Delta Attention layer (SPEC §2.4): projections, short convs, gates, the KDA op, output.
+"""Kimi Delta Attention layer (docs/model.md#kda-layer): projections, short convs, gates, the KDA
+op, output.
 
     q, k, v = silu(conv(x W_q)), silu(conv(x W_k)), silu(conv(x W_v))        [B,T,H,K|V]
     g    = lb * sigmoid(exp(A_h) * (x W_fa W_fb + dt_bias))      (K3; fp32)
@@ -12,7 +13,7 @@ them. The conv is causal and depthwise (weights [H, K, taps], the last tap on th
 token) and does not read across packed-sequence boundaries. `KDAState` carries what decoding
 needs: the last taps-1 projected inputs of q, k, v and the recurrent state [B, H, K, V] fp32.
 
-Decoding (SPEC §7): with a state, a chunk of any length continues it through the chunked op;
+Decoding (docs/inference.md): with a state, a chunk of any length continues it through the chunked op;
 one token (T = 1) takes the fused single-step path `kda_step` instead (Pallas on TPU/GPU),
 never the chunked op padded to 64. `token_mask` [B, T] marks positions that are not part of
 the row's sequence: left padding (a static batch's shorter prompts), right padding (a serving
@@ -33,9 +34,11 @@ import numpy as np
 from flax import nnx
 
 from k3jax.config import ModelConfig
+from k3jax.execution import Execution
 from k3jax.model.layers import Projection, make_param, ones_param, rms_normalize, wide_dtype
 from pallas_kernels.kda import ops as kda_ops
-from pallas_kernels.kda.ops import prepare_inputs
+from pallas_kernels.kda.ops import RawInputs, prepare_inputs
+from pallas_kernels.kda.reference import PREPARED
 from k3jax.model import kda_parallel
 
 
@@ -72,40 +75,39 @@ def causal_conv(x_bthc: jax.Array, w_hct: jax.Array, tail: jax.Array | None,
 
 class KDA(nnx.Module):
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, ex: Execution, *, rngs: nnx.Rngs):
     d, h, k = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim
     taps = cfg.conv_kernel_size
-    pd = cfg.jnp_param_dtype
-    wide = wide_dtype(pd)  # the checkpoint's F32 exceptions never drop below fp32
-    self.cfg = cfg
-    self.q_proj = Projection(cfg, "btd,dhk->bthk", (d, h, k), ("embed", "q_heads", "head_dim"),
+    wide = wide_dtype(ex.jnp_param_dtype)  # the checkpoint's F32 exceptions never drop below fp32
+    self.cfg, self.ex = cfg, ex
+    self.q_proj = Projection(ex, "btd,dhk->bthk", (d, h, k), ("embed", "q_heads", "head_dim"),
                              fan_in=d, rngs=rngs)
-    self.k_proj = Projection(cfg, "btd,dhk->bthk", (d, h, k), ("embed", "kv_heads", "head_dim"),
+    self.k_proj = Projection(ex, "btd,dhk->bthk", (d, h, k), ("embed", "kv_heads", "head_dim"),
                              fan_in=d, rngs=rngs)
-    self.v_proj = Projection(cfg, "btd,dhk->bthk", (d, h, k), ("embed", "kv_heads", "head_dim"),
+    self.v_proj = Projection(ex, "btd,dhk->bthk", (d, h, k), ("embed", "kv_heads", "head_dim"),
                              fan_in=d, rngs=rngs)
     conv_init = _symmetric_uniform(1 / np.sqrt(taps))  # torch Conv1d's default bound
     self.q_conv = make_param(rngs, conv_init, (h, k, taps), ("heads", "head_dim", "conv"), wide)
     self.k_conv = make_param(rngs, conv_init, (h, k, taps), ("heads", "head_dim", "conv"), wide)
     self.v_conv = make_param(rngs, conv_init, (h, k, taps), ("heads", "head_dim", "conv"), wide)
-    self.f_a_proj = Projection(cfg, "btd,dr->btr", (d, k), ("embed", "gate_rank"),
+    self.f_a_proj = Projection(ex, "btd,dr->btr", (d, k), ("embed", "gate_rank"),
                                fan_in=d, rngs=rngs)
-    self.f_b_proj = Projection(cfg, "btr,rhk->bthk", (k, h, k), ("gate_rank", "heads", "head_dim"),
+    self.f_b_proj = Projection(ex, "btr,rhk->bthk", (k, h, k), ("gate_rank", "heads", "head_dim"),
                                fan_in=k, rngs=rngs)
     # A in [1, 16] and dt in [1e-3, 0.1] as the official initialisers draw them.
     self.A_log = make_param(rngs, _uniform_log(1.0, 16.0), (h,), ("heads",), wide)
     self.dt_bias = make_param(rngs, _inverse_softplus_dt, (h, k), ("heads", "head_dim"), wide)
-    self.b_proj = Projection(cfg, "btd,dh->bth", (d, h), ("embed", "heads"), fan_in=d, rngs=rngs)
+    self.b_proj = Projection(ex, "btd,dh->bth", (d, h), ("embed", "heads"), fan_in=d, rngs=rngs)
     if cfg.kda_full_rank_output_gate:
-      self.g_proj = Projection(cfg, "btd,dhv->bthv", (d, h, k), ("embed", "heads", "head_dim"),
+      self.g_proj = Projection(ex, "btd,dhv->bthv", (d, h, k), ("embed", "heads", "head_dim"),
                                fan_in=d, rngs=rngs)
     else:
-      self.g_a_proj = Projection(cfg, "btd,dr->btr", (d, k), ("embed", "gate_rank"),
+      self.g_a_proj = Projection(ex, "btd,dr->btr", (d, k), ("embed", "gate_rank"),
                                  fan_in=d, rngs=rngs)
-      self.g_b_proj = Projection(cfg, "btr,rhv->bthv", (k, h, k),
+      self.g_b_proj = Projection(ex, "btr,rhv->bthv", (k, h, k),
                                  ("gate_rank", "heads", "head_dim"), fan_in=k, rngs=rngs)
     self.o_norm = ones_param((k,), ("head_dim",), wide)
-    self.o_proj = Projection(cfg, "bthv,hvd->btd", (h, k, d), ("heads", "head_dim", "embed"),
+    self.o_proj = Projection(ex, "bthv,hvd->btd", (h, k, d), ("heads", "head_dim", "embed"),
                              fan_in=h * k, rngs=rngs)
 
   def output_gate(self, x: jax.Array) -> jax.Array:
@@ -135,31 +137,32 @@ class KDA(nnx.Module):
                     _with_tail(u, tail, w.shape[-1])))
     (q, tq, _), (k, tk, _), (v, tv, _) = convs
     g, beta = self.f_b_proj(self.f_a_proj(x)).astype(wide), self.b_proj(x).astype(wide)
-    raw = dict(A_log=self.A_log[...].astype(wide), dt_bias=self.dt_bias[...].astype(wide),
-               gate=cfg.kda_gate, lower_bound=cfg.gate_lower_bound, use_qk_l2norm=True,
-               l2norm_eps=cfg.l2norm_eps, use_beta_sigmoid=True)
+    gate_params = dict(A_log=self.A_log[...].astype(wide), dt_bias=self.dt_bias[...].astype(wide))
+    raw = RawInputs(gate=cfg.kda_gate, lower_bound=cfg.gate_lower_bound, use_qk_l2norm=True,
+                    l2norm_eps=cfg.l2norm_eps, use_beta_sigmoid=True)
     if token_mask is not None:
       # masked tokens must leave the state as it is: prepare the gate here and zero their log
       # decay and beta (the raw gate of a masked token is not zero decay), and keep the conv
       # tail of the last real token
-      q, k, g, beta = prepare_inputs(q, k, g, beta, **raw)
+      q, k, g, beta = prepare_inputs(q, k, g, beta, **gate_params, raw=raw)
       g = jnp.where(token_mask[..., None, None], g, jnp.zeros((), g.dtype))
       beta = jnp.where(token_mask[..., None], beta, jnp.zeros((), beta.dtype))
-      raw = {}
+      gate_params, raw = {}, PREPARED
       ends = _last_real(token_mask)
       tq, tk, tv = (_tail_at(full, ends, taps=self.q_conv.shape[-1]) for _, _, full in convs)
     if state is not None and x.shape[1] == 1 and segment_ids is None:
       # one decode token: the fused step on prepared inputs (unit q/k, log decay, beta)
-      q, k, g, beta = prepare_inputs(q, k, g, beta, **raw)
+      q, k, g, beta = prepare_inputs(q, k, g, beta, **gate_params, raw=raw)
       o, s_final = kda_parallel.kda_step(kda_ops.kda_step, q[:, 0], k[:, 0], v[:, 0], g[:, 0],
-                                         beta[:, 0], state.recurrent, backend=cfg.kda_backend)
+                                         beta[:, 0], state.recurrent,
+                                         backend=self.ex.kda_backend)
       o = o[:, None]
     else:
       # per shard on a mesh: a Pallas kernel only lowers on its local rows and heads
-      o, s_final = kda_parallel.kda(kda_ops.kda, q, k, v, g, beta, **raw,
+      o, s_final = kda_parallel.kda(kda_ops.kda, q, k, v, g, beta, **gate_params, raw=raw,
                                      initial_state=None if state is None else state.recurrent,
                                      output_final_state=True, segment_ids=segment_ids,
-                                     backend=cfg.kda_backend)
+                                     backend=self.ex.kda_backend)
     # FusedRMSNormGated: the gain and the gate multiply in fp32, one cast at the end.
     gate = jax.nn.sigmoid(self.output_gate(x).astype(wide))
     o = (rms_normalize(o, cfg.rms_norm_eps) * self.o_norm[...].astype(wide) * gate).astype(o.dtype)
@@ -185,10 +188,10 @@ def _tail_at(full_bshc: jax.Array, ends_b: jax.Array, *, taps: int) -> jax.Array
   return jax.vmap(take)(full_bshc, ends_b)
 
 
-def initial_state(cfg: ModelConfig, batch: int, dtype=None) -> KDAState:
+def initial_state(cfg: ModelConfig, ex: Execution, batch: int) -> KDAState:
   """The state of an empty sequence: zero conv tails (compute dtype) and a zero fp32 state
   (float64 when the model computes in float64)."""
-  dt = jnp.dtype(dtype or cfg.jnp_dtype)
+  dt = ex.jnp_dtype
   h, k, taps = cfg.kda_num_heads, cfg.kda_head_dim, cfg.conv_kernel_size
   tail = jnp.zeros((batch, taps - 1, h, k), dt)
   return KDAState(tail, tail, tail, jnp.zeros((batch, h, k, k), wide_dtype(dt)))

@@ -44,7 +44,8 @@ def kda(op, q, k, v, g, beta, *, initial_state=None, segment_ids=None, A_log=Non
   """`op(q, k, v, g, beta, initial_state=..., segment_ids=..., A_log=..., dt_bias=...,
   **static)` (pallas_kernels.kda.ops.kda) run per shard on the context mesh. q, k, g
   [B,T,H,K]; v [B,T,H,V]; beta [B,T,H]; initial_state [B,H,K,V]; segment_ids [B,T]; A_log
-  [H]; dt_bias [H,K]. Returns what op returns: (o [B,T,H,V], final state [B,H,K,V] or None)."""
+  [H]; dt_bias [H,K]; `static` the op's other arguments (raw=RawInputs(...), backend=, ...).
+  Returns what op returns: (o [B,T,H,V], final state [B,H,K,V] or None)."""
   mesh = _mesh()
   if mesh is None:
     return op(q, k, v, g, beta, initial_state=initial_state, segment_ids=segment_ids,

@@ -1,4 +1,4 @@
-"""Shared building blocks: parameter creation with logical axes, projections, RMSNorm (§2.3).
+"""Shared building blocks: parameter creation with logical axes, projections, RMSNorm.
 
 Every parameter is an `nnx.Param` whose `out_sharding` metadata holds logical axis names only
 (see sharding/rules.py); placement is decided by the rules table, never by a layer.
@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.config import ModelConfig
+from k3jax.execution import Execution
 
 Initializer = Callable[[jax.Array, Sequence[int], jnp.dtype], jax.Array]
 
@@ -52,13 +52,13 @@ class Projection(nnx.Module):
   `param_dtype` and cast to the compute dtype at use, so the master copy can stay fp32.
   """
 
-  def __init__(self, cfg: ModelConfig, eq: str, shape: Sequence[int], names: Sequence[str],
+  def __init__(self, ex: Execution, eq: str, shape: Sequence[int], names: Sequence[str],
                *, fan_in: int, rngs: nnx.Rngs, init: Initializer | None = None):
     self.eq = eq
-    self.precision = cfg.precision
-    self.dtype = cfg.jnp_dtype
+    self.precision = ex.precision
+    self.dtype = ex.jnp_dtype
     self.kernel = make_param(rngs, init or fan_in_normal(fan_in), shape, names,
-                             cfg.jnp_param_dtype)
+                             ex.jnp_param_dtype)
     self.lora = nnx.data(None)  # an nnx.LoRA on the flattened in/out dims, set by model/lora.adapt
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -81,9 +81,9 @@ def flat_einsum(eq: str, x: jax.Array, kernel: jax.Array, precision=None) -> jax
   Same product; the reason is the backward. The weight gradient contracts over every leading
   dim of x (batch and positions), and XLA:CPU's dot lowering merges two or more contracted (or
   kernel output) dims by materialising a transposed copy of the activation or its cotangent,
-  a strided write that took ~10x a plain copy. With one contracted dim and one kernel output
-  dim no copy is needed: k3_100m's forward+backward on a 2-core CPU went from 4.6-4.8 s to
-  3.7-3.8 s (benchmarks/train.py). The reshapes only merge adjacent dims, so a sharded leading
+  a strided write far slower than a plain copy. With one contracted dim and one kernel output
+  dim no copy is needed (benchmarks/train.py measures the difference:
+  docs/benchmarks.md#train-step). The reshapes only merge adjacent dims, so a sharded leading
   dim (batch) or kernel dim (heads) stays the major factor of its merged dim."""
   lhs, rest = eq.split(",")
   rhs, out = rest.split("->")
@@ -106,11 +106,11 @@ def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
 
 class RMSNorm(nnx.Module):
   """y = gamma * (x * rsqrt(mean(x^2) + eps)): normalised in fp32, cast back to the input dtype
-  before the gain multiply, exactly as the official KimiRMSNorm (SPEC §2.3)."""
+  before the gain multiply, exactly as the official KimiRMSNorm (docs/model.md#rmsnorm)."""
 
-  def __init__(self, cfg: ModelConfig, size: int, names: Sequence[str], *, eps: float):
+  def __init__(self, ex: Execution, size: int, names: Sequence[str], *, eps: float):
     self.eps = eps
-    self.weight = ones_param((size,), names, cfg.jnp_param_dtype)
+    self.weight = ones_param((size,), names, ex.jnp_param_dtype)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     return self.weight[...].astype(x.dtype) * rms_normalize(x, self.eps).astype(x.dtype)

@@ -1,4 +1,5 @@
-"""LoRA adapters, MXFP4-packed frozen experts and expert QAT on a built K3 model (SPEC §10).
+"""LoRA adapters, MXFP4-packed frozen experts and expert QAT on a built K3 model
+(docs/training.md#fine-tuning).
 
     y = x W + (alpha / r) * (x A) B          A: [in, r] (he-uniform), B: [r, out] (zeros)
 
@@ -175,7 +176,7 @@ def adapt(model: nnx.Module, spec: AdaptSpec, rngs: nnx.Rngs) -> nnx.Module:
   """Attach what `spec` asks for to `model` (in place; returned for chaining)."""
   if spec.lora and spec.rank <= 0:
     raise ValueError(f"--lora rank must be > 0, got {spec.rank}")
-  dtype = model.cfg.jnp_param_dtype
+  dtype = model.ex.jnp_param_dtype
   experts = expert_paths(model)
   names = {p: {w: _names(getattr(ex, w)) for w in EXPERT_WEIGHTS} for p, ex in experts.items()}
   if spec.base_experts == "mxfp4":
@@ -209,6 +210,7 @@ def merge(model: nnx.Module) -> nnx.Module:
   MXFP4-rounded under QAT): the plain model that computes what the adapted one computes."""
   from k3jax.model.layers import annotated  # noqa: PLC0415
   model = nnx.clone(model)
+  dtype = model.ex.jnp_param_dtype
   for proj in projection_paths(model).values():
     if proj.lora is not None:
       proj.kernel[...] = proj.kernel[...] + projection_delta(proj)
@@ -219,7 +221,7 @@ def merge(model: nnx.Module) -> nnx.Module:
                else _names(getattr(ex, f"{weight}_packed")))
       if not hasattr(ex, weight):  # packed: (..., out, in)
         names = (*names[:-2], names[-1], names[-2])
-      w = ex.weight(weight).astype(model.cfg.jnp_param_dtype)
+      w = ex.weight(weight).astype(dtype)
       for suffix in ("", "_packed", "_scale", "_lora_a", "_lora_b"):
         if hasattr(ex, weight + suffix):
           delattr(ex, weight + suffix)

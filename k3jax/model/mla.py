@@ -1,4 +1,4 @@
-"""Gated Multi-head Latent Attention without positional encoding (SPEC §2.5).
+"""Gated Multi-head Latent Attention without positional encoding (docs/model.md#gated-mla).
 
     q   = q_b(RMSNorm_1e-6(q_a(x)))  (or q_proj(x))       [B,T,H, nope+rope]
     c, k_rot = kv_a(x);  c = RMSNorm_1e-6(c)               [B,T,kv_lora], [B,T,rope]
@@ -11,7 +11,7 @@ projections, k_b and v_b, so Per-Head Muon sees K and V as separate blocks witho
 Masks: causal, and tokens attend only within their own segment (packing and padding both
 travel as segment ids).
 
-Decoding (SPEC §7) caches per token only the normalised latent c and k_rot (`latent`), and
+Decoding (docs/inference.md) caches per token only the normalised latent c and k_rot (`latent`), and
 `attend_latent` attends over that cache. With k_b / v_b absorbed (the standard MLA inference
 form), per head:
     scores = q_nope k_b(c)^T + q_rot k_rot^T = (q_nope k_b^T) c^T + q_rot k_rot^T
@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import ModelConfig
+from k3jax.execution import Attention, Execution
 from pallas_kernels.flash_attention import flash_attention
 from k3jax.model.layers import Projection, RMSNorm, wide_dtype
 
@@ -44,32 +45,32 @@ def attention_mask(segment_ids: jax.Array | None, b: int, t: int) -> jax.Array:
 
 class MLA(nnx.Module):
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, ex: Execution, *, rngs: nnx.Rngs):
     d, h = cfg.hidden_size, cfg.mla_num_heads
     nope, rope, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     kv = cfg.kv_lora_rank
-    self.cfg = cfg
+    self.cfg, self.ex = cfg, ex
     if cfg.q_lora_rank is not None:
       r = cfg.q_lora_rank
-      self.q_a_proj = Projection(cfg, "btd,dr->btr", (d, r), ("embed", "q_lora"),
+      self.q_a_proj = Projection(ex, "btd,dr->btr", (d, r), ("embed", "q_lora"),
                                  fan_in=d, rngs=rngs)
-      self.q_a_norm = RMSNorm(cfg, r, ("q_lora",), eps=cfg.mla_norm_eps)
-      self.q_b_proj = Projection(cfg, "btr,rhk->bthk", (r, h, nope + rope),
+      self.q_a_norm = RMSNorm(ex, r, ("q_lora",), eps=cfg.mla_norm_eps)
+      self.q_b_proj = Projection(ex, "btr,rhk->bthk", (r, h, nope + rope),
                                  ("q_lora", "q_heads", "qk_head_dim"), fan_in=r, rngs=rngs)
     else:
-      self.q_proj = Projection(cfg, "btd,dhk->bthk", (d, h, nope + rope),
+      self.q_proj = Projection(ex, "btd,dhk->bthk", (d, h, nope + rope),
                                ("embed", "q_heads", "qk_head_dim"), fan_in=d, rngs=rngs)
-    self.kv_a_proj = Projection(cfg, "btd,dc->btc", (d, kv + rope), ("embed", "kv_lora"),
+    self.kv_a_proj = Projection(ex, "btd,dc->btc", (d, kv + rope), ("embed", "kv_lora"),
                                 fan_in=d, rngs=rngs)
-    self.kv_a_norm = RMSNorm(cfg, kv, ("kv_lora",), eps=cfg.mla_norm_eps)
-    self.k_b_proj = Projection(cfg, "btc,chk->bthk", (kv, h, nope),
+    self.kv_a_norm = RMSNorm(ex, kv, ("kv_lora",), eps=cfg.mla_norm_eps)
+    self.k_b_proj = Projection(ex, "btc,chk->bthk", (kv, h, nope),
                                ("kv_lora", "kv_heads", "qk_nope_dim"), fan_in=kv, rngs=rngs)
-    self.v_b_proj = Projection(cfg, "btc,chv->bthv", (kv, h, dv),
+    self.v_b_proj = Projection(ex, "btc,chv->bthv", (kv, h, dv),
                                ("kv_lora", "kv_heads", "head_dim"), fan_in=kv, rngs=rngs)
     if cfg.mla_output_gate:
-      self.g_proj = Projection(cfg, "btd,dhv->bthv", (d, h, dv), ("embed", "heads", "head_dim"),
+      self.g_proj = Projection(ex, "btd,dhv->bthv", (d, h, dv), ("embed", "heads", "head_dim"),
                                fan_in=d, rngs=rngs)
-    self.o_proj = Projection(cfg, "bthv,hvd->btd", (h, dv, d), ("heads", "head_dim", "embed"),
+    self.o_proj = Projection(ex, "bthv,hvd->btd", (h, dv, d), ("heads", "head_dim", "embed"),
                              fan_in=h * dv, rngs=rngs)
 
   def query(self, x: jax.Array) -> jax.Array:
@@ -106,11 +107,11 @@ class MLA(nnx.Module):
     if absorb is None:
       absorb = absorbed_is_cheaper(cfg, t, s)
     q_nope, q_rot = jnp.split(self.query(x), [cfg.qk_nope_head_dim], axis=-1)
-    dt, prec = q_nope.dtype, cfg.precision
+    dt, prec = q_nope.dtype, self.ex.precision
     c_bsc, rot_bsr = c_bsc.astype(dt), rot_bsr.astype(dt)
     # Scores are laid out key-major [B, S, T, H]: the cache is then the row-major left operand
     # of both products, read as stored (a [B, H, T, S] layout makes XLA transpose the whole
-    # cache every step: ~3x slower on XLA:CPU at S = 32K).
+    # cache every step: docs/benchmarks.md#decode).
     k_b_hkc, v_b_hcv = heads_major or heads_major_kv_b(self)
     if absorb:
       q_lat = jnp.einsum("bthk,hkc->bthc", q_nope, k_b_hkc.astype(dt), precision=prec)
@@ -134,26 +135,26 @@ class MLA(nnx.Module):
   def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None
                ) -> tuple[jax.Array, jax.Array]:
     """(output [B,T,d], per-head max pre-softmax logit [H]); the latter feeds QK-clip."""
-    cfg = self.cfg
+    cfg, ex = self.cfg, self.ex
     b, t, _ = x.shape
     q = self.query(x)
     q_nope, q_rot = jnp.split(q, [cfg.qk_nope_head_dim], axis=-1)
     c, k_rot = self.latent(x)
     k_nope, v = self.k_b_proj(c), self.v_b_proj(c)
-    if cfg.attention == "flash":  # the same numbers without the [T, T] scores
+    if ex.attention == Attention.FLASH:  # the same numbers without the [T, T] scores
       k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot[:, :, None], (*k_nope.shape[:3],
                                                                        k_rot.shape[-1]))], -1)
       o, row_max = flash_attention(q, k, v, segment_ids, scale=cfg.qk_head_dim**-0.5,
-                                   block=cfg.attention_block, precision=cfg.precision)
+                                   block=ex.attention_block, precision=ex.precision)
       max_logits_h = jax.lax.stop_gradient(jnp.max(row_max, axis=(0, 2)))
       return self.output(x, o), max_logits_h
-    scores = (jnp.einsum("bqhk,bshk->bhqs", q_nope, k_nope, precision=cfg.precision)
-              + jnp.einsum("bqhr,bsr->bhqs", q_rot, k_rot, precision=cfg.precision))
+    scores = (jnp.einsum("bqhk,bshk->bhqs", q_nope, k_nope, precision=ex.precision)
+              + jnp.einsum("bqhr,bsr->bhqs", q_rot, k_rot, precision=ex.precision))
     scores = scores.astype(wide_dtype(scores.dtype)) * cfg.qk_head_dim**-0.5
     scores = jnp.where(attention_mask(segment_ids, b, t), scores, -jnp.inf)
     max_logits_h = jax.lax.stop_gradient(jnp.max(scores, axis=(0, 2, 3)))
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    o = jnp.einsum("bhqs,bshv->bqhv", probs, v, precision=cfg.precision)
+    o = jnp.einsum("bhqs,bshv->bqhv", probs, v, precision=ex.precision)
     return self.output(x, o), max_logits_h
 
 

@@ -1,4 +1,5 @@
-"""Gated MLPs and their activations (SPEC §2.6): SiTU-GLU (K3) and SwiGLU (Kimi-Linear).
+"""Gated MLPs and their activations (docs/model.md#mlps-and-situ): SiTU-GLU (K3) and SwiGLU
+(Kimi-Linear).
 
 Every MLP is `down(act(gate(x), up(x)))`. The dense MLP of the first layers and the shared
 experts are this module; routed experts use the same `glu` on grouped matmuls (moe.py).
@@ -11,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import ModelConfig
+from k3jax.execution import Execution
 from k3jax.model.layers import Projection, wide_dtype
 
 
@@ -36,14 +38,14 @@ def glu(cfg: ModelConfig, a: jax.Array, b: jax.Array) -> jax.Array:
 class MLP(nnx.Module):
   """Dense gated MLP d -> width -> d (checkpoint names gate_proj / up_proj / down_proj)."""
 
-  def __init__(self, cfg: ModelConfig, width: int, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, ex: Execution, width: int, *, rngs: nnx.Rngs):
     d = cfg.hidden_size
-    self.cfg = cfg
-    self.gate_proj = Projection(cfg, "...d,df->...f", (d, width), ("embed", "mlp"),
+    self.cfg, self.ex = cfg, ex
+    self.gate_proj = Projection(ex, "...d,df->...f", (d, width), ("embed", "mlp"),
                                 fan_in=d, rngs=rngs)
-    self.up_proj = Projection(cfg, "...d,df->...f", (d, width), ("embed", "mlp"),
+    self.up_proj = Projection(ex, "...d,df->...f", (d, width), ("embed", "mlp"),
                               fan_in=d, rngs=rngs)
-    self.down_proj = Projection(cfg, "...f,fd->...d", (width, d), ("mlp", "embed"),
+    self.down_proj = Projection(ex, "...f,fd->...d", (width, d), ("mlp", "embed"),
                                 fan_in=width, rngs=rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:

@@ -1,4 +1,4 @@
-"""Router, routed experts and the Stable LatentMoE block (SPEC §2.6).
+"""Router, routed experts and the Stable LatentMoE block (docs/model.md#router-and-latentmoe).
 
 Dropless: every selected (token, expert) pair is computed. The pairs are sorted by expert and
 run as grouped matmuls (`grouped_matmul`: megablox's Pallas kernels on TPU, `jax.lax.ragged_dot`
@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import ModelConfig
+from k3jax.execution import Execution
 from pallas_kernels import mxfp4
 from pallas_kernels.grouped_matmul import grouped_matmul
 from k3jax.model.layers import (Projection, RMSNorm, annotated, fan_in_normal, make_param,
@@ -50,11 +51,11 @@ class Router(nnx.Module):
   """Sigmoid router with bias-steered top-k selection (checkpoint `gate.weight`, `gate.
   e_score_correction_bias`). Always fp32: a bf16 router flips near-tied expert choices."""
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, ex: Execution, *, rngs: nnx.Rngs):
     d, e = cfg.hidden_size, cfg.num_experts
     self.cfg = cfg
     self.kernel = make_param(rngs, fan_in_normal(d), (d, e), ("embed", "expert_scores"),
-                             cfg.jnp_param_dtype)
+                             ex.jnp_param_dtype)
     self.bias = annotated(jnp.zeros((e,), jnp.float32), ("expert_scores",), RouterBias)
 
   def __call__(self, x_nd: jax.Array) -> Routing:
@@ -78,11 +79,11 @@ class RoutedExperts(nnx.Module):
   """E gated MLPs of width F on inputs of width h (the latent l for K3), stacked for grouped
   matmuls: w1 (gate) and w3 (up) [E, h, F], w2 (down) [E, F, h]."""
 
-  def __init__(self, cfg: ModelConfig, width_in: int, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, ex: Execution, width_in: int, *, rngs: nnx.Rngs):
     e, f = cfg.num_experts, cfg.moe_intermediate_size
     in_name = expert_parallel.expert_input_name(cfg)
-    self.cfg = cfg
-    pd = cfg.jnp_param_dtype
+    self.cfg, self.ex = cfg, ex
+    pd = ex.jnp_param_dtype
     self.w1 = make_param(rngs, fan_in_normal(width_in), (e, width_in, f),
                          ("experts", in_name, "moe_mlp"), pd)
     self.w3 = make_param(rngs, fan_in_normal(width_in), (e, width_in, f),
@@ -97,7 +98,7 @@ class RoutedExperts(nnx.Module):
     """The expert weights [..., in, out] the forward uses: the stored ones (dequantised when
     held as MXFP4 codes), plus the LoRA update scale * A B, MXFP4-rounded under QAT."""
     adapted = self.qat or hasattr(self, f"{name}_lora_a")
-    dt = self.cfg.jnp_param_dtype if adapted else self.cfg.jnp_dtype
+    dt = self.ex.jnp_param_dtype if adapted else self.ex.jnp_dtype
     if hasattr(self, name):
       w = getattr(self, name)[...]
     else:  # frozen MXFP4 base: dequantised per use (exact)
@@ -115,15 +116,15 @@ class RoutedExperts(nnx.Module):
     """sum_k p_k E_{T_k}(z), accumulated in fp32 [N, h] (one device, dropless)."""
     n, k = routing.experts_nk.shape
     e = self.cfg.num_experts
-    dt = self.cfg.jnp_dtype
+    dt = self.ex.jnp_dtype
     flat_expert = routing.experts_nk.reshape(-1)
     order = jnp.argsort(flat_expert, stable=True)     # (token, slot) pairs grouped by expert
     token = order // k
     group_sizes = jnp.bincount(flat_expert, length=e).astype(jnp.int32)
     z_mh = z_nh.astype(dt)[token]
     gmm = lambda x, w: grouped_matmul(x, self.weight(w).astype(dt), group_sizes,  # noqa: E731
-                                      impl=self.cfg.moe_grouped_matmul,
-                                      precision=self.cfg.precision)
+                                      impl=self.ex.moe_grouped_matmul,
+                                      precision=self.ex.precision)
     y_mh = gmm(glu(self.cfg, gmm(z_mh, "w1"), gmm(z_mh, "w3")), "w2")
     wide = wide_dtype(dt)
     p_m = routing.weights_nk.reshape(-1)[order].astype(wide)
@@ -134,44 +135,45 @@ class MoE(nnx.Module):
   """Stable LatentMoE with shared experts (K3), or a plain MoE on the full width (Kimi-Linear,
   `latent_size=None`)."""
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, ex: Execution, *, rngs: nnx.Rngs):
     d, l = cfg.hidden_size, cfg.latent_size
-    self.cfg = cfg
-    self.gate = Router(cfg, rngs=rngs)
+    self.cfg, self.ex = cfg, ex
+    self.gate = Router(cfg, ex, rngs=rngs)
     if l is not None:
-      self.routed_down = Projection(cfg, "nd,dl->nl", (d, l), ("embed", "latent"),
+      self.routed_down = Projection(ex, "nd,dl->nl", (d, l), ("embed", "latent"),
                                     fan_in=d, rngs=rngs)
-      self.routed_up = Projection(cfg, "nl,ld->nd", (l, d), ("latent", "embed"),
+      self.routed_up = Projection(ex, "nl,ld->nd", (l, d), ("latent", "embed"),
                                   fan_in=l, rngs=rngs)
-      self.latent_norm = (RMSNorm(cfg, l, ("latent",), eps=cfg.rms_norm_eps)
+      self.latent_norm = (RMSNorm(ex, l, ("latent",), eps=cfg.rms_norm_eps)
                           if cfg.latent_norm else None)
-    self.experts = RoutedExperts(cfg, l if l is not None else d, rngs=rngs)
-    self.shared_experts = (MLP(cfg, cfg.shared_intermediate_size, rngs=rngs)
+    self.experts = RoutedExperts(cfg, ex, l if l is not None else d, rngs=rngs)
+    self.shared_experts = (MLP(cfg, ex, cfg.shared_intermediate_size, rngs=rngs)
                            if cfg.num_shared_experts else None)
 
   def __call__(self, x_btd: jax.Array) -> tuple[jax.Array, Routing]:
     b, t, d = x_btd.shape
     x_nd = x_btd.reshape(b * t, d)
     latent = self.cfg.latent_size is not None
-    ex = self.experts
+    experts = self.experts
     one_device = (expert_parallel.context_mesh() is None
-                  and self.cfg.moe_capacity_factor is None)
+                  and self.ex.moe_capacity_factor is None)
     if not one_device:
       # the rows as routed_experts splits them (over tensor too): the latent projections and
       # the router then run once per row, not on every tensor rank. Pinned whole first: the
       # constraint's transpose pins the cotangent whole there too, so the split stays inside
       # this block (unpinned, XLA carried it into the MLA layer's remat and backward, whose
-      # attention then ran on every tensor rank: +0.43 of the K3 step's model FLOPs)
+      # attention then ran on every tensor rank: docs/plan.md#what-got-it-there)
       x_nd = expert_parallel.split_rows(self.cfg, constrain(x_nd, ("batch", "embed")),
-                                        ex.in_name)
+                                        experts.in_name)
     z = self.routed_down(x_nd) if latent else x_nd
     if one_device:
       routing = self.gate(x_nd)
-      u, dropped = ex(z, routing), jnp.zeros((), jnp.int32)
+      u, dropped = experts(z, routing), jnp.zeros((), jnp.int32)
     else:  # router, dispatch and experts per device (or capped, on one device)
       u, routed, dropped = expert_parallel.routed_experts(
-          self.cfg, functools.partial(route, self.cfg), x_nd, z, self.gate.kernel[...],
-          self.gate.bias[...], ex.weight("w1"), ex.weight("w3"), ex.weight("w2"), in_name=ex.in_name)
+          self.cfg, self.ex, functools.partial(route, self.cfg), x_nd, z, self.gate.kernel[...],
+          self.gate.bias[...], experts.weight("w1"), experts.weight("w3"), experts.weight("w2"),
+          in_name=experts.in_name)
       routing = Routing(*routed)
     u = u.astype(x_nd.dtype)  # official: fp32 sum, cast to x's dtype
     if latent:
@@ -180,7 +182,7 @@ class MoE(nnx.Module):
       u = self.routed_up(u)
     # routed_up's output on the split rows, then whole (left free, the partitioner gathers u,
     # half y's bytes, and repeats routed_up on every tensor rank)
-    u = expert_parallel.split_rows(self.cfg, u, ex.in_name)
+    u = expert_parallel.split_rows(self.cfg, u, experts.in_name)
     y = constrain(u.reshape(b, t, d), ("batch", "length", "embed"))  # rows whole again
     if self.shared_experts is not None:
       y = y + self.shared_experts(x_btd)

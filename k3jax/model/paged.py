@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import ModelConfig
+from k3jax.execution import Execution
 from k3jax.model import schedule
 from k3jax.model.cache import MLACache
 from k3jax.model.decode import Unstacked, UnstackedDefs
@@ -69,16 +70,16 @@ class Rows(NamedTuple):
   save: jax.Array       # [R] int32 snapshot to save the row's final state to (scratch: none)
 
 
-def init_cache(cfg: ModelConfig, *, slots: int, pages: int, page_size: int, snapshots: int,
-               dtype) -> PagedCache:
+def init_cache(cfg: ModelConfig, ex: Execution, *, slots: int, pages: int, page_size: int,
+               snapshots: int) -> PagedCache:
   """An empty engine cache: `slots` request slots, `pages` latent pages (page 0 is scratch,
-  so pages - 1 hold tokens) and `snapshots` KDA state snapshots, in compute dtype `dtype`."""
+  so pages - 1 hold tokens) and `snapshots` KDA state snapshots, in `ex`'s compute dtype."""
   def one(n):  # distinct buffers per field (the cache is donated: no two leaves may alias)
-    return KDAState(*(jnp.zeros(a.shape, a.dtype) for a in kda_initial_state(cfg, n, dtype)))
+    return KDAState(*(jnp.zeros(a.shape, a.dtype) for a in kda_initial_state(cfg, ex, n)))
   kda = tuple(one(slots + 1) for _ in cfg.kda_layers)
   snaps = tuple(one(snapshots + 1) for _ in cfg.kda_layers)
   shape = (pages, page_size)
-  dt = jnp.dtype(dtype)
+  dt = ex.jnp_dtype
   mla = tuple(MLACache(jnp.zeros((*shape, cfg.kv_lora_rank), dt),
                        jnp.zeros((*shape, cfg.qk_rope_head_dim), dt)) for _ in cfg.mla_layers)
   return PagedCache(kda, snaps, mla)
@@ -152,7 +153,7 @@ def forward(defs: UnstackedDefs, params: Unstacked, parts: tuple[Rows, ...], cac
   cfg = defs.cfg
   page_size = cache.pages[0].c.shape[1] if cache.pages else 1
   ids = jnp.concatenate([rows.ids.reshape(-1) for rows in parts])
-  carry = initial_carry(cfg, params.embed[ids][None].astype(cfg.jnp_dtype))
+  carry = initial_carry(cfg, params.embed[ids][None].astype(defs.ex.jnp_dtype))
   graphdefs = dict(defs.kinds)
   kda, snaps, pages = list(cache.kda), list(cache.snapshots), list(cache.pages)
   for l in range(cfg.num_layers):
@@ -178,6 +179,6 @@ def forward(defs: UnstackedDefs, params: Unstacked, parts: tuple[Rows, ...], cac
 
 def logits(defs: UnstackedDefs, params: Unstacked, features_md: jax.Array) -> jax.Array:
   """[M, V] logits of M tokens' final-norm features."""
-  cfg = defs.cfg
+  cfg, ex = defs.cfg, defs.ex
   head = params.embed.T if cfg.tie_word_embeddings else params.lm_head
-  return jnp.einsum("md,dv->mv", features_md, head.astype(cfg.jnp_dtype), precision=cfg.precision)
+  return jnp.einsum("md,dv->mv", features_md, head.astype(ex.jnp_dtype), precision=ex.precision)

@@ -1,4 +1,4 @@
-"""Quantile Balancing of the router bias (K3 §2.3.3, SPEC §2.6).
+"""Quantile Balancing of the router bias (the K3 report §2.3.3; docs/model.md#quantile-balancing).
 
 Once per optimizer step and MoE layer, from the router scores s [N, E] of the global batch
 that was routed with bias b:
@@ -15,7 +15,7 @@ b_new is used from the next step on: a batch is never routed with a bias derived
 The direction: raising b_j lowers every r-comparison's bar, so an overloaded expert (more than
 c of its r below b_j) gets b_hat_j < b_j and an underloaded one b_hat_j > b_j.
 
-Two threshold rules (`thresholds=`, SPEC §2.6), agreeing on every pair selected now:
+Two threshold rules (`thresholds=`), agreeing on every pair selected now:
   * "k3" (the default: the recipe as written): alpha_i, the (k+1)-th biased score, is every
     pair's threshold. "b_j > r_ij" is exact for the pairs selected now (j stays in the top-k
     iff it stays above the (k+1)-th).
@@ -45,7 +45,7 @@ axis_name=AXES)` inside a shard_map over the batch mesh axes (AXES = ("data", "f
 "expert"); one all-reduce of [E, bins] per layer), or `axis_name=None` without a mesh, where
 the global batch is one array, updates every MoE layer; `expert_load_stats` maps the same way.
 One layer at a time, not vmapped: the [N, E] temporaries (thresholds, bin indices) then exist
-for one layer, not for all of them at once (K3 on a pod: ~10 GiB each per device vmapped).
+for one layer, not for all of them at once (K3 on a pod: docs/plan.md#what-got-it-there).
 Everything is fp32 and jit-able (`top_k`, `method`, `bins`, `axis_name`, `thresholds` static).
 """
 
@@ -149,7 +149,7 @@ def quantile_bias_targets(scores: jax.Array, bias: jax.Array, top_k: int, *,
     bins: histogram bins B.
     axis_name: mapped axis (shard_map / pmap) the rows are split over; None for one device.
     mask: optional [N] bool, False for padding rows.
-    thresholds: "k3" (default; K3, SPEC §2.6): one threshold per token, alpha_i = (k+1)-th
+    thresholds: "k3" (default; the K3 report's formula): one threshold per token, alpha_i = (k+1)-th
       largest of s_i + b. Exact for the pairs selected now (j stays iff b_j > r_ij), but for the
       unselected ones it is below the k-th score they would have to displace; in particular
       every token whose (k+1)-th choice is j puts r_ij = b_j exactly, an atom at the old bias,

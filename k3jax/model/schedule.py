@@ -2,7 +2,7 @@
 
 K3's 93 layers are [KDA, KDA, KDA, MLA] x 23 + a trailing MLA, and layer 0 differs only by its
 dense MLP. `plan` finds the longest stretch of identical repeating units and runs it as one
-`lax.scan` (compile time then no longer grows with depth, SPEC §2.7); the rest is unrolled.
+`lax.scan` (compile time then no longer grows with depth); the rest is unrolled.
 Within a scanned stretch, consecutive units use stack entries a fixed stride apart, so a unit's
 parameters are strided slices of the stacks, with no re-layout of the parameter tree.
 """

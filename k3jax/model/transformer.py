@@ -1,4 +1,5 @@
-"""The K3 decoder stack (SPEC §2.2, §2.7): embeddings, layer schedule, Block AttnRes, head.
+"""The K3 decoder stack (docs/model.md#layer-schedule-and-block-attnres): embeddings, layer
+schedule, Block AttnRes, head.
 
 Parameters of each kind are stacked along a leading `layers` axis (one stack of KDA mixers,
 one of MLA mixers, one of dense MLPs, one of MoEs, one of per-layer norms), so the tree has
@@ -31,6 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import ModelConfig
+from k3jax.execution import Execution, Remat
 from k3jax.model import block_scan, schedule
 from k3jax.model.attn_res import AttnResQuery
 from k3jax.model.kda import KDA
@@ -44,14 +46,14 @@ from sharding import constrain
 class LayerNorms(nnx.Module):
   """A layer's pre-norms and its two AttnRes read points."""
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, ex: Execution, *, rngs: nnx.Rngs):
     del rngs  # deterministic init; the argument keeps every stack built the same way
     d, eps = cfg.hidden_size, cfg.rms_norm_eps
-    self.input_norm = RMSNorm(cfg, d, ("embed",), eps=eps)
-    self.post_attention_norm = RMSNorm(cfg, d, ("embed",), eps=eps)
+    self.input_norm = RMSNorm(ex, d, ("embed",), eps=eps)
+    self.post_attention_norm = RMSNorm(ex, d, ("embed",), eps=eps)
     if cfg.attn_res_block_size is not None:
-      self.attn_res = AttnResQuery(cfg)
-      self.mlp_res = AttnResQuery(cfg)
+      self.attn_res = AttnResQuery(cfg, ex)
+      self.mlp_res = AttnResQuery(cfg, ex)
 
 
 def stack(n: int, make: Callable[[nnx.Rngs], nnx.Module], rngs: nnx.Rngs) -> nnx.Module | None:
@@ -85,22 +87,23 @@ class ModelOutput(NamedTuple):
 
 
 class K3Model(nnx.Module):
-  """Kimi K3 / Kimi-Linear causal LM. `model(ids)` -> ModelOutput."""
+  """Kimi K3 / Kimi-Linear causal LM `cfg`, computed as `ex` says (default: the reference
+  numbers, float32). `model(ids)` -> ModelOutput."""
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    self.cfg = cfg
-    d, pd = cfg.hidden_size, cfg.jnp_param_dtype
+  def __init__(self, cfg: ModelConfig, ex: Execution = Execution(), *, rngs: nnx.Rngs):
+    self.cfg, self.ex = cfg, ex
+    d, pd = cfg.hidden_size, ex.jnp_param_dtype
     self.embed = make_param(rngs, nnx.initializers.normal(1.0), (cfg.vocab_size, d),
                             ("vocab", "embed"), pd)
-    self.kda = stack(len(cfg.kda_layers), lambda r: KDA(cfg, rngs=r), rngs)
-    self.mla = stack(len(cfg.mla_layers), lambda r: MLA(cfg, rngs=r), rngs)
+    self.kda = stack(len(cfg.kda_layers), lambda r: KDA(cfg, ex, rngs=r), rngs)
+    self.mla = stack(len(cfg.mla_layers), lambda r: MLA(cfg, ex, rngs=r), rngs)
     self.dense_mlp = stack(len(cfg.dense_layers),
-                           lambda r: MLP(cfg, cfg.intermediate_size, rngs=r), rngs)
-    self.moe = stack(len(cfg.moe_layers), lambda r: MoE(cfg, rngs=r), rngs)
-    self.layers = stack(cfg.num_layers, lambda r: LayerNorms(cfg, rngs=r), rngs)
-    self.final_norm = RMSNorm(cfg, d, ("embed",), eps=cfg.rms_norm_eps)
+                           lambda r: MLP(cfg, ex, cfg.intermediate_size, rngs=r), rngs)
+    self.moe = stack(len(cfg.moe_layers), lambda r: MoE(cfg, ex, rngs=r), rngs)
+    self.layers = stack(cfg.num_layers, lambda r: LayerNorms(cfg, ex, rngs=r), rngs)
+    self.final_norm = RMSNorm(ex, d, ("embed",), eps=cfg.rms_norm_eps)
     if cfg.attn_res_block_size is not None:
-      self.output_res = AttnResQuery(cfg)
+      self.output_res = AttnResQuery(cfg, ex)
     if not cfg.tie_word_embeddings:
       self.lm_head = make_param(rngs, fan_in_normal(d), (d, cfg.vocab_size),
                                 ("embed", "vocab"), pd)
@@ -113,10 +116,10 @@ class K3Model(nnx.Module):
     sequences / padding: tokens interact only within equal ids (MLA mask, KDA state and conv
     resets). `return_layer_out` disables layer scanning (per-layer outputs are for debugging).
     `logits=False` skips the head: `features` carries its input (for a chunked loss)."""
-    cfg = self.cfg
+    cfg, ex = self.cfg, self.ex
     if inputs_embeds is None:
       inputs_embeds = self.embed[...][input_ids]
-    x = constrain(inputs_embeds.astype(cfg.jnp_dtype), ("batch", "length", "embed"))
+    x = constrain(inputs_embeds.astype(ex.jnp_dtype), ("batch", "length", "embed"))
     stacks = {name: nnx.split(getattr(self, name))
               for name in schedule.STACKS
               if getattr(self, name) is not None}
@@ -124,8 +127,8 @@ class K3Model(nnx.Module):
     routings: list[Routing] = []
     max_logits: list[jax.Array] = []
     layer_out: list[jax.Array] = []
-    for run in schedule.plan(cfg, scan=cfg.scan_layers and not return_layer_out):
-      carry, run_routing, run_logits = run_layers(cfg, run, stacks, carry, segment_ids)
+    for run in schedule.plan(cfg, scan=ex.scan_layers and not return_layer_out):
+      carry, run_routing, run_logits = run_layers(cfg, ex, run, stacks, carry, segment_ids)
       routings.extend(run_routing)
       max_logits.extend(run_logits)
       if return_layer_out:
@@ -137,8 +140,8 @@ class K3Model(nnx.Module):
     features = self.final_norm(h)
     out = None
     if logits:
-      out = flat_einsum("btd,dv->btv", features, self.head().astype(cfg.jnp_dtype),
-                        cfg.precision)
+      out = flat_einsum("btd,dv->btv", features, self.head().astype(ex.jnp_dtype),
+                        ex.precision)
       out = constrain(out, ("batch", "length", "vocab"))
     return ModelOutput(out, tuple(routings), jnp.stack(max_logits) if max_logits else None,
                        tuple(layer_out), h, features)
@@ -169,10 +172,12 @@ def _valid(carry: Carry) -> jax.Array:
   return (i < carry.n_sealed) | (i == carry.blocks.shape[0])
 
 
-def run_layers(cfg: ModelConfig, run: schedule.Run, stacks, carry: Carry, segment_ids
-               ) -> tuple[Carry, list[Routing], list[jax.Array]]:
-  """Apply one planned run: a single layer, or `run.count` repeats of a unit under lax.scan.
-  Returns the carry, the MoE layers' routing and the MLA layers' max logits, in layer order."""
+def run_layers(cfg: ModelConfig, ex: Execution, run: schedule.Run, stacks, carry: Carry,
+               segment_ids) -> tuple[Carry, list[Routing], list[jax.Array]]:
+  """Apply one planned run: a single layer, or `run.count` repeats of a unit under lax.scan,
+  each layer rematerialised as `ex.remat` says. Returns the carry, the MoE layers' routing
+  and the MLA layers' max logits, in layer order."""
+  remat = ex.remat
   graphdefs = [{k: stacks[k][0] for k in stacks} for _ in run.unit]
 
   def unit_fn(carry: Carry, unit_states, first_layer):
@@ -180,8 +185,8 @@ def run_layers(cfg: ModelConfig, run: schedule.Run, stacks, carry: Carry, segmen
     for q, (kinds, states) in enumerate(zip(run.unit, unit_states)):
       norms, mixer, mlp = (nnx.merge(graphdefs[q][k], s) for k, s in zip(kinds, states))
       step = layer_step
-      if cfg.remat != "none":
-        step = nnx.remat(layer_step, static_argnums=(0,), policy=remat_policy(cfg.remat))
+      if remat != Remat.NONE:
+        step = nnx.remat(layer_step, static_argnums=(0,), policy=remat_policy(remat))
       carry, routing, logits = step(cfg, first_layer + q, norms, mixer, mlp, carry, segment_ids)
       if routing is not None:
         routings.append(routing)
@@ -195,7 +200,7 @@ def run_layers(cfg: ModelConfig, run: schedule.Run, stacks, carry: Carry, segmen
     carry, (routings, max_logits) = unit_fn(carry, unit_states, run.start)
     return carry, routings, max_logits
 
-  if cfg.remat == "full" and cfg.attn_res_block_size is not None:
+  if remat == Remat.FULL and cfg.attn_res_block_size is not None:
     # full remat keeps only each layer's `partial`, not the block buffer per unit, and reads
     # the stacks in place (block_scan)
     positions = [block_scan.Position(kinds, idx, strides)
@@ -234,19 +239,19 @@ def _layer_fn(cfg: ModelConfig, kinds: schedule.Kinds, graphdefs):
   return layer
 
 
-def remat_policy(name: str):
-  """jax.checkpoint policy of a config's remat name (config.REMAT_POLICIES): what a layer's
-  forward keeps for its backward. "full": nothing but the inputs (recompute everything);
-  "save-dots": the projections' outputs (matmuls without batch dims; attention's batched
-  products are recomputed); "offload": the same, moved to host memory."""
+def remat_policy(remat: Remat):
+  """jax.checkpoint policy of a remat choice: what a layer's forward keeps for its backward.
+  FULL: nothing but the inputs (recompute everything); SAVE_DOTS: the projections' outputs
+  (matmuls without batch dims; attention's batched products are recomputed); OFFLOAD: the
+  same, moved to host memory."""
   policies = jax.checkpoint_policies
-  if name == "full":
+  if remat == Remat.FULL:
     return policies.nothing_saveable
-  if name == "save-dots":
+  if remat == Remat.SAVE_DOTS:
     return policies.dots_with_no_batch_dims_saveable
-  if name == "offload":
+  if remat == Remat.OFFLOAD:
     return policies.offload_dot_with_no_batch_dims("device", "pinned_host")
-  raise ValueError(f"no remat policy for {name!r}")
+  raise ValueError(f"no remat policy for {remat!r}")
 
 
 def _take(state: nnx.State, i: int) -> nnx.State:

@@ -1,4 +1,4 @@
-"""Optimizers of the K3 recipe (SPEC §5): Per-Head Muon + AdamW, and MuonClip's QK-clip."""
+"""Optimizers of the K3 recipe (docs/training.md): Per-Head Muon + AdamW, and MuonClip's QK-clip."""
 
 from k3jax.optim.groups import (BATCH_AXES, FEATURE_AXES, dimension_numbers,
                                 logical_axes_from_state, muon_weight_dimension_numbers,

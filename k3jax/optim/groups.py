@@ -1,4 +1,5 @@
-"""Which optimizer each parameter gets, read from its logical axis names (SPEC §5, §6).
+"""Which optimizer each parameter gets, read from its logical axis names
+(docs/training.md#optimizer-groups).
 
 Every `nnx.Param` of the model carries logical axis names in its `out_sharding` metadata
 (vocabulary: sharding/rules.py). Per-Head Muon reads the same names, so the optimizer groups

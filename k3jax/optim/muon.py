@@ -1,4 +1,5 @@
-"""Per-Head Muon (K3 §2.5, SPEC §5) as an optax `GradientTransformation`.
+"""Per-Head Muon (the K3 report §2.5; docs/training.md#per-head-muon) as an optax
+`GradientTransformation`.
 
 Muon orthogonalises the (Nesterov) momentum of each weight matrix with a quintic
 Newton-Schulz iteration. K3 applies it per head: a per-head projection is not one matrix but
@@ -287,7 +288,8 @@ def per_head_muon(learning_rate: optax.ScalarOrSchedule, *, logical_axes: Logica
                   mu_dtype: Any = None,
                   ns_precision: jax.lax.Precision | None = jax.lax.Precision.HIGHEST,
                   whole_blocks: bool = True) -> optax.GradientTransformation:
-  """Per-Head Muon for weight matrices, AdamW for everything else (K3 recipe, SPEC §5).
+  """Per-Head Muon for weight matrices, AdamW for everything else (the K3 recipe;
+  docs/training.md#optimizer-groups).
 
   Args:
     learning_rate: Muon learning rate, a float or an optax schedule (e.g.

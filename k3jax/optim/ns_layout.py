@@ -1,4 +1,4 @@
-"""Where Newton-Schulz runs on a mesh: whole blocks on their devices (SPEC §5, §6).
+"""Where Newton-Schulz runs on a mesh: whole blocks on their devices (docs/muon.md).
 
 A Muon parameter is a stack of blocks: batch axes (`layers`, `experts`, `q_heads`,
 `kv_heads`) index the blocks, the other axes form each block's matrix. On a mesh its
@@ -8,32 +8,28 @@ placement comes from the rules table, and Newton-Schulz costs what that placemen
     `expert`, stacked layers): every block is whole on its device, no communication;
   * a mesh axis on a block axis (`embed` / `latent` on `fsdp`, `heads` inside a whole-matrix
     block or `moe_mlp` on `tensor`): the block is split, and XLA's partitioner runs the
-    iteration distributed. Measured on the compiled programs: when the split side is the long
-    one it all-reduces the [m, m] Gram matrix every iteration (1 + 5 all-reduces); when it is
-    the short one it all-gathers X three times per iteration (15 all-gathers, ~15x the
-    block's bytes). Either way the m^3 Gram products are computed redundantly on every
-    device of the split.
+    iteration distributed. In the compiled programs, when the split side is the long one it
+    all-reduces the [m, m] Gram matrix every iteration; when it is the short one it
+    all-gathers X three times per iteration. Either way the m^3 Gram products are computed
+    redundantly on every device of the split.
 
 `ns_layout(...)` moves such mesh axes from the block axes onto a batch axis they divide (the
 layer stack, the experts, the heads), so each device orthogonalises whole blocks of its own:
 one all-to-all of the momentum there and one back, no collective inside the iteration, and
 no redundant compute. An axis that no batch axis divides is taken by a batch axis padded with
 zero blocks to a multiple of it (`ns_plan`; Newton-Schulz of a zero block is zero, and the
-padding is cut off after): K3's 69 KDA layers do not divide fsdp = 2^k, and left to the
-partitioner the update of KDA g_proj / o_proj (whole [7168, 96 x 128] blocks) on
-fsdp=4,expert=2 all-gathers the blocks every iteration (16 collectives, 292 GiB of results per
-device and parameter, benchmarks/muon_sharded.py); padded to 72 layers it is 2 all-to-alls
-(11.8 GiB), for 4% more Newton-Schulz work.
+padding is cut off after): K3's 69 KDA layers do not divide fsdp = 2^k, and padded to 72 on
+fsdp = 4 their g_proj / o_proj blocks are orthogonalised whole instead of all-gathered every
+iteration (benchmarks/muon_sharded.py; the figures are in docs/benchmarks.md).
 
 Padding stops paying when a stack has far fewer blocks than devices: on K3's fsdp=128 x
 tensor=8 pod mesh the MLA g/o projections (24 layers) would be padded to 1024 blocks, KDA g/o
 (69) and the shared experts (92) too, and layer 0's dense MLP (one block) to 1024 zero-block
-copies of itself: each device's Newton-Schulz 1.9x its share of the hand count. So `ns_plan`
-also tries leaving mesh axes split along each block's long side (k ways; the Gram matrix
-psummed every iteration, k3jax/optim/muon.py) and takes the plan of least `ns_cost`, matmul
-FLOPs plus the all-reduced bytes priced in FLOPs: K3's g/o and shared-expert stacks keep
-`tensor` on their long side and take `fsdp` on the layers (padded to 128), the dense MLP
-splits over both, and each device's Newton-Schulz is 1.09x its share.
+copies of itself. So `ns_plan` also tries leaving mesh axes split along each block's long
+side (k ways; the Gram matrix psummed every iteration, k3jax/optim/muon.py) and takes the
+plan of least `ns_cost`, matmul FLOPs plus the all-reduced bytes priced in FLOPs: K3's g/o
+and shared-expert stacks keep `tensor` on their long side and take `fsdp` on the layers
+(padded to 128), and the dense MLP splits over both.
 
 It does so unless the split is on the long side only and the block is thin: per device and
 block of m x n (m <= n) split k ways along n, the partitioner's Gram all-reduces move about
@@ -131,9 +127,9 @@ def _batch_plan(entries, shape, block, split, mesh_shape) -> NSPlan:
   return NSPlan(PartitionSpec(*(_entry(t) for t in target)), tuple(shape), tuple(split))
 
 
-# Newton-Schulz runs at HIGHEST precision: fp32 matmuls, which a TPU computes at about a sixth
-# of its bf16 peak (v5p: ~75 of 459 TFLOP/s), while one ring axis of the torus all-reduces at
-# ~100-200 GB/s per chip: about 500 fp32 FLOPs for each byte a device all-reduces.
+# Newton-Schulz runs at HIGHEST precision (fp32 matmuls, a fraction of a TPU's bf16 peak),
+# against what one ring axis of the torus all-reduces per chip: the price of a byte in fp32
+# FLOPs, an estimate from published chip figures (docs/muon.md#cost).
 FLOPS_PER_ALL_REDUCED_BYTE = 500.0
 
 

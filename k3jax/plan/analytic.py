@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import math
 
+from k3jax.execution import Attention, Remat
+
 
 def _bytes_per_device(sds) -> int:
   shape = sds.sharding.shard_shape(sds.shape) if sds.sharding is not None else sds.shape
   return math.prod(shape) * sds.dtype.itemsize
 
 
-def moe_layer_bytes(cfg, mesh, tokens: int) -> float:
+def moe_layer_bytes(cfg, ex, mesh, tokens: int) -> float:
   """Per-device transient bytes of one routed-experts layer on `mesh` (sharding/
   expert_parallel.py's layout for `tokens` tokens a step), in the compute dtype (c bytes):
     gathered experts  when E does not split over expert x fsdp, each layer all-gathers its
@@ -25,10 +27,10 @@ def moe_layer_bytes(cfg, mesh, tokens: int) -> float:
   from k3jax.model import expert_parallel  # noqa: PLC0415
   if not cfg.num_experts or cfg.moe_layers == () or mesh.size == 1:
     return 0.0
-  c = 2 if cfg.dtype == "bfloat16" else 4
+  c = 2 if ex.dtype == "bfloat16" else 4
   in_name = expert_parallel.expert_input_name(cfg)
   h = cfg.latent_size if in_name == "latent" else cfg.hidden_size
-  plan = expert_parallel.layout(cfg, tokens, in_name, mesh)
+  plan = expert_parallel.layout(cfg, tokens, in_name, mesh, ex.moe_capacity_factor)
   size = lambda axes: math.prod(mesh.shape[a] for a in axes)  # noqa: E731
   gathered = 0.0
   if plan.gather_axes:
@@ -37,10 +39,11 @@ def moe_layer_bytes(cfg, mesh, tokens: int) -> float:
   return gathered + 3 * plan.recv * h * c
 
 
-def analytic_temp(cfg, rows_per_device: int, seq: int, tensor: int, state_per_device: float,
-                  params_per_device: float, moe_bytes: float = 0.0, accum: int = 1,
-                  largest_per_device: float = 0.0) -> float:
-  """Per-device temporaries by hand count (bytes), with the compute dtype's width c:
+def analytic_temp(cfg, ex, rows_per_device: int, seq: int, tensor: int,
+                  state_per_device: float, params_per_device: float, moe_bytes: float = 0.0,
+                  accum: int = 1, largest_per_device: float = 0.0) -> float:
+  """Per-device temporaries by hand count (bytes) of `cfg` run as `ex` says (remat,
+  attention, loss chunking), with the compute dtype's width c:
     gradients           one fp32 copy of the parameters (`params_per_device`, as sharded),
                         two under gradient accumulation (the accumulator and the
                         micro-batch's gradients);
@@ -62,43 +65,44 @@ def analytic_temp(cfg, rows_per_device: int, seq: int, tensor: int, state_per_de
     one MoE layer       `moe_bytes` (moe_layer_bytes: gathered experts, dispatch buffers).
   A cross-check of the compiled figures (tests/k3jax/test_plan.py), not a replacement."""
   from k3jax.model import schedule  # noqa: PLC0415
-  c = 2 if cfg.dtype == "bfloat16" else 4
+  c = 2 if ex.dtype == "bfloat16" else 4
   d, b, t = cfg.hidden_size, rows_per_device, seq
   btd = b * t * d
   L = cfg.num_layers
-  remat = cfg.remat not in ("none", False)
+  remat = ex.remat != Remat.NONE
   saved = L * btd * (c if remat else 30 * c)
   blocks = 0.0
   if cfg.attn_res_block_size is not None:
-    if cfg.remat == "full":
+    if ex.remat == Remat.FULL:
       blocks = schedule.num_seals(cfg) * btd * (c + 4)
     else:
       blocks = schedule.num_seals(cfg) * btd * 4 * max(1, L // 4)
   h = cfg.mla_num_heads // tensor
-  attn = b * h * t * t * 4 * 3 if getattr(cfg, "attention", "dense") == "dense" else (
+  attn = b * h * t * t * 4 * 3 if ex.attention == Attention.DENSE else (
       b * t * h * (cfg.qk_head_dim * 2 + cfg.v_head_dim * 2) * c)
   kda = b * t * (cfg.kda_num_heads // tensor) * cfg.kda_head_dim * 8 * 4
   working = 12 * btd * 4 + max(attn, kda)
   loss = b * t * (cfg.vocab_size // tensor) * 4 * 3
-  if getattr(cfg, "loss_chunk", None):
-    loss = b * cfg.loss_chunk * (cfg.vocab_size // tensor) * 4 * 3
+  if ex.loss_chunk:
+    loss = b * ex.loss_chunk * (cfg.vocab_size // tensor) * 4 * 3
   grads = params_per_device * (2 if accum > 1 else 1)
   return grads + 3 * largest_per_device + saved + blocks + working + loss + moe_bytes
 
 
-def routed_fill(cfg, mesh, tokens: int) -> float:
+def routed_fill(cfg, ex, mesh, tokens: int) -> float:
   """Expected routed pairs over the rows of the experts' receive buffer on a device (1 with
   no exchange: the pairs are the rows)."""
   from k3jax.model import expert_parallel  # noqa: PLC0415
   if not cfg.num_experts:
     return 1.0
-  with_mesh = expert_parallel.layout(cfg, tokens, expert_parallel.expert_input_name(cfg), mesh)
+  with_mesh = expert_parallel.layout(cfg, tokens, expert_parallel.expert_input_name(cfg), mesh,
+                                     ex.moe_capacity_factor)
   if with_mesh.ep == 1:
     return 1.0
   return min(1.0, with_mesh.n * cfg.num_experts_per_token / with_mesh.recv)
 
 
-def grouped_rows_run(cfg, mesh, tokens: int) -> float:
+def grouped_rows_run(cfg, ex, mesh, tokens: int) -> float:
   """The share of the receive buffer's rows that the "megablox" grouped matmul computes (its
   grid stops at the group sizes, pallas_kernels/grouped_matmul/ops.py): the expected routed pairs,
   plus the row tiles that group boundaries share, at most one per local expert and one more
@@ -107,11 +111,12 @@ def grouped_rows_run(cfg, mesh, tokens: int) -> float:
   from k3jax.model import expert_parallel  # noqa: PLC0415
   if not cfg.num_experts:
     return 1.0
-  with_mesh = expert_parallel.layout(cfg, tokens, expert_parallel.expert_input_name(cfg), mesh)
+  with_mesh = expert_parallel.layout(cfg, tokens, expert_parallel.expert_input_name(cfg), mesh,
+                                     ex.moe_capacity_factor)
   if with_mesh.ep == 1:
     return 1.0
   tiles = cfg.num_experts // with_mesh.ep + 1
-  return min(1.0, routed_fill(cfg, mesh, tokens) + tiles * TILE / with_mesh.recv)
+  return min(1.0, routed_fill(cfg, ex, mesh, tokens) + tiles * TILE / with_mesh.recv)
 
 
 def _dequantised_layer_bytes(params) -> int:

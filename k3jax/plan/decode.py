@@ -32,6 +32,7 @@ import math
 import time
 
 from k3jax.errors import UserError
+from k3jax.execution import Execution, GroupedMatmul, KdaBackend, Precision
 from k3jax.plan.train import chip_of, gib, oom_temporaries, topology_devices
 from k3jax.plan.analytic import _bytes_per_device
 from k3jax.plan import hlo
@@ -70,15 +71,16 @@ class DecodePlan:
     return dataclasses.asdict(self)
 
 
-def serve_config(cfg):
-  """The config `k3jax generate --dtype bfloat16` runs on TPU: bf16 weights and compute,
-  megablox experts, KDA's Pallas TPU kernel for prefill (decode runs its fused step)."""
-  return cfg.replace(dtype="bfloat16", param_dtype="bfloat16", matmul_precision="default",
-                     moe_grouped_matmul="megablox",
-                     kda_backend=cfg.kda_backend or "pallas_tpu")
+def serve_config(capacity_factor: float | None = None) -> Execution:
+  """The execution `k3jax generate --dtype bfloat16` runs on TPU: bf16 weights and compute,
+  megablox experts, KDA's Pallas TPU kernel for prefill (decode runs its fused step); the
+  routed experts dropless unless a capacity factor is given."""
+  return Execution(dtype="bfloat16", param_dtype="bfloat16", matmul_precision=Precision.DEFAULT,
+                   moe_grouped_matmul=GroupedMatmul.MEGABLOX, kda_backend=KdaBackend.PALLAS_TPU,
+                   moe_capacity_factor=capacity_factor)
 
 
-def abstract_inputs(cfg, mesh, batch: int, seq: int):
+def abstract_inputs(cfg, ex, mesh, batch: int, seq: int):
   """(graphdef, params, cache): the model's arrays and an empty cache as ShapeDtypeStructs in
   their shardings on `mesh` (nothing allocated)."""
   import jax  # noqa: PLC0415
@@ -89,7 +91,7 @@ def abstract_inputs(cfg, mesh, batch: int, seq: int):
   from k3jax.model.transformer import K3Model  # noqa: PLC0415
   from sharding.placement import check_model_fits, variable_spec  # noqa: PLC0415
 
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0))))
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: K3Model(cfg, ex, rngs=nnx.Rngs(0))))
   check_model_fits(state, mesh)
 
   def sds(var):
@@ -98,7 +100,7 @@ def abstract_inputs(cfg, mesh, batch: int, seq: int):
                                             sharding=NamedSharding(mesh, spec)))
 
   params = jax.tree.map(sds, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-  cache = jax.eval_shape(lambda: cache_lib.init_cache(cfg, batch, seq))
+  cache = jax.eval_shape(lambda: cache_lib.init_cache(cfg, ex, batch, seq))
   specs = cache_lib.specs(cache, mesh)
   cache = jax.tree.map(
       lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
@@ -133,7 +135,7 @@ def analytic_temp(cfg, mesh, rows: int, tokens: int, seq: int, moe_bytes: float)
   return logits + carry + 12 * btd * 4 + max(scores, kda) + latent + moe_bytes
 
 
-def plan_one(cfg, devices, topology: str, mesh_spec, *, batch: int, seq: int,
+def plan_one(cfg, ex, devices, topology: str, mesh_spec, *, batch: int, seq: int,
              prefill_chunk: int, block: int, analytic: bool) -> DecodePlan:
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
@@ -147,7 +149,7 @@ def plan_one(cfg, devices, topology: str, mesh_spec, *, batch: int, seq: int,
 
   mesh = make_mesh(mesh_spec, devices)
   check_batch(batch, mesh, "--batch rows")
-  graphdef, params, cache = abstract_inputs(cfg, mesh, batch, seq)
+  graphdef, params, cache = abstract_inputs(cfg, ex, mesh, batch, seq)
   chip = chip_of(topology, devices[0].device_kind)
   n = len(devices)
   weights = sum(_bytes_per_device(x) for x in jax.tree.leaves(params))
@@ -161,7 +163,8 @@ def plan_one(cfg, devices, topology: str, mesh_spec, *, batch: int, seq: int,
                 param_count=n_params)
   rows = batch // batch_rows_ways(mesh)
   if analytic:
-    temps = [analytic_temp(cfg, mesh, rows, t, seq, moe_layer_bytes(cfg, mesh, batch * t) / 2)
+    temps = [analytic_temp(cfg, mesh, rows, t, seq,
+                           moe_layer_bytes(cfg, ex, mesh, batch * t) / 2)
              for t in (prefill_chunk, 1)]  # no gradients: half plan.moe_layer_bytes' gather
     peak = weights + cache_bytes + max(temps)
     # a step reads every weight once (at serving batches nearly every expert is routed to)
@@ -179,7 +182,7 @@ def plan_one(cfg, devices, topology: str, mesh_spec, *, batch: int, seq: int,
   rows_sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(row_axes))
   rows2 = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(row_axes, None))
   ids = sd((batch, prefill_chunk), jnp.int32, sharding=rows2)
-  logits = sd((batch, cfg.vocab_size), cfg.jnp_dtype, sharding=rows2)
+  logits = sd((batch, cfg.vocab_size), ex.jnp_dtype, sharding=rows2)
   key = jax.eval_shape(lambda: jax.random.key(0))
   sampling = jax.eval_shape(lambda: Sampling.make(0.0, 0, 1.0))
   t0 = time.perf_counter()
@@ -256,19 +259,18 @@ def run_plan(args) -> list[DecodePlan]:
   import configs  # noqa: PLC0415
   from sharding.mesh import MeshError  # noqa: PLC0415
 
-  cfg = serve_config(configs.resolve(args.config))
-  if args.capacity_factor is not None:
-    cfg = cfg.replace(moe_capacity_factor=args.capacity_factor)
+  cfg, ex = configs.resolve(args.config), serve_config(args.capacity_factor)
   devices = topology_devices(args.topology)
   chunk = min(args.prefill_chunk, args.seq)
   kw = dict(batch=args.batch, seq=args.seq, prefill_chunk=chunk, block=args.block)
   try:
     if args.mesh:
-      return [plan_one(cfg, devices, args.topology, args.mesh, analytic=args.analytic, **kw)]
+      return [plan_one(cfg, ex, devices, args.topology, args.mesh, analytic=args.analytic,
+                       **kw)]
     ranked = []
     for sizes in candidate_meshes(cfg, len(devices), args.batch):
       try:
-        ranked.append(plan_one(cfg, devices, args.topology, sizes, analytic=True, **kw))
+        ranked.append(plan_one(cfg, ex, devices, args.topology, sizes, analytic=True, **kw))
       except MeshError:
         continue
   except MeshError as e:
@@ -279,7 +281,7 @@ def run_plan(args) -> list[DecodePlan]:
   ranked.sort(key=lambda p: (not p.fits, -p.tokens_per_second_estimate))
   if args.analytic:
     return ranked
-  return [plan_one(cfg, devices, args.topology, p.mesh, analytic=False, **kw)
+  return [plan_one(cfg, ex, devices, args.topology, p.mesh, analytic=False, **kw)
           for p in ranked[:args.max_compiles]]
 
 

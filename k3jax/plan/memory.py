@@ -22,6 +22,7 @@ import argparse
 import math
 
 from k3jax.config import ModelConfig
+from k3jax.execution import Execution
 
 FULL_MUON, FULL_ADAM = 4 + 4 + 4 + 2, 4 + 4 + 8 + 2
 BASE_BF16, BASE_MXFP4, ADAPTER = 2.0, 0.5 + 1 / 32, 4 + 4 + 8
@@ -33,7 +34,7 @@ def _counts(cfg: ModelConfig, spec) -> dict[str, int]:
 
   from k3jax.optim.groups import dimension_numbers  # noqa: PLC0415
   from k3jax.train.step import make_model  # noqa: PLC0415
-  abstract = nnx.eval_shape(lambda: make_model(cfg, 0, spec))
+  abstract = nnx.eval_shape(lambda: make_model(cfg, Execution(), 0, spec))  # shapes only
   out = {"muon": 0, "adam": 0, "experts": 0, "adapters": 0}
   for path, v in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
     n = math.prod(v.shape)

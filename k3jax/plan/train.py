@@ -1,4 +1,4 @@
-"""`k3jax plan`: will the train step fit a TPU pod, on which mesh, how fast (SPEC §6).
+"""`k3jax plan`: will the train step fit a TPU pod, on which mesh, how fast (docs/plan.md).
 
 The real jitted train step of `k3jax train` (k3jax/train/step.py: forward, loss, backward,
 clip, Per-Head Muon, QK-clip, Quantile Balancing) is lowered with abstract inputs
@@ -41,6 +41,7 @@ import re
 import time
 
 from k3jax.errors import UserError
+from k3jax.execution import Execution, GroupedMatmul, KdaBackend, Remat
 from k3jax.plan.analytic import _bytes_per_device, _dequantised_layer_bytes, analytic_temp, grouped_rows_run, moe_layer_bytes, routed_fill
 from k3jax.plan import hlo
 
@@ -95,13 +96,15 @@ def topology_devices(topology: str):
   return list(topo.devices)
 
 
-def plan_config(cfg, remat: str | None = None, attention: str | None = None,
-                loss_chunk: int | None = None, capacity_factor: float | None = None):
-  """The config `k3jax train` runs on TPU: bf16 compute, fp32 master weights, megablox;
-  remat / attention / loss_chunk / the experts' capacity factor override the config's when
-  given (loss_chunk 0: whole)."""
-  changes = dict(dtype="bfloat16", param_dtype="float32", moe_grouped_matmul="megablox",
-                 kda_backend=cfg.kda_backend or "pallas_tpu")
+def plan_config(remat: str | None = None, attention: str | None = None,
+                loss_chunk: int | None = None, capacity_factor: float | None = None
+                ) -> Execution:
+  """The execution `k3jax train` runs on TPU: bf16 compute, fp32 master weights, megablox,
+  KDA's Pallas TPU kernels; remat / attention / loss_chunk (0: whole) / the experts' capacity
+  factor as given (None: the defaults, no remat, dense attention, whole logits, dropless)."""
+  ex = Execution(dtype="bfloat16", param_dtype="float32",
+                 moe_grouped_matmul=GroupedMatmul.MEGABLOX, kda_backend=KdaBackend.PALLAS_TPU)
+  changes = {}
   if remat is not None:
     changes["remat"] = remat
   if attention is not None:
@@ -110,10 +113,10 @@ def plan_config(cfg, remat: str | None = None, attention: str | None = None,
     changes["loss_chunk"] = loss_chunk or None
   if capacity_factor is not None:
     changes["moe_capacity_factor"] = capacity_factor
-  return cfg.replace(**changes)
+  return ex.replace(**changes)
 
 
-def abstract_inputs(steps, cfg, batch: int, seq: int, accum: int, spec=None):
+def abstract_inputs(steps, cfg, ex, batch: int, seq: int, accum: int, spec=None):
   """(state, batch, threshold) as ShapeDtypeStructs in the step's shardings."""
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
@@ -121,7 +124,7 @@ def abstract_inputs(steps, cfg, batch: int, seq: int, accum: int, spec=None):
 
   from k3jax.train import step as step_lib  # noqa: PLC0415
   # what the run initialises (under LoRA: adapters, packed experts, a bf16 frozen base)
-  params, bias = jax.eval_shape(lambda: step_lib.init_params(cfg, 0, spec))
+  params, bias = jax.eval_shape(lambda: step_lib.init_params(cfg, ex, 0, spec))
   state = step_lib.abstract_state(steps, params, bias)
   rows = batch // accum
   b_sh = steps.batch_sharding
@@ -199,7 +202,7 @@ def _mesh_size(mesh) -> dict:
   return dict(mesh.shape)
 
 
-def plan_one(cfg, sc, devices, topology: str, mesh_spec, *, batch: int, seq: int,
+def plan_one(cfg, ex, sc, devices, topology: str, mesh_spec, *, batch: int, seq: int,
              accum: int, analytic: bool, spec=None) -> Plan:
   import jax  # noqa: PLC0415
   from k3jax.train import flops as flops_lib  # noqa: PLC0415
@@ -209,16 +212,15 @@ def plan_one(cfg, sc, devices, topology: str, mesh_spec, *, batch: int, seq: int
 
   mesh = make_mesh(mesh_spec, devices)
   check_batch(batch // accum, mesh)
-  steps = step_lib.build(cfg, sc, mesh, spec)
-  state, data, thr = abstract_inputs(steps, cfg, batch, seq, accum, spec)
+  steps = step_lib.build(cfg, ex, sc, mesh, spec)
+  state, data, thr = abstract_inputs(steps, cfg, ex, batch, seq, accum, spec)
   chip = chip_of(topology, devices[0].device_kind)
   n = len(devices)
   count = flops_lib.count(cfg, seq)
   lora = spec is not None and spec.lora
   # the FLOPs split: remat recomputes the forward (a third of the training FLOPs; save-dots
   # keeps the matmul outputs, so this is its upper bound); Muon's Newton-Schulz once per step
-  remat_flops = (count.forward_per_token * batch * seq
-                 if cfg.remat not in ("none", False) else 0.0)
+  remat_flops = count.forward_per_token * batch * seq if ex.remat != Remat.NONE else 0.0
   optimizer_flops = 0.0 if lora else flops_lib.newton_schulz_flops(cfg)
   # LoRA: forward 2N + activation gradient 2N per token, no weight gradient for the base
   model_flops = count.train_per_token * batch * seq * (2 / 3 if lora else 1)
@@ -235,8 +237,8 @@ def plan_one(cfg, sc, devices, topology: str, mesh_spec, *, batch: int, seq: int
   sizes = _mesh_size(mesh)
   rows_dev = (batch // accum) // (sizes["data"] * sizes["fsdp"] * sizes["expert"])
   common = dict(topology=topology, devices=n, mesh=format_sizes(sizes), batch=batch, seq=seq,
-                grad_accum=accum, remat=str(cfg.remat), loss_chunk=cfg.loss_chunk,
-                attention=cfg.attention,
+                grad_accum=accum, remat=ex.remat.value, loss_chunk=ex.loss_chunk,
+                attention=ex.attention.value,
                 hbm_bytes_per_device=chip.hbm_bytes, model_flops=model_flops,
                 state_bytes_per_device=state_bytes, param_count=n_params,
                 mode="lora" if lora else "train", lora_rank=spec.rank if lora else None,
@@ -244,12 +246,12 @@ def plan_one(cfg, sc, devices, topology: str, mesh_spec, *, batch: int, seq: int
                 remat_flops=remat_flops, optimizer_flops=optimizer_flops)
   if analytic:
     arg = state_bytes + batch_bytes
-    temp = analytic_temp(cfg, rows_dev, seq, sizes["tensor"], state_bytes, params_bytes,
-                         moe_layer_bytes(cfg, mesh, batch // accum * seq),
+    temp = analytic_temp(cfg, ex, rows_dev, seq, sizes["tensor"], state_bytes, params_bytes,
+                         moe_layer_bytes(cfg, ex, mesh, batch // accum * seq),
                          accum=accum, largest_per_device=0.0 if lora else largest)
     peak = arg + temp
     # per device: the model FLOPs share plus remat's recompute (one more forward)
-    per_dev = model_flops / n * (4 / 3 if cfg.remat not in ("none", False) else 1.0)
+    per_dev = model_flops / n * (4 / 3 if ex.remat != Remat.NONE else 1.0)
     est = max(per_dev / chip.peak_flops, (state_bytes * 3 + temp) / chip.hbm_bandwidth)
     return Plan(**common, analytic=True, argument_bytes_per_device=arg,
                 temp_bytes_per_device=temp, output_bytes_per_device=state_bytes,
@@ -295,10 +297,10 @@ def plan_one(cfg, sc, devices, topology: str, mesh_spec, *, batch: int, seq: int
   counted = hlo.matmul_flops(text, by_op) * n
   grouped = sum(f for op, f in by_op.items() if _grouped_matmul_op(op)) * n
   tokens = batch // accum * seq
-  buffer_rows = grouped * (1.0 - routed_fill(cfg, mesh, tokens))
+  buffer_rows = grouped * (1.0 - routed_fill(cfg, ex, mesh, tokens))
   skipped = 0.0
-  if cfg.moe_grouped_matmul == "megablox":  # its grid stops at the group sizes
-    skipped = grouped * (1.0 - grouped_rows_run(cfg, mesh, tokens))
+  if ex.moe_grouped_matmul == GroupedMatmul.MEGABLOX:  # its grid stops at the group sizes
+    skipped = grouped * (1.0 - grouped_rows_run(cfg, ex, mesh, tokens))
   work, buffer_rows = counted - skipped, buffer_rows - skipped
   est = max(work / n / chip.peak_flops, dev_bytes / chip.hbm_bandwidth)
   return Plan(**common, analytic=False, loops=text.count(" while("),
@@ -322,8 +324,8 @@ def oom_temporaries(message: str) -> float | None:
   temporaries (33.54G) exceeds available HBM (15.75G)'), None for any other error. Despite the
   wording the figure is the whole program's HBM: the arguments' buffers plus the temporaries'
   heap (in the buffer assignment that XLA_FLAGS=--xla_dump_to writes for the refused
-  program, the parameter allocations and the preallocated temporaries sum to it within 0.5%:
-  full K3 at fsdp=128 x tensor=8, 20.54 + 88.61 GiB against 109.10G)."""
+  program, the parameter allocations and the preallocated temporaries sum to it:
+  docs/plan.md#what-got-it-there)."""
   m = _OOM.search(message)
   if not m:
     return None
@@ -354,8 +356,9 @@ def run_plan(args) -> list[Plan]:
   from k3jax.train import step as step_lib  # noqa: PLC0415
   from sharding.mesh import MeshError  # noqa: PLC0415
 
-  cfg = plan_config(configs.resolve(args.config), args.remat, args.attention, args.loss_chunk,
-                    getattr(args, "capacity_factor", None))
+  cfg = configs.resolve(args.config)
+  ex = plan_config(args.remat, args.attention, args.loss_chunk,
+                   getattr(args, "capacity_factor", None))
   spec = lora_spec(args, cfg)
   if args.batch % args.grad_accum:
     raise UserError(f"--batch {args.batch} is not a multiple of --grad-accum {args.grad_accum}")
@@ -363,12 +366,13 @@ def run_plan(args) -> list[Plan]:
   sc = step_lib.StepConfig(qb_method="histogram")  # the histogram QB scales to pods
   kw = dict(batch=args.batch, seq=args.seq, accum=args.grad_accum, spec=spec)
   if args.mesh:
-    return [plan_one(cfg, sc, devices, args.topology, args.mesh, analytic=args.analytic, **kw)]
+    return [plan_one(cfg, ex, sc, devices, args.topology, args.mesh, analytic=args.analytic,
+                     **kw)]
   cands = candidate_meshes(cfg, len(devices), args.batch // args.grad_accum)
   ranked = []
   for sizes in cands:  # analytic first: cheap, and orders the compiles
     try:
-      ranked.append(plan_one(cfg, sc, devices, args.topology, sizes, analytic=True, **kw))
+      ranked.append(plan_one(cfg, ex, sc, devices, args.topology, sizes, analytic=True, **kw))
     except MeshError:
       continue
   if not ranked:
@@ -378,7 +382,7 @@ def run_plan(args) -> list[Plan]:
     return ranked
   plans = []
   for p in ranked[:args.max_compiles]:
-    plans.append(plan_one(cfg, sc, devices, args.topology, p.mesh, analytic=False, **kw))
+    plans.append(plan_one(cfg, ex, sc, devices, args.topology, p.mesh, analytic=False, **kw))
   return plans
 
 

@@ -1,6 +1,7 @@
-"""Training and fine-tuning (SPEC §5): `k3jax train`.
+"""Training and fine-tuning (docs/training.md): `k3jax train`.
 
 data.py (corpus, packing, grain pipeline) -> step.py (jitted train/eval steps: Per-Head Muon,
 QK-clip, Quantile Balancing) -> loop.py (the run: resume, eval, logging) with checkpoint.py
-(Orbax), metrics.py (JSONL, TensorBoard, console), plots.py (PNG), flops.py (MFU), cli.py.
+(Orbax), metrics.py (JSONL, TensorBoard, console), plots.py (PNG), flops.py (MFU);
+the command is k3jax/commands/train.py.
 """

@@ -1,5 +1,6 @@
 """The parameter trees the train step works on: a built (and possibly adapted) model split
-into plain dicts, and under LoRA the trainable / frozen partition of them (SPEC §10).
+into plain dicts, and under LoRA the trainable / frozen partition of them
+(docs/training.md#fine-tuning).
 
   params        nested dict of the model's nnx.Params, LoRA adapters included, and of its
                 frozen MXFP4-packed experts (`PackedExperts`: never trained)
@@ -23,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from k3jax.config import ModelConfig
+from k3jax.execution import Execution
 from k3jax.model.lora import AdaptSpec, PackedExperts, adapt
 from k3jax.model.moe import RouterBias
 
@@ -47,11 +49,12 @@ def split_model(model: nnx.Module) -> tuple[Any, dict, dict]:
   return graphdef, plain(nnx.as_pure(params)), plain(nnx.as_pure(bias))
 
 
-def make_model(cfg: ModelConfig, seed: int, spec: AdaptSpec | None = None) -> nnx.Module:
-  """The model `cfg` describes, adapted for fine-tuning as `spec` asks (LoRA, packed experts,
-  QAT; model/lora.py)."""
+def make_model(cfg: ModelConfig, ex: Execution, seed: int, spec: AdaptSpec | None = None
+               ) -> nnx.Module:
+  """The model `cfg` describes, run as `ex` says, adapted for fine-tuning as `spec` asks
+  (LoRA, packed experts, QAT; model/lora.py)."""
   from k3jax.model.transformer import K3Model  # noqa: PLC0415  (heavy import)
-  model = K3Model(cfg, rngs=nnx.Rngs(seed))
+  model = K3Model(cfg, ex, rngs=nnx.Rngs(seed))
   return model if spec is None else adapt(model, spec, nnx.Rngs(seed + 1))
 
 
@@ -99,27 +102,27 @@ def combine(a: Any, b: Any) -> Any:
   return out
 
 
-def split_for_training(cfg: ModelConfig, model: nnx.Module, spec: AdaptSpec | None
-                       ) -> tuple[dict, dict]:
+def split_for_training(model: nnx.Module, spec: AdaptSpec | None) -> tuple[dict, dict]:
   """(params, router_bias) of a built (adapted) model. Under LoRA the frozen base needs no
   master copy: its float leaves are held in the compute dtype (bf16 on TPU/GPU: 2 bytes per
   base parameter, not 4; the released weights are bf16, so nothing is lost), the adapters keep
   the master dtype. Nothing changes when compute is as wide as the master (CPU, float64)."""
   _, params, bias = split_model(model)
-  if spec is None or not spec.lora or cfg.jnp_dtype == cfg.jnp_param_dtype:
+  ex = model.ex
+  if spec is None or not spec.lora or ex.jnp_dtype == ex.jnp_param_dtype:
     return params, bias
   mask = trainable_mask(nnx.state(model, WEIGHTS), spec)
   cast = lambda x, m: (x if m or not jnp.issubdtype(x.dtype, jnp.floating)  # noqa: E731
-                       else x.astype(cfg.jnp_dtype))
+                       else x.astype(ex.jnp_dtype))
   return jax.tree.map(cast, params, mask), bias
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3, 4))
-def adapt_params(cfg: ModelConfig, params: dict, bias: dict, spec: AdaptSpec, seed: int
-                 ) -> dict:
+@functools.partial(jax.jit, static_argnums=(0, 1, 4, 5))
+def adapt_params(cfg: ModelConfig, ex: Execution, params: dict, bias: dict, spec: AdaptSpec,
+                 seed: int) -> dict:
   """A pre-trained model's params adapted as `spec` asks (fresh adapters from `seed`, experts
   packed), under jit for the same reason as init_params."""
   from k3jax.model.transformer import K3Model  # noqa: PLC0415
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0))))
+  graphdef = nnx.graphdef(nnx.eval_shape(lambda: K3Model(cfg, ex, rngs=nnx.Rngs(0))))
   model = nnx.merge(graphdef, nnx.State(params), nnx.State(bias))
-  return split_for_training(cfg, adapt(model, spec, nnx.Rngs(seed + 1)), spec)[0]
+  return split_for_training(adapt(model, spec, nnx.Rngs(seed + 1)), spec)[0]

@@ -1,4 +1,5 @@
-"""Checkpoints of a run (SPEC §5): one Orbax `CheckpointManager`, async, keeping the last N.
+"""Checkpoints of a run: one Orbax `CheckpointManager`, async, keeping the last N
+(docs/training.md#checkpoints-and-outputs).
 
 A checkpoint `OUT/checkpoints/<step>/` holds three items:
   state  the TrainState (params, router biases, optimizer state, step, RNG key), Orbax
@@ -160,7 +161,6 @@ class Checkpointer:
     self.manager.close()
 
 
-MODEL_DIR = "model"
 MODEL_CONFIG = "k3jax_config.json"  # the name `k3jax convert` gives it (convert.to_orbax.CONFIG)
 
 
@@ -171,8 +171,11 @@ def save_model(directory: str, graphdef: Any, params: Any, router_bias: Any, cfg
                adapters: dict | None = None) -> None:
   """The trained weights as a k3jax model checkpoint: `nnx.state(model)` saved by Orbax plus
   `k3jax_config.json`, the layout `k3jax export` turns into the official format and
-  `--init-from` fine-tunes from. Written synchronously, replacing an older one. Every
-  process saves its shards of the arrays; process 0 alone writes the config file."""
+  `--init-from` fine-tunes from. The config file holds the architecture ("config") and the
+  dtypes the weights were trained in ("execution": compute and master dtype, what a load
+  without an explicit execution runs them in; convert.load.checkpoint_execution). Written
+  synchronously, replacing an older one. Every process saves its shards of the arrays;
+  process 0 alone writes the config file."""
   import jax  # noqa: PLC0415
   from flax import nnx  # noqa: PLC0415
   model = nnx.merge(graphdef, nnx.State(params), nnx.State(router_bias))
@@ -181,7 +184,8 @@ def save_model(directory: str, graphdef: Any, params: Any, router_bias: Any, cfg
   checkpointer.wait_until_finished()
   if jax.process_index() == 0:
     with open(os.path.join(directory, MODEL_CONFIG), "w") as f:
-      json.dump({"format": "k3jax", "config": cfg.replace(remat=False).to_dict()}, f, indent=2)
+      trained = {"dtype": model.ex.dtype, "param_dtype": model.ex.param_dtype}
+      json.dump({"format": "k3jax", "config": cfg.to_dict(), "execution": trained}, f, indent=2)
     adapters_file = os.path.join(directory, ADAPTERS)
     if adapters is not None:  # `k3jax export --merge-lora | --adapter-only` reads it
       with open(adapters_file, "w") as f:

@@ -1,4 +1,5 @@
-"""Input pipeline (SPEC §5): documents -> tokens -> pieces -> grain first-fit packing -> batches.
+"""Input pipeline: documents -> tokens -> pieces -> grain first-fit packing -> batches
+(docs/training.md#data).
 
 A document of L tokens is cut into pieces of at most T+1 tokens that overlap by one token
 (starts 0, T, 2T, ...), so each next-token pair of the document is trained on exactly once.
@@ -14,8 +15,8 @@ given `segment_ids`, keeps packed pieces apart (MLA mask, KDA state and conv res
 A step's batch has shape [A, b, T]: A micro-batches of b rows (gradient accumulation).
 The iterator is resumable: its grain state (a small JSON dict) goes into every checkpoint.
 
-Data shards (many processes, SPEC §6): with `num_shards` S the pieces are dealt out
-round-robin to S independent pipelines (piece i to shard i mod S, each shuffled and packed on
+Data shards (many processes, docs/sharding.md#multi-host): with `num_shards` S the pieces are dealt
+out round-robin to S independent pipelines (piece i to shard i mod S, each shuffled and packed on
 its own), shard s supplies rows [s b/S, (s+1) b/S) of every micro-batch, and a process reads
 only the shards whose rows its devices hold (`shards_for_rows`, `ShardIterator`). S is a property of the run, not
 of the process count: one process reading all S shards produces exactly the batches that S

@@ -9,7 +9,7 @@ What is counted, per token, forward (a multiply-add is 2 FLOPs):
   mla_attention  per MLA layer 2 * H * (d_qk + d_v) * (T+1)/2: scores and probs @ V over the
                causal half of a row of T positions (what causal attention needs; the masked
                upper half a dense implementation also computes is not counted).
-  kda_core     per KDA layer and head, the chunked algorithm (chunk C = 64, SPEC §2.4):
+  kda_core     per KDA layer and head, the chunked algorithm (chunk C = 64, docs/kernels.md):
                6 K V (inter-chunk: W S, (Q e^G) S, state update) + C (3 K + 2 V) (the lower-
                triangular A_kk, A_qk, T e^G K, T V and A_qk V' products, each half of C^2) +
                C^2 / 3 (the triangular solve).

@@ -1,6 +1,7 @@
 """A training run: set-up, resume, the step loop, eval, logging, checkpoints, plots.
 
-    OUT/run.json          options and model config of the run (a resume must match them)
+    OUT/run.json          options, model config and execution of the run (a resume must
+                          match them)
     OUT/checkpoints/<s>/  Orbax checkpoints (checkpoint.py), the last `keep` of them
     OUT/metrics.jsonl     one JSON object per logged step (metrics.py)
     OUT/tb/               TensorBoard events
@@ -13,7 +14,7 @@ state, router biases, step, RNG key and data position), so `--steps` can be rais
 on. The cosine schedule spans `decay_steps` (default: `steps`): give it explicitly to stop and
 resume on the same schedule.
 
-On a mesh (`mesh="data=2,expert=2,tensor=2"`, SPEC §6) the state is created, restored and
+On a mesh (`mesh="data=2,expert=2,tensor=2"`, docs/sharding.md) the state is created, restored and
 updated in its shardings (step.py), and with several processes (`coordinator`,
 `num_processes`, `process_id`, or a Cloud TPU environment) each process reads only the data
 shards whose rows its devices hold; every process saves and restores its own shards of a
@@ -35,21 +36,25 @@ import numpy as np
 
 from k3jax.errors import UserError
 from k3jax.config import ModelConfig
+from k3jax.execution import Execution, recorded
+from k3jax.folders import (MODEL_DIR, RUN_FILE, absolute, absolute_tokenizer, model_folder,
+                           tokenizer_source)
 from k3jax.train import data as data_lib
 from k3jax.train import flops as flops_lib
 from k3jax.train import step as step_lib
-from k3jax.train.checkpoint import MODEL_DIR, Checkpointer, save_model
+from k3jax.train.checkpoint import Checkpointer, save_model
 from k3jax.train.metrics import MetricsWriter, read_records
 from k3jax.tokenizer import load_tokenizer
 from sharding import distributed
 from sharding.mesh import describe, make_mesh
 from sharding.placement import check_batch
 
-RUN_FILE = "run.json"
 # options that fix what a checkpoint and its data position mean: a resume must not change them
 _RESUME_KEYS = ("data", "data_format", "tokenizer", "seq_len", "batch_size", "seed",
                 "init_from", "data_shards", "lora_rank", "lora_alpha", "lora_targets",
                 "base_experts", "experts_qat")
+# path-valued options: a run records them absolute (a later command may run elsewhere)
+_PATHS = {"data": absolute, "init_from": absolute, "tokenizer": absolute_tokenizer}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,9 +79,9 @@ class RunOptions:
   clip_norm: float | None = 1.0
   qb: bool = True
   qb_method: str = "exact"
-  qb_rule: str = "k3"                # QB thresholds: "k3" (SPEC §2.6) | "per_expert"
+  qb_rule: str = "k3"                # QB thresholds: "k3" (the K3 report's) | "per_expert"
   qk_clip: float | None = None       # MuonClip threshold (K2: 100); None: off
-  remat: str = "none"               # none | full | save-dots | offload (config.REMAT_POLICIES)
+  remat: str = "none"                # none | full | save-dots | offload (execution.Remat)
   dtype: str = "auto"                # compute dtype; auto: bfloat16 on TPU/GPU, float32 on CPU;
                                      #   float64: float64 weights and compute (exactness checks)
   mesh: str | None = None            # device mesh spec, e.g. "data=2,expert=2,tensor=2"
@@ -95,7 +100,7 @@ class RunOptions:
   tensorboard: bool = True
   plots: bool = True
   compile_cache: str | None = None   # persistent XLA compilation cache folder
-  # fine-tuning (SPEC §10; model/lora.py)
+  # fine-tuning (docs/training.md#fine-tuning; model/lora.py)
   lora_rank: int | None = None       # LoRA adapters of this rank, the base frozen; None: off
   lora_alpha: float | None = None    # adapter update scale alpha / rank (default: rank)
   lora_targets: tuple[str, ...] | None = None  # projection path patterns (default: lora.py)
@@ -154,26 +159,26 @@ def adapt_spec(opts: RunOptions, cfg: ModelConfig):
   return spec
 
 
-def _numerics(cfg: ModelConfig, opts: RunOptions) -> ModelConfig:
-  """bf16 (or fp32) compute over fp32 master weights (fp64 over fp64 when asked); remat."""
-  return cfg.replace(dtype=compute_dtype(opts.dtype), param_dtype=master_dtype(opts),
-                     remat=opts.remat)
+def execution(opts: RunOptions) -> Execution:
+  """How the run computes: bf16 (or fp32) compute over fp32 master weights (fp64 over fp64
+  when asked); remat."""
+  return Execution(dtype=compute_dtype(opts.dtype), param_dtype=master_dtype(opts),
+                   remat=opts.remat)
 
 
-def _load_init(path: str, opts: RunOptions, shardings: dict | None = None):
-  """(model, cfg) from a converted checkpoint or an official-layout folder. `shardings`
-  (k3jax path -> NamedSharding) makes Orbax restore a checkpoint's arrays into their shards;
-  an official-layout folder is read into host memory (convert it first for big models)."""
+def _load_init(path: str, ex: Execution, shardings: dict | None = None):
+  """(model, cfg) from a converted checkpoint or an official-layout folder, run as `ex` says.
+  `shardings` (k3jax path -> NamedSharding) makes Orbax restore a checkpoint's arrays into
+  their shards; an official-layout folder is read into host memory (convert it first for big
+  models)."""
   from convert import load as convert_load  # noqa: PLC0415  (pulls in tensorstore etc.)
   if not os.path.isdir(path):
     raise UserError(f"--init-from {path}: no such folder")
-  overrides = {"dtype": compute_dtype(opts.dtype), "param_dtype": master_dtype(opts),
-               "remat": opts.remat}
   if convert_load.is_checkpoint(path):
-    return convert_load.load_checkpoint(path, shardings=shardings, **overrides)
+    return convert_load.load_checkpoint(path, ex, shardings=shardings)
   if os.path.exists(os.path.join(path, "config.json")):
     from convert.hf_load import load_model  # noqa: PLC0415
-    return load_model(path, **overrides)
+    return load_model(path, ex)
   raise UserError(f"--init-from {path}: neither a k3jax checkpoint (k3jax_config.json) nor an "
                   "official-layout model folder (config.json)")
 
@@ -184,25 +189,28 @@ def _model_config(opts: RunOptions) -> ModelConfig:
     raise UserError(f"--init-from {opts.init_from}: no such folder")
   if opts.init_from:
     from convert import load as convert_load  # noqa: PLC0415
-    if convert_load.is_checkpoint(opts.init_from):
-      cfg = convert_load.checkpoint_config(opts.init_from)
+    weights = model_folder(opts.init_from).weights
+    if convert_load.is_checkpoint(weights):
+      cfg = convert_load.checkpoint_config(weights)
     else:
-      cfg = configs.resolve(opts.init_from)
+      cfg = configs.resolve(weights)
   else:
     cfg = configs.resolve(opts.config or "tiny")
-  return _numerics(cfg, opts)
+  return cfg
 
 
-def _check_resume(out: str, opts: RunOptions, cfg: ModelConfig) -> None:
+def _check_resume(out: str, opts: RunOptions, cfg: ModelConfig, ex: Execution) -> None:
   path = os.path.join(out, RUN_FILE)
   if not os.path.exists(path):
     return
   with open(path) as f:
     saved = json.load(f)
-  if _normalised(saved.get("model")) != cfg.to_dict():
+  if _normalised(saved.get("model")) != cfg.to_dict() or _saved_execution(saved) != ex:
     raise UserError(f"{out} holds a run of another model config; use a new --out")
   for key in _RESUME_KEYS:
     was = saved["options"].get(key, getattr(RunOptions, key, None))  # runs before the option
+    if key in _PATHS and was is not None:  # older runs recorded them as typed
+      was = _PATHS[key](was)
     now = getattr(opts, key)
     if was != (list(now) if isinstance(now, tuple) else now):  # JSON keeps tuples as lists
       raise UserError(f"{out} holds a run with --{key.replace('_', '-')} "
@@ -211,16 +219,27 @@ def _check_resume(out: str, opts: RunOptions, cfg: ModelConfig) -> None:
 
 
 def _normalised(model: dict | None) -> dict | None:
-  """A saved model config as this version writes it (older runs saved remat as a bool)."""
+  """A saved model config as this version writes it (older runs saved the execution fields
+  in it too)."""
   try:
     return ModelConfig.from_dict(model).to_dict()
   except Exception:  # noqa: BLE001  (not a config this version reads: a mismatch)
     return model
 
 
-def _write_run_file(out: str, opts: RunOptions, cfg: ModelConfig) -> None:
+def _saved_execution(saved: dict) -> Execution | None:
+  """The execution a run file records ("execution"; older runs: inside "model", with remat
+  as a bool)."""
+  try:
+    return recorded({"config": saved.get("model"), **saved})
+  except Exception:  # noqa: BLE001  (not one this version reads: a mismatch)
+    return None
+
+
+def _write_run_file(out: str, opts: RunOptions, cfg: ModelConfig, ex: Execution) -> None:
   with open(os.path.join(out, RUN_FILE), "w") as f:
-    json.dump({"options": dataclasses.asdict(opts), "model": cfg.to_dict()}, f, indent=1)
+    json.dump({"options": dataclasses.asdict(opts), "model": cfg.to_dict(),
+               "execution": ex.to_dict()}, f, indent=1)
 
 
 def _eval_loss(steps, state, batches) -> float:
@@ -288,14 +307,15 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
     opts = dataclasses.replace(opts, data_shards=jax.process_count())
   mesh = make_mesh(opts.mesh) if opts.mesh else None
   out = os.path.abspath(opts.out)
+  opts = dataclasses.replace(opts, **{k: fn(getattr(opts, k)) for k, fn in _PATHS.items()})
   os.makedirs(out, exist_ok=True)
-  cfg = _model_config(opts)
-  _check_resume(out, opts, cfg)
+  cfg, ex = _model_config(opts), execution(opts)
+  _check_resume(out, opts, cfg, ex)
   sc = step_config(opts)
   if mesh is not None:
     check_batch(opts.batch_size // opts.grad_accum, mesh)
   spec = adapt_spec(opts, cfg)
-  steps = step_lib.build(cfg, sc, mesh, spec)  # refuses a mesh the model cannot be split on
+  steps = step_lib.build(cfg, ex, sc, mesh, spec)  # refuses a mesh the model cannot be split on
   pipe = data_lib.PipelineConfig(opts.seq_len, opts.batch_size, opts.grad_accum, opts.seed,
                                  num_shards=opts.data_shards)
   rows, read_shards, write_shards = _shard_plan(steps, pipe, opts)
@@ -303,7 +323,8 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
 
   ckpt = Checkpointer(os.path.join(out, "checkpoints"), keep=opts.keep)
   resume_step = ckpt.latest_step()
-  tokenizer = load_tokenizer(opts.tokenizer, opts.init_from)
+  source = tokenizer_source(opts.tokenizer, opts.init_from)
+  tokenizer = load_tokenizer(source.kind, source.folder)
   if tokenizer.vocab_size > cfg.vocab_size:
     raise UserError(f"the {tokenizer.name} tokenizer has {tokenizer.vocab_size} ids but the "
                     f"model only {cfg.vocab_size} embeddings")
@@ -321,7 +342,7 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
     eval_batches = [to_device(b, (0, rows_per_micro)) for b in eval_batches]
 
   if resume_step is not None:
-    params, bias = jax.eval_shape(lambda: step_lib.init_params(cfg, opts.seed, spec))
+    params, bias = jax.eval_shape(lambda: step_lib.init_params(cfg, ex, opts.seed, spec))
     state, data_state, meta = ckpt.restore(
         resume_step, step_lib.abstract_state(steps, params, bias), read_shards)
     start = int(state["step"])
@@ -329,9 +350,10 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
     rng = step_lib.new_rng(opts.seed)
     if opts.init_from:
       shardings = _path_shardings(steps) if mesh is not None and spec is None else None
-      _, params, bias = step_lib.split_model(_load_init(opts.init_from, opts, shardings)[0])
+      init = model_folder(opts.init_from).weights
+      _, params, bias = step_lib.split_model(_load_init(init, ex, shardings)[0])
       if spec is not None:
-        params = step_lib.adapt_params(cfg, params, bias, spec, opts.seed)
+        params = step_lib.adapt_params(cfg, ex, params, bias, spec, opts.seed)
       if mesh is not None:  # an official-layout folder (or an adapted model) arrives whole
         params = jax.device_put(params, steps.shardings["params"])
         bias = jax.device_put(bias, steps.shardings["router_bias"])
@@ -346,18 +368,18 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
     # and a resumed one lower to the same program (one persistent-cache entry, not two)
     state = step_lib.place(state)
   if main_process:
-    _write_run_file(out, opts, cfg)
+    _write_run_file(out, opts, cfg, ex)
 
   flop_count = flops_lib.count(cfg, opts.seq_len)
   tokens_per_step = opts.batch_size * opts.seq_len
   devices = 1 if mesh is None else mesh.size
   peak = devices * (opts.peak_tflops * 1e12 if opts.peak_tflops
-                    else flops_lib.measure_matmul_peak(cfg.jnp_dtype))
+                    else flops_lib.measure_matmul_peak(ex.jnp_dtype))
   n_params = step_lib.count_params(state["params"])
   n_trainable = step_lib.count_params(step_lib.partition(state["params"], steps.trainable)[0])
   if main_process:
     print(f"k3jax train: {n_params / 1e6:.2f}M params ({flop_count.active_matmul_params / 1e6:.2f}"
-          f"M active matmul), {cfg.dtype} compute / {cfg.param_dtype} master; "
+          f"M active matmul), {ex.dtype} compute / {ex.param_dtype} master; "
           f"{data.description} ({tokenizer.name}); batch {opts.batch_size} x {opts.seq_len}"
           f"{f' ({opts.grad_accum} micro-batches)' if opts.grad_accum > 1 else ''}; "
           + (f"mesh {describe(mesh)}, {jax.process_count()} process(es), "

@@ -1,4 +1,4 @@
-"""Token cross entropy without the [tokens, vocab] logits (SPEC §5).
+"""Token cross entropy without the [tokens, vocab] logits (docs/training.md).
 
     nll[b, t] = logsumexp_v(x[b, t] . W[:, v]) - x[b, t] . W[:, target[b, t]]
 
@@ -108,15 +108,16 @@ def _nll_bwd(precision, res, ct_nbc):
 _chunked_nll.defvjp(_nll_fwd, _nll_bwd)
 
 
-def model_nll(model, cfg, inputs: jax.Array, segment_ids: jax.Array | None):
-  """Run `model` (a K3Model) on `inputs` the way `cfg` computes its loss: (its output, a
-  function (output, targets, mask) -> per-position NLL). With `cfg.loss_chunk` the model stops
-  at the final norm and the NLL runs over chunks of the head (no [B, T, V] logits); without it,
-  over the full logits. The train step and benchmarks/train.py both call this."""
-  if cfg.loss_chunk is None:
+def model_nll(model, inputs: jax.Array, segment_ids: jax.Array | None):
+  """Run `model` (a K3Model) on `inputs` the way its execution computes the loss: (its output,
+  a function (output, targets, mask) -> per-position NLL). With `model.ex.loss_chunk` the model
+  stops at the final norm and the NLL runs over chunks of the head (no [B, T, V] logits);
+  without it, over the full logits. The train step and benchmarks/train.py both call this."""
+  ex = model.ex
+  if ex.loss_chunk is None:
     return (model(inputs, segment_ids=segment_ids),
             lambda out, targets, mask: token_nll(out.logits, targets, mask))
   out = model(inputs, segment_ids=segment_ids, logits=False)
   head = model.head()
   return out, lambda out, targets, mask: chunked_token_nll(
-      out.features, head, targets, mask, cfg.loss_chunk, cfg.precision)
+      out.features, head, targets, mask, ex.loss_chunk, ex.precision)

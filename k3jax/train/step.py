@@ -1,4 +1,4 @@
-"""The jitted train and eval steps (SPEC §5) over a functional train state.
+"""The jitted train and eval steps (docs/training.md#the-train-step) over a functional train state.
 
 TrainState, a plain pytree donated to the step:
   params       nested dict of the model's nnx.Params (fp32 master weights)
@@ -22,7 +22,7 @@ One step on a batch [A, b, T] (A micro-batches of b rows):
      Per-layer expert load (max/mean, dead fraction) is reported for the choices the batch
      made under b_t ("before") and for the choices b_{t+1} makes on the same scores ("after").
 
-On a mesh (`build(cfg, sc, mesh)`, SPEC §6) the same functions are jitted with explicit
+On a mesh (`build(cfg, ex, sc, mesh)`, docs/sharding.md) the same functions are jitted with explicit
 shardings and traced under `jax.set_mesh(mesh)`: the state lives where the rules table puts it
 (optimizer moments with their parameters), batches [A, b, T] split their rows over
 data x fsdp x expert, metrics come back replicated; the model is initialised by a jitted init
@@ -30,12 +30,13 @@ whose outputs are already sharded (nothing is built whole on one device). Step 4
 inside a shard_map over the batch mesh axes: each device bins its own rows and the histogram
 method's only large reduction is one psum of a layer's [E, bins] counts per MoE layer (the
 exact method gathers the rows instead). The scores wait for step 4 with each device's rows
-split over the tensor ranks, as the MoE layers compute them (all micro-batches' scores of K3
-are 10 GiB per device whole), and are gathered one layer at a time. Without a mesh nothing of this exists and the step is the
-one-device program it always was.
+split over the tensor ranks, as the MoE layers compute them (whole, all micro-batches' scores
+of K3 would be a large share of a device: docs/plan.md#what-got-it-there), and are gathered one
+layer at a time. Without a mesh nothing of this exists and the step is the one-device program it
+always was.
 
-The compiled functions are cached per (model config, step config, mesh): repeated runs in one
-process (tests, resume) compile once.
+The compiled functions are cached per (model config, execution, step config, mesh): repeated
+runs in one process (tests, resume) compile once.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from k3jax.config import ModelConfig
+from k3jax.execution import Execution
 from k3jax.model.lora import AdaptSpec
 from k3jax.model.moe import RouterBias
 from k3jax.train.adapted import (WEIGHTS, adapt_params, combine, count_params,  # noqa: F401
@@ -83,7 +85,7 @@ class StepConfig:
   clip_norm: float | None = 1.0
   qb: bool = True
   qb_method: str = "exact"           # "exact" | "histogram"
-  qb_rule: str = "k3"                # QB threshold: "k3" (SPEC §2.6 as written) | "per_expert"
+  qb_rule: str = "k3"                # QB threshold: "k3" (the K3 report's) | "per_expert"
   qb_bins: int = 1000
 
   def __post_init__(self):
@@ -145,13 +147,13 @@ class InitParamsOnMesh:
   """seed -> (params, router_bias) created in their shardings by one jitted init per seed;
   `lower(seed)` gives its compiled program (e.g. for the per-device memory plan)."""
 
-  def __init__(self, cfg: ModelConfig, mesh: jax.sharding.Mesh, shardings,
+  def __init__(self, cfg: ModelConfig, ex: Execution, mesh: jax.sharding.Mesh, shardings,
                spec: AdaptSpec | None = None):
-    self.cfg, self.mesh, self.shardings, self.spec = cfg, mesh, shardings, spec
+    self.cfg, self.ex, self.mesh, self.shardings, self.spec = cfg, ex, mesh, shardings, spec
 
   @functools.cache
   def _jitted(self, seed: int) -> OnMesh:
-    return OnMesh(jax.jit(functools.partial(_init_params, self.cfg, seed, self.spec),
+    return OnMesh(jax.jit(functools.partial(_init_params, self.cfg, self.ex, seed, self.spec),
                           out_shardings=self.shardings), self.mesh)
 
   def __call__(self, seed: int):
@@ -193,13 +195,14 @@ def state_shardings(tx: optax.GradientTransformation, params_abs: nnx.State,
 
 
 @functools.lru_cache(maxsize=8)
-def build(cfg: ModelConfig, sc: StepConfig, mesh: jax.sharding.Mesh | None = None,
-          spec: AdaptSpec | None = None) -> Steps:
-  """The steps of `cfg`'s model adapted as `spec` asks, on `mesh` with shardings (raises
+def build(cfg: ModelConfig, ex: Execution, sc: StepConfig,
+          mesh: jax.sharding.Mesh | None = None, spec: AdaptSpec | None = None) -> Steps:
+  """The steps of `cfg`'s model run as `ex` says (dtypes, remat, loss chunking, kernels) and
+  adapted as `spec` asks, on `mesh` with shardings (raises
   sharding.mesh.MeshError, before any compile, when the mesh cannot split the model). With
   LoRA only the adapters are differentiated and hold optimizer state (AdamW: see
   optimizer_for); the base passes through the step untouched (bit-identical)."""
-  abstract = nnx.eval_shape(lambda: make_model(cfg, 0, spec))
+  abstract = nnx.eval_shape(lambda: make_model(cfg, ex, 0, spec))
   if mesh is not None:
     check_model_fits(nnx.state(abstract), mesh)
   graphdef, params_abs, bias_abs, _ = nnx.split(abstract, WEIGHTS, RouterBias, ...)
@@ -212,7 +215,7 @@ def build(cfg: ModelConfig, sc: StepConfig, mesh: jax.sharding.Mesh | None = Non
 
   def forward(params, bias, inputs, segment_ids):
     """(ModelOutput, per-position NLL function of (out, targets, mask))."""
-    return model_nll(nnx.merge(graphdef, nnx.State(params), nnx.State(bias)), cfg, inputs,
+    return model_nll(nnx.merge(graphdef, nnx.State(params), nnx.State(bias)), inputs,
                      segment_ids)
 
   def nll(params, bias, inputs, targets, segment_ids, mask):
@@ -284,10 +287,10 @@ def build(cfg: ModelConfig, sc: StepConfig, mesh: jax.sharding.Mesh | None = Non
     """QB of every MoE layer from the rows at hand (all of them, or this device's with
     `axis_name` the mapped batch axes); load before and after. One layer at a time
     (lax.map): all layers at once (vmap) holds several [L, tokens, E] fp32 temporaries (the
-    thresholds, the histogram's bin indices, the re-routing), 60 GiB per device for K3 on a
-    pod, where one layer's are 1/L of that. `scores` arrive with this device's rows split
-    further over `score_axes` (the tensor ranks: k3jax/model/expert_parallel.py computes and keeps
-    them so), so each layer's are gathered whole here, one layer at a time."""
+    thresholds, the histogram's bin indices, the re-routing; docs/plan.md#what-got-it-there
+    for K3 on a pod), where one layer's are 1/L of that. `scores` arrive with this device's rows
+    split further over `score_axes` (the tensor ranks: k3jax/model/expert_parallel.py computes and
+    keeps them so), so each layer's are gathered whole here, one layer at a time."""
     mask = segment_ids.reshape(-1) != 0  # (micro-batch, row, position) order
 
     def layer(l):
@@ -328,7 +331,7 @@ def build(cfg: ModelConfig, sc: StepConfig, mesh: jax.sharding.Mesh | None = Non
             "step": jnp.zeros((), jnp.int32), "rng": rng}
 
   def evaluate(params, bias, batch):
-    wide = jnp.promote_types(cfg.jnp_dtype, jnp.float32)  # the NLL's dtype (token_nll)
+    wide = jnp.promote_types(ex.jnp_dtype, jnp.float32)  # the NLL's dtype (token_nll)
 
     def one(acc, mb):
       nll_ = nll(params, bias, mb["inputs"], mb["targets"], mb["segment_ids"], mb["loss_mask"])
@@ -340,7 +343,7 @@ def build(cfg: ModelConfig, sc: StepConfig, mesh: jax.sharding.Mesh | None = Non
 
   if mesh is None:
     return Steps(graphdef=graphdef, logical_axes=axes, tx=tx,
-                 init_params=lambda seed: init_params(cfg, seed, spec), init=jax.jit(init),
+                 init_params=lambda seed: init_params(cfg, ex, seed, spec), init=jax.jit(init),
                  train=jax.jit(train, donate_argnums=0), eval=jax.jit(evaluate),
                  forward=jax.jit(forward_with_routing), trainable=mask)
 
@@ -350,7 +353,7 @@ def build(cfg: ModelConfig, sc: StepConfig, mesh: jax.sharding.Mesh | None = Non
 
   return Steps(
       graphdef=graphdef, logical_axes=axes, tx=tx,
-      init_params=InitParamsOnMesh(cfg, mesh, (param_sh, bias_sh), spec),
+      init_params=InitParamsOnMesh(cfg, ex, mesh, (param_sh, bias_sh), spec),
       init=OnMesh(jax.jit(init, in_shardings=(param_sh, bias_sh, rep),
                           out_shardings=state_sh), mesh),
       train=OnMesh(jax.jit(train, donate_argnums=0, in_shardings=(state_sh, batch_sh, rep),
@@ -376,18 +379,18 @@ def _set_path(tree: dict, path, value) -> dict:
   return out
 
 
-def _init_params(cfg: ModelConfig, seed: int, spec: AdaptSpec | None = None
+def _init_params(cfg: ModelConfig, ex: Execution, seed: int, spec: AdaptSpec | None = None
                  ) -> tuple[dict, dict]:
-  return split_for_training(cfg, make_model(cfg, seed, spec), spec)
+  return split_for_training(make_model(cfg, ex, seed, spec), spec)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def init_params(cfg: ModelConfig, seed: int, spec: AdaptSpec | None = None
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def init_params(cfg: ModelConfig, ex: Execution, seed: int, spec: AdaptSpec | None = None
                 ) -> tuple[dict, dict]:
   """(params, router_bias) of a freshly initialised model, built under jit: creating the
   stacked modules eagerly runs thousands of tiny ops one by one (a minute on a CPU). On a mesh
   use `build(...).init_params(seed)`: the same values, created in their shardings."""
-  return _init_params(cfg, seed, spec)
+  return _init_params(cfg, ex, seed, spec)
 
 
 def abstract_state(steps: Steps, params: Any, bias: Any) -> Any:

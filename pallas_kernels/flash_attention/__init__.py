@@ -1,4 +1,6 @@
-"""Blockwise causal attention with its own backward (MLA's training attention): `ops.py`."""
+"""Blockwise causal attention with its own backward (MLA's training attention): the public
+`flash_attention` in ops.py (one implementation, in jnp: no dispatch yet), the dense definition
+it is tested against in reference.py."""
 
 from pallas_kernels.flash_attention.ops import flash_attention
 

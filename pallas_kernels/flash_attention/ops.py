@@ -18,8 +18,8 @@ block's probabilities P_ij = exp(S_ij - lse_i):
     dQ_i = scale sum_j dS_ij K_j,   dK_j = scale sum_i dS_ij^T Q_i
 Masks: causal, and equal segment ids (packing, padding). Every query sees at least itself, so
 no row is empty. Scores and softmax statistics in fp32 (fp64 for float64 inputs), as the dense
-path (`mla.MLA`, kept as the reference) computes them. Also returns the per-row max of the
-masked scaled scores (QK-clip's max logit), not differentiated.
+definition (reference.attention, with the [T, T] scores) computes them. Also returns the
+per-row max of the masked scaled scores (QK-clip's max logit), not differentiated.
 """
 
 from __future__ import annotations

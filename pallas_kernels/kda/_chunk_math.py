@@ -1,4 +1,4 @@
-"""Per-chunk KDA math shared by the Pallas kernels (SPEC §2.4, chunked form).
+"""Per-chunk KDA math shared by the Pallas kernels (docs/kernels.md#kda-chunked-form).
 
 Everything here works on in-register values of ONE (batch, head, chunk) of C = 64 tokens and is
 plain `jnp`, so the TPU (Mosaic) and GPU (Triton) kernels trace the same code; the few
@@ -32,8 +32,8 @@ pair (i, j) depends on g only through G_i - G_j, the sum of g over (j, i], so it
 for j < t <= i only. Adding it at i, subtracting it at j and reverse-cumsumming is shorter, but
 then every pair is added and removed again at all earlier tokens of the chunk: the float32
 residue of those cancellations is shared by (correlated along) the chunk's tokens, and a
-parameter gradient that sums dg over all tokens (dA_log) collected it ~5x above the float32
-recurrence's error.
+parameter gradient that sums dg over all tokens (dA_log) collected it well above the float32
+recurrence's error (docs/benchmarks.md#development-measurements).
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ NSUB = C // SUB
 #  precision: float32-accurate dots by default; the GPU uses 3xTF32 (tensor cores, ~fp32
 #    accuracy) instead of IEEE FMA loops.
 #  scan_cumsum: the GPU takes the in-chunk cumsum with lax.cumsum; feeding a matmul's result
-#    through the decay math into further matmuls makes Triton's compile time explode (a
-#    one-block gram went from 2 s to 94 s). Mosaic TPU uses a triangular matmul.
+#    through the decay math into further matmuls makes Triton's compile time explode
+#    (docs/benchmarks.md#development-measurements). Mosaic TPU uses a triangular matmul.
 _OPTIONS = contextvars.ContextVar(
     "kda_chunk_options", default=dict(precision=jax.lax.Precision.HIGHEST, scan_cumsum=False))
 
@@ -417,9 +417,10 @@ def chunk_bwd(q, k, v, g, beta_c, rc, rr, s0, do, ds1, scale, sub):
   return dq, dk, dv, dg, dbeta, ds0
 
 
-# Optional in-kernel preparation of raw inputs (SPEC §4). The kernels apply it in float32 as they
-# load a chunk, the backward recomputes it from the raw inputs and chains its gradient through,
-# so raw q/k/logits/gate are the residuals and nothing prepared is ever written to HBM.
+# Optional in-kernel preparation of raw inputs (docs/kernels.md#raw-inputs). The kernels apply
+# it in float32 as they load a chunk, the backward recomputes it from the raw inputs and chains
+# its gradient through, so raw q/k/logits/gate are the residuals and nothing prepared is ever
+# written to HBM.
 
 
 class Fused(NamedTuple):

@@ -6,8 +6,9 @@ lane multiple (128 on TPU). Padding is exact: padded tokens have k = v = 0, g = 
 they neither read nor change the state; padded feature columns are zero in q, k, v, g and the
 state, so they contribute nothing and come back as zeros that we slice off.
 
-Raw inputs (SPEC §4: gate pre-activation, beta logits, un-normalised q/k) are padded the same
-way; their transforms are not zero on zero padding, so the kernels mask them (_chunk_math.Fused).
+Raw inputs (docs/kernels.md#raw-inputs: gate pre-activation, beta logits, un-normalised q/k) are
+padded the same way; their transforms are not zero on zero padding, so the kernels mask them
+(_chunk_math.Fused).
 """
 
 from __future__ import annotations

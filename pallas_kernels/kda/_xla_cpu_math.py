@@ -1,6 +1,7 @@
-"""Per-chunk math of the XLA:CPU KDA backend (xla_cpu.py): the chunked form of SPEC §2.4 with
-the factorings and layouts that make it fast on XLA:CPU. reference.chunk_kda is the same math
-written plainly; this file is the tuned version, tested against it and the float64 recurrence.
+"""Per-chunk math of the XLA:CPU KDA backend (xla_cpu.py): the chunked form
+(docs/kernels.md#kda-chunked-form) with the factorings and layouts that make it fast on
+XLA:CPU. reference.chunk_kda is the same math written plainly; this file is the tuned version,
+tested against it and the float64 recurrence.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import numpy as np
 from pallas_kernels.kda.reference import CHUNK, compute_dtype, segment_starts
 
 # ----------------------------------------------------------------------------------------------
-# Chunked form (SPEC §2.4), chunk C = 64. Per chunk, with G the inclusive cumsum of g inside the
-# chunk and S the entering state:
+# Chunked form (docs/kernels.md#kda-chunked-form), chunk C = 64. Per chunk, with G the
+# inclusive cumsum of g inside the chunk and S the entering state:
 #   Akk[i,j] = beta_i sum_c k_ic k_jc e^{G_ic - G_jc}      j < i   (same segment)
 #   Aqk[i,j] = sum_c q~_ic k_jc e^{G_ic - G_jc}            j <= i  (same segment), q~ = scale q
 #   M = (I + Akk)^-1;  W = M (beta e^G k);  U = M (beta v)
@@ -43,8 +44,9 @@ def small_sum(x: jax.Array, axis: int) -> jax.Array:
 
 def transposed(x: jax.Array) -> jax.Array:
   """x with its last two axes swapped *in memory*. XLA folds a plain transpose into the dot
-  that consumes it, and a dot contracting both operands' row axes runs ~2x slower on XLA:CPU
-  than one fed a materialized transpose; the barrier keeps the copy."""
+  that consumes it, and a dot contracting both operands' row axes runs slower on XLA:CPU
+  than one fed a materialized transpose (docs/benchmarks.md#development-measurements); the
+  barrier keeps the copy."""
   return jax.lax.optimization_barrier(jnp.swapaxes(x, -1, -2))
 
 

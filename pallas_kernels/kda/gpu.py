@@ -1,4 +1,5 @@
-"""Chunked KDA forward and backward in Pallas for NVIDIA GPUs (Triton lowering), SPEC §2.4, §4.
+"""Chunked KDA forward and backward in Pallas for NVIDIA GPUs (Triton lowering);
+docs/kernels.md#kda-backends.
 
 Four kernels, the split fla uses, because one monolithic kernel per (batch, head) needs more
 shared memory than an H100 has (the backward asked Triton for 704 KiB of 227):
@@ -29,6 +30,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.kda import _chunk_math as cm
 from pallas_kernels.kda import _layout
 from pallas_kernels.kda import _wrapper
+from pallas_kernels.kda.reference import PREPARED, RawInputs
 
 C = cm.C
 BV = 64  # V columns per recurrence program: the state block [K, BV] stays in registers
@@ -211,70 +213,24 @@ def _bwd_call(q, k, v, g, beta, rc, rr, alog, dtb, states, do, dht, *, scale, in
 _kda_core = _wrapper.make_core(_fwd_call, _bwd_call)
 
 
-def kda_gpu(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    g: jax.Array,
-    beta: jax.Array,
-    *,
-    scale: float | None = None,
-    initial_state: jax.Array | None = None,
-    output_final_state: bool = False,
-    segment_ids: jax.Array | None = None,
-    interpret=False,
-    A_log: jax.Array | None = None,
-    dt_bias: jax.Array | None = None,
-    gate: str | None = None,
-    lower_bound: float | None = None,
-    use_qk_l2norm: bool = False,
-    l2norm_eps: float = 1e-6,
-    use_beta_sigmoid: bool = False,
-) -> tuple[jax.Array, jax.Array | None]:
+def kda_gpu(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+            segment_ids=None, A_log=None, dt_bias=None, raw: RawInputs = PREPARED,
+            interpret=False) -> tuple[jax.Array, jax.Array | None]:
   """KDA on NVIDIA GPUs; same contract and options as `tpu.kda_tpu`. `interpret=True` runs
   the Triton-lowered kernels in Pallas interpret mode (any backend, e.g. CPU).
 
   The raw-input options are applied in the wrapper (reference.prepare_inputs), not in-kernel:
   the K-blocked intra_bwd kernel never sees a whole q/k row, which the l2norm's backward needs."""
   return _wrapper.kda_with(
-      _kda_core, _layout.power_of_two, q, k, v, g, beta, scale=scale,
-      initial_state=initial_state, output_final_state=output_final_state,
-      segment_ids=segment_ids, interpret=interpret, in_kernel=False, A_log=A_log,
-      dt_bias=dt_bias, gate=gate, lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm,
-      l2norm_eps=l2norm_eps, use_beta_sigmoid=use_beta_sigmoid)
-
-
-def _step_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref, *, scale):
-  o, s = cm.decode_step(q_ref[...].astype(_f32), k_ref[...].astype(_f32),
-                        v_ref[...].astype(_f32), g_ref[...].astype(_f32), beta_ref[...],
-                        s_ref[...], scale)
-  o_ref[...] = o.astype(o_ref.dtype)
-  s_out_ref[...] = s
+      _kda_core, _layout.power_of_two, q, k, v, g, beta, scale=scale, initial_state=initial_state,
+      output_final_state=output_final_state, segment_ids=segment_ids, A_log=A_log,
+      dt_bias=dt_bias, raw=raw, interpret=interpret, in_kernel=False)
 
 
 def kda_step_gpu(q, k, v, g, beta, state, *, scale=None, interpret=False):
   """Fused single-token decode on GPU, same contract as `tpu.kda_step_tpu`: one program per
   (batch, head), state updated in place (aliased). K and V must be powers of two (Triton)."""
-  B, H, K = q.shape
-  V = v.shape[-1]
-  scale = float(K**-0.5 if scale is None else scale)
-  col = pl.BlockSpec((sq, sq, K, 1), lambda b, h: (b, h, 0, 0))
-  row = pl.BlockSpec((sq, sq, 1, V), lambda b, h: (b, h, 0, 0))
-  one = pl.BlockSpec((sq, sq, 1, 1), lambda b, h: (b, h, 0, 0))
-  st = pl.BlockSpec((sq, sq, K, V), lambda b, h: (b, h, 0, 0))
-  args = (q[..., None], k[..., None], v[:, :, None, :], g.astype(_f32)[..., None],
-          beta.astype(_f32)[..., None, None], state.astype(_f32))
-  args, mat = _layout.match_vma(*args)
-  o, state = pl.pallas_call(
-      functools.partial(_step_kernel, scale=scale),
-      grid=(B, H),
-      in_specs=[col, col, row, col, one, st],
-      out_specs=[row, st],
-      out_shape=[_layout.out_struct((B, H, 1, V), v.dtype, mat),
-                 _layout.out_struct((B, H, K, V), _f32, mat)],
-      input_output_aliases={5: 1},
-      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
-      interpret=interpret,
-      name="kda_step_gpu",
-  )(*args)
-  return o[:, :, 0, :], state
+  return _wrapper.step_call(
+      q, k, v, g, beta, state, scale=scale, heads=None,
+      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
+      name="kda_step_gpu")

@@ -1,4 +1,4 @@
-"""Chunked KDA for Hopper-class NVIDIA GPUs in Pallas Mosaic GPU (SPEC §2.4, §4).
+"""Chunked KDA for Hopper-class NVIDIA GPUs in Pallas Mosaic GPU (docs/kernels.md#kda-backends).
 
 Split (as fla's chunk_kda): the per-chunk work that needs no state is chunk-parallel and runs
 in jnp (`_chunk_math` vmapped over (batch, head, chunk), float32 at Precision.HIGHEST); the
@@ -10,12 +10,12 @@ with the state carried transposed, S^T [V,K] (every wgmma then has V rows, its M
     S1^T = S0^T Diag(a) + Vp^T Kl
 
 The kernel (`_recurrence`) runs on a grid (B, H, V/64) of one warpgroup each; the state block
-[64, K] stays in shared memory in float32 for the whole sequence (the fp32 state of SPEC §4),
+[64, K] stays in shared memory in float32 for the whole sequence (the op's fp32 state),
 and every chunk operand arrives by TMA (`plgpu.copy_gmem_to_smem`) into 128-byte-swizzled
 [64, 64] tiles that the warpgroup matmuls (`plgpu.wgmma`) read directly.
 
 Tile sizes, and why:
-  * C = 64 tokens per chunk (SPEC §4): the M and contraction size of one warpgroup wgmma.
+  * C = 64 tokens per chunk: the M and contraction size of one warpgroup wgmma.
   * BV = 64 V rows per program: one warpgroup's wgmma M tile, so the [64, 64] float32
     accumulators are 32 registers a thread each; a whole V = 128 would not leave registers for
     the three live accumulators, and V blocks are independent (the grid spreads them over SMs).
@@ -27,7 +27,8 @@ Tile sizes, and why:
   * Swizzle 128 B with (8, 32) tiling: the layout wgmma wants for 4-byte elements (32 floats =
     128 B rows).
 
-Precision: float32 wgmma runs on TF32 tensor cores (10 mantissa bits), far from SPEC §8's 1e-5.
+Precision: float32 wgmma runs on TF32 tensor cores (10 mantissa bits), far from the 1e-5 of
+docs/correctness.md#tolerances.
 Every product is therefore 3xTF32: with x = hi + lo split exactly (hi = x truncated to TF32,
 `tf32_split`), a b ~ a_hi b_hi + a_hi b_lo + a_lo b_hi, dropping a_lo b_lo (< 2^-20 |a||b|).
 Operands are stored as their (hi, lo) planes, so the sum is the same whether the tensor core
@@ -69,6 +70,7 @@ from pallas_kernels.kda import _layout
 from pallas_kernels.kda import _mgpu as mg
 from pallas_kernels.kda import mosaic_gpu_bwd
 from pallas_kernels.kda import reference
+from pallas_kernels.kda.reference import PREPARED, RawInputs
 
 C = cm.C
 BV = BK = mg.TILE
@@ -219,31 +221,14 @@ def _forward(q, k, v, g, beta, h0, rc, rr, *, scale, interpret):
 _forward_jit = jax.jit(_forward, static_argnames=("scale", "interpret"))
 
 
-def kda_mosaic_gpu(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    g: jax.Array,
-    beta: jax.Array,
-    *,
-    scale: float | None = None,
-    initial_state: jax.Array | None = None,
-    output_final_state: bool = False,
-    segment_ids: jax.Array | None = None,
-    interpret=False,
-    A_log: jax.Array | None = None,
-    dt_bias: jax.Array | None = None,
-    gate: str | None = None,
-    lower_bound: float | None = None,
-    use_qk_l2norm: bool = False,
-    l2norm_eps: float = 1e-6,
-    use_beta_sigmoid: bool = False,
-) -> tuple[jax.Array, jax.Array | None]:
+def kda_mosaic_gpu(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                   segment_ids=None, A_log=None, dt_bias=None, raw: RawInputs = PREPARED,
+                   interpret=False) -> tuple[jax.Array, jax.Array | None]:
   """KDA on Hopper+ GPUs, with reference.naive_kda's contract and raw-input options.
   Differentiable in q, k, v, g, beta, initial_state (and A_log, dt_bias with a gate): the
   recurrence through mosaic_gpu_bwd's kernel, the rest by JAX (see the module docstring).
   `interpret=True` runs the kernels in Mosaic GPU interpret mode on the CPU."""
-  reference.check_gate(g, A_log, dt_bias, gate, lower_bound)
+  raw.check(g, A_log, dt_bias)
   B, T, H, K = q.shape
   V = v.shape[-1]
   if _layout.tile_multiple(K) > MAX_K:
@@ -253,9 +238,7 @@ def kda_mosaic_gpu(
   seg = (jnp.zeros((B, T), jnp.int32) if segment_ids is None
          else jnp.broadcast_to(segment_ids, (B, T)).astype(jnp.int32))
   qp, kp, gp, bp = reference.prepare_inputs(q, k, g, beta, A_log=A_log, dt_bias=dt_bias,
-                                            gate=gate, lower_bound=lower_bound,
-                                            use_qk_l2norm=use_qk_l2norm, l2norm_eps=l2norm_eps,
-                                            use_beta_sigmoid=use_beta_sigmoid)
+                                            raw=raw)
   xs = _layout.to_kernel_layout(qp, kp, v, gp, bp, h0.astype(_f32),
                                 feature_size=_layout.tile_multiple)
   rc, rr = _layout.reset_counts(seg, B, T, xs[0].shape[2])

@@ -1,5 +1,5 @@
-"""Backward of the Mosaic GPU KDA recurrence (SPEC §2.4, §4): a reverse-time Mosaic GPU kernel
-for the state gradient, then chunk-parallel jnp for every chunk operand's gradient.
+"""Backward of the Mosaic GPU KDA recurrence (docs/kernels.md#kda-backends): a reverse-time Mosaic
+GPU kernel for the state gradient, then chunk-parallel jnp for every chunk operand's gradient.
 
 The forward kernel (`mosaic_gpu._recurrence`) maps per-chunk operands to outputs through the
 state S [K,V]; per chunk, untransposed,

@@ -1,15 +1,20 @@
-"""The public KDA op (SPEC §2.4, §4): one signature, dispatched to a backend.
+"""The public KDA op (docs/kernels.md#kda-op): one signature, dispatched to a backend.
 
     o, s = kda(q, k, v, g, beta, scale=..., initial_state=..., output_final_state=...,
-               segment_ids=..., backend=None | "naive" | "chunked" | "xla_cpu" | "pallas_tpu"
-               | "pallas_gpu" | "pallas_mosaic_gpu", <raw-input options>)
+               segment_ids=..., backend=None | <a name in BACKENDS>, interpret=False,
+               A_log=..., dt_bias=..., raw=RawInputs(...))
 
 Layouts: q, k [B,T,H,K]; v [B,T,H,V]; g [B,T,H,K]; beta [B,T,H]; state [B,H,K,V] float32.
-The raw-input options (A_log, dt_bias, gate, lower_bound, use_qk_l2norm, l2norm_eps,
-use_beta_sigmoid) are defined by reference.prepare_inputs and every backend takes them:
+`raw` (reference.RawInputs: gate, lower_bound, use_qk_l2norm, l2norm_eps, use_beta_sigmoid)
+says how raw inputs become core inputs (reference.prepare_inputs defines it); the gate's
+parameters A_log [H] and dt_bias [H,K] are arrays and travel beside it. The bundle's fields are
+also taken as keywords (`kda(..., gate="lower_bound", lower_bound=-5.0)`).
+
+The backends, `_REGISTRY` below (each takes the op's signature without `backend`; the Pallas
+ones also `interpret`, to run the kernels on a CPU):
 
   "naive"       reference.naive_kda, the token-by-token recurrence (the definition)
-  "chunked"     reference.chunk_kda, the chunked form of SPEC §2.4 written plainly
+  "chunked"     reference.chunk_kda, the chunked form (docs/kernels.md) written plainly
   "xla_cpu"     xla_cpu.kda_xla_cpu, the chunked form tuned for XLA:CPU with its own backward
   "pallas_tpu"  tpu.kda_tpu, Pallas Mosaic kernels (raw inputs prepared in-kernel)
   "pallas_gpu"  gpu.kda_gpu, Pallas Triton kernels (JAX deprecates Pallas Triton)
@@ -24,16 +29,35 @@ K fits it, "pallas_gpu" otherwise.
 from __future__ import annotations
 
 import importlib
+from typing import NamedTuple
 
 import jax
 
-from pallas_kernels.kda import reference, xla_cpu
-from pallas_kernels.kda.reference import prepare_inputs  # noqa: F401  (public: ops.prepare_inputs)
+from pallas_kernels.kda.reference import RawInputs
+# public here too (ops.GATES, ops.prepare_inputs), as before the bundle
+from pallas_kernels.kda.reference import GATES, prepare_inputs  # noqa: F401
 
-BACKENDS = ("naive", "chunked", "xla_cpu", "pallas_tpu", "pallas_gpu", "pallas_mosaic_gpu")
-GATES = reference.GATES
-_JNP = {"naive": reference.naive_kda, "chunked": reference.chunk_kda,
-        "xla_cpu": xla_cpu.kda_xla_cpu}
+
+class _Backend(NamedTuple):
+  """Where a backend's functions live, as "module:function" under pallas_kernels.kda: imported on
+  first use, since a Pallas module does not import on every JAX (Pallas Triton is deprecated,
+  Mosaic GPU needs a recent one)."""
+  kda: str       # the op: (q, k, v, g, beta, *, scale, initial_state, ..., raw) -> (o, state)
+  kda_step: str  # one decode token on prepared inputs: (q, k, v, g, beta, state, *, scale)
+  pallas: bool   # both also take `interpret`
+
+
+_REGISTRY = {
+    # the jnp backends decode with the reference step: one token has no chunk to form
+    "naive": _Backend("reference:naive_kda", "reference:kda_step", pallas=False),
+    "chunked": _Backend("reference:chunk_kda", "reference:kda_step", pallas=False),
+    "xla_cpu": _Backend("xla_cpu:kda_xla_cpu", "reference:kda_step", pallas=False),
+    "pallas_tpu": _Backend("tpu:kda_tpu", "tpu:kda_step_tpu", pallas=True),
+    "pallas_gpu": _Backend("gpu:kda_gpu", "gpu:kda_step_gpu", pallas=True),
+    "pallas_mosaic_gpu": _Backend("mosaic_gpu:kda_mosaic_gpu", "mosaic_gpu:kda_step_mosaic_gpu",
+                                  pallas=True),
+}
+BACKENDS = tuple(_REGISTRY)
 
 
 def gpu_backend(compute_capability: str | None) -> str:
@@ -53,39 +77,38 @@ def default_backend() -> str:
   return {"tpu": "pallas_tpu"}.get(platform, "xla_cpu")
 
 
-def _pallas(backend: str, op: str):
-  """The Pallas kernel `<op>_tpu` / `<op>_gpu` / `<op>_mosaic_gpu` for `backend`, or None if
-  its module cannot be imported here."""
-  kind = backend.removeprefix("pallas_")
+def _load(where: str):
+  """The function at "module:function" under pallas_kernels.kda, or None if its module cannot
+  be imported here."""
+  module, name = where.split(":")
   try:
-    module = importlib.import_module(f"pallas_kernels.kda.{kind}")
+    return getattr(importlib.import_module(f"pallas_kernels.kda.{module}"), name)
   except ImportError:  # e.g. a JAX without Pallas Triton (deprecated) or Mosaic GPU
     return None
-  return getattr(module, f"{op}_{kind}")
 
 
-def _resolve(backend: str | None, op: str, K: int | None = None):
-  """(backend name, its Pallas kernel or None for the jnp backends). K: the key size, for the
-  default's fallbacks (Mosaic GPU handles K <= mosaic_gpu.MAX_K)."""
+def _resolve(backend: str | None, which: str, K: int | None = None):
+  """(backend name, its `which` function: "kda" or "kda_step"). backend=None: the platform's default
+  with its fallbacks, by K (the key size; Mosaic GPU handles K <= mosaic_gpu.MAX_K) and by what
+  imports here (a Pallas module that cannot be imported leaves "xla_cpu")."""
   if backend is None:
     backend = default_backend()
     if backend == "pallas_mosaic_gpu" and (
-        _pallas(backend, op) is None or (K is not None and K > _mosaic_max_k())):
+        _load(getattr(_REGISTRY[backend], which)) is None
+        or (K is not None and K > _load("mosaic_gpu:MAX_K"))):
       backend = "pallas_gpu"
-    if backend.startswith("pallas") and _pallas(backend, op) is None:
+    if _load(getattr(_REGISTRY[backend], which)) is None:
       backend = "xla_cpu"
-  if backend not in BACKENDS:
+  if backend not in _REGISTRY:
     raise ValueError(f"unknown KDA backend {backend!r}; expected one of {BACKENDS}")
-  if not backend.startswith("pallas"):
-    return backend, None
-  impl = _pallas(backend, op)
-  if impl is None:
+  fn = _load(getattr(_REGISTRY[backend], which))
+  if fn is None:
     raise ImportError(f"KDA backend {backend!r} is not available in this installation")
-  return backend, impl
+  return backend, fn
 
 
-def _mosaic_max_k() -> int:
-  return importlib.import_module("pallas_kernels.kda.mosaic_gpu").MAX_K
+def _interpret(backend: str, interpret) -> dict:
+  return {"interpret": interpret} if _REGISTRY[backend].pallas else {}
 
 
 def kda_step(q, k, v, g, beta, state, *, scale=None, backend=None, interpret=False):
@@ -93,13 +116,10 @@ def kda_step(q, k, v, g, beta, state, *, scale=None, backend=None, interpret=Fal
   [B,H]; state [B,H,K,V] -> (o [B,H,V] in v's dtype, new state float32).
 
   The Pallas backends run one fused kernel that updates the state in place (aliased), so a
-  decode step reads and writes the state once; the jnp backends (no chunk to form for one
-  token) all use reference.kda_step.
+  decode step reads and writes the state once; the jnp backends all use reference.kda_step.
   """
-  _, impl = _resolve(backend, "kda_step")
-  if impl is None:
-    return reference.kda_step(q, k, v, g, beta, state, scale=scale)
-  return impl(q, k, v, g, beta, state, scale=scale, interpret=interpret)
+  backend, step = _resolve(backend, "kda_step")
+  return step(q, k, v, g, beta, state, scale=scale, **_interpret(backend, interpret))
 
 
 def kda(
@@ -117,25 +137,25 @@ def kda(
     interpret: bool = False,
     A_log: jax.Array | None = None,
     dt_bias: jax.Array | None = None,
-    gate: str | None = None,
-    lower_bound: float | None = None,
-    use_qk_l2norm: bool = False,
-    l2norm_eps: float = 1e-6,
-    use_beta_sigmoid: bool = False,
+    raw: RawInputs | None = None,
+    **raw_fields,
 ) -> tuple[jax.Array, jax.Array | None]:
   """Kimi Delta Attention. Returns (o [B,T,H,V] in v's dtype, final state [B,H,K,V] or None).
 
+  raw: the raw-input transforms (reference.RawInputs); or its fields as keywords (`gate`,
+  `lower_bound`, `use_qk_l2norm`, `l2norm_eps`, `use_beta_sigmoid`), not both. None and no
+  keywords: q, k, g, beta arrive prepared.
+
   backend=None picks "pallas_tpu" on TPU, "pallas_mosaic_gpu" on sm_90+ GPUs (K <= 128),
   "pallas_gpu" on other GPUs and "xla_cpu" elsewhere, falling back to "xla_cpu" when the Pallas
-  module cannot be imported. `interpret` is passed to the
-  Pallas kernels (to run them on a CPU).
+  module cannot be imported. `interpret` is passed to the Pallas kernels (to run them on a CPU).
   """
-  backend, impl = _resolve(backend, "kda", K=q.shape[-1])
-  reference.check_gate(g, A_log, dt_bias, gate, lower_bound)
-  kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-            segment_ids=segment_ids, A_log=A_log, dt_bias=dt_bias, gate=gate,
-            lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm, l2norm_eps=l2norm_eps,
-            use_beta_sigmoid=use_beta_sigmoid)
-  if impl is None:
-    return _JNP[backend](q, k, v, g, beta, **kw)
-  return impl(q, k, v, g, beta, interpret=interpret, **kw)
+  if raw is not None and raw_fields:
+    raise TypeError(f"kda: pass raw=RawInputs(...) or its fields as keywords, not both "
+                    f"(got raw and {sorted(raw_fields)})")
+  raw = RawInputs(**raw_fields) if raw is None else raw
+  backend, op = _resolve(backend, "kda", K=q.shape[-1])
+  raw.check(g, A_log, dt_bias)
+  return op(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, segment_ids=segment_ids, A_log=A_log,
+            dt_bias=dt_bias, raw=raw, **_interpret(backend, interpret))

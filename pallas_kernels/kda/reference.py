@@ -1,5 +1,5 @@
-"""Kimi Delta Attention in plain jnp (SPEC §2.4): the definition every KDA backend is checked
-against, written to be read. Nothing here is tuned for speed (xla_cpu.py is the fast jnp
+"""Kimi Delta Attention in plain jnp (docs/kernels.md#kda-op): the definition every KDA backend is
+checked against, written to be read. Nothing here is tuned for speed (xla_cpu.py is the fast jnp
 backend; tpu.py / gpu.py are the Pallas kernels).
 
 Shapes: q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K] (log decay, <= 0); beta [B, T, H];
@@ -16,8 +16,9 @@ final state in the compute dtype. `segment_ids` [B, T] marks packed sequences: w
 changes the state restarts from zero, so no token sees another sequence. `initial_state` belongs
 to the first segment only.
 
-Raw inputs (SPEC §4), the options every backend takes, applied by `prepare_inputs` in float32
-(float64 for float64 inputs):
+Raw inputs (docs/kernels.md#raw-inputs): every backend takes `raw: RawInputs` (static: which transforms) and the
+gate's parameters A_log [H], dt_bias [H, K] (arrays, differentiated) beside it, applied by
+`prepare_inputs` in float32 (float64 for float64 inputs):
   use_qk_l2norm       q, k := x * rsqrt(sum_k x^2 + l2norm_eps)
   use_beta_sigmoid    beta := sigmoid(beta)
   gate="lower_bound"  g := lower_bound * sigmoid(exp(A_log[h]) * (g + dt_bias[h]))   (K3)
@@ -26,14 +27,65 @@ Raw inputs (SPEC §4), the options every backend takes, applied by `prepare_inpu
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.vma import vary_like
 
-GATES = (None, "lower_bound", "softplus")
 CHUNK = 64
+
+
+class Gate(enum.StrEnum):
+  """The decay gate's form (module docstring); None: g arrives as the log decay itself."""
+  LOWER_BOUND = "lower_bound"  # K3
+  SOFTPLUS = "softplus"        # Kimi-Linear
+
+
+GATES = (None, *(gate.value for gate in Gate))
+
+
+@dataclasses.dataclass(frozen=True)
+class RawInputs:
+  """Which raw-input transforms the op applies before the recurrence (module docstring).
+
+  Static (hashable: a jit static argument, a kernel's compile-time choice). The gate's
+  parameters A_log and dt_bias are not in here: they are arrays, differentiated and sharded like
+  any operand, so they travel beside the bundle as arguments of their own. `RawInputs()`
+  (`PREPARED`) means q, k, g, beta arrive prepared.
+  """
+  gate: Gate | None = None  # or its string, "lower_bound" / "softplus"
+  lower_bound: float | None = None  # the lower-bound gate's bound (K3: -5)
+  use_qk_l2norm: bool = False
+  l2norm_eps: float = 1e-6
+  use_beta_sigmoid: bool = False
+
+  def __post_init__(self):
+    if self.gate not in GATES:
+      raise ValueError(f"unknown gate {self.gate!r}; expected one of {GATES}")
+    if self.gate is not None:
+      object.__setattr__(self, "gate", Gate(self.gate))
+    if self.gate == Gate.LOWER_BOUND and self.lower_bound is None:
+      raise ValueError('gate="lower_bound" needs lower_bound (K3 uses -5)')
+
+  def check(self, g: jax.Array, A_log: jax.Array | None, dt_bias: jax.Array | None) -> None:
+    """The gate's parameters fit g [..., H, K] (prepare_inputs and the in-kernel gate read
+    them alike)."""
+    if self.gate is None:
+      return
+    H, K = g.shape[-2:]
+    if A_log is None:
+      raise ValueError(f"gate={self.gate.value!r} needs A_log (one value per head)")
+    if A_log.size != H:
+      raise ValueError(f"A_log must hold one value per head ({H}), got shape {A_log.shape}")
+    if dt_bias is not None and dt_bias.size != H * K:
+      raise ValueError(f"dt_bias must have H*K = {H * K} values, got shape {dt_bias.shape}")
+
+
+PREPARED = RawInputs()
 
 
 def compute_dtype(*xs: jax.Array) -> jnp.dtype:
@@ -57,66 +109,52 @@ def start_state(initial_state, shape, dt, *like: jax.Array) -> jax.Array:
   return vary_like(s0, *like)
 
 
-def check_gate(g, A_log, dt_bias, gate, lower_bound):
-  """The decay gate's arguments (prepare_inputs and the in-kernel gate take the same)."""
-  if gate not in GATES:
-    raise ValueError(f"unknown gate {gate!r}; expected one of {GATES}")
-  if gate is None:
-    return
-  H, K = g.shape[-2:]
-  if A_log is None:
-    raise ValueError(f"gate={gate!r} needs A_log (one value per head)")
-  if A_log.size != H:
-    raise ValueError(f"A_log must hold one value per head ({H}), got shape {A_log.shape}")
-  if dt_bias is not None and dt_bias.size != H * K:
-    raise ValueError(f"dt_bias must have H*K = {H * K} values, got shape {dt_bias.shape}")
-  if gate == "lower_bound" and lower_bound is None:
-    raise ValueError('gate="lower_bound" needs lower_bound (K3 uses -5)')
-
-
-def prepare_inputs(q, k, g, beta, *, A_log=None, dt_bias=None, gate=None, lower_bound=None,
-                   use_qk_l2norm=False, l2norm_eps=1e-6, use_beta_sigmoid=False):
+def prepare_inputs(q, k, g, beta, *, A_log=None, dt_bias=None, raw: RawInputs = PREPARED):
   """Raw inputs -> core inputs (g = log decay, beta in (0, 1), q/k unit-norm if asked).
 
   Everything runs in float32 (float64 when an input is float64); untouched inputs keep their
   dtype. Plain jnp, so JAX differentiates it, including into A_log and dt_bias.
   """
-  check_gate(g, A_log, dt_bias, gate, lower_bound)
+  raw.check(g, A_log, dt_bias)
   wide = lambda *xs: jnp.result_type(jnp.float32, *(x.dtype for x in xs if x is not None))
-  if use_qk_l2norm:
+  if raw.use_qk_l2norm:
     def l2norm(x):
       x = x.astype(wide(x))
-      return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + l2norm_eps)
+      return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + raw.l2norm_eps)
     q, k = l2norm(q), l2norm(k)
-  if use_beta_sigmoid:
+  if raw.use_beta_sigmoid:
     beta = jax.nn.sigmoid(beta.astype(wide(beta)))
-  if gate is not None:
+  if raw.gate is not None:
     H, K = g.shape[-2:]
     dt = wide(g, A_log, dt_bias)
     a_h1 = jnp.exp(A_log.astype(dt).reshape(H, 1))
     x = g.astype(dt)
     if dt_bias is not None:
       x = x + dt_bias.astype(dt).reshape(H, K)
-    if gate == "lower_bound":
-      g = lower_bound * jax.nn.sigmoid(a_h1 * x)
+    if raw.gate == Gate.LOWER_BOUND:
+      g = raw.lower_bound * jax.nn.sigmoid(a_h1 * x)
     else:
       g = -a_h1 * jax.nn.softplus(x)
   return q, k, g, beta
 
 
+def _begin(q, k, v, g, beta, scale, initial_state, A_log, dt_bias, raw):
+  """What both references start with: the prepared inputs, the compute dtype, the scale and
+  the state entering the first token."""
+  q, k, g, beta = prepare_inputs(q, k, g, beta, A_log=A_log, dt_bias=dt_bias, raw=raw)
+  B, _, H, K = q.shape
+  dt = compute_dtype(q, k, v, g, beta)
+  s0 = start_state(initial_state, (B, H, K, v.shape[-1]), dt, q, k, v, g, beta)
+  return (q, k, g, beta), dt, K**-0.5 if scale is None else scale, s0
+
+
 def naive_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-              segment_ids=None, A_log=None, dt_bias=None, gate=None, lower_bound=None,
-              use_qk_l2norm=False, l2norm_eps=1e-6, use_beta_sigmoid=False):
+              segment_ids=None, A_log=None, dt_bias=None, raw: RawInputs = PREPARED):
   """Token-by-token recurrence. Slow to differentiate; the readable definition of KDA.
   Returns (o [B, T, H, V] in v's dtype, final state [B, H, K, V] or None)."""
-  q, k, g, beta = prepare_inputs(
-      q, k, g, beta, A_log=A_log, dt_bias=dt_bias, gate=gate, lower_bound=lower_bound,
-      use_qk_l2norm=use_qk_l2norm, l2norm_eps=l2norm_eps, use_beta_sigmoid=use_beta_sigmoid)
-  B, T, H, K = q.shape
-  V = v.shape[-1]
-  dt = compute_dtype(q, k, v, g, beta)
-  scale = K**-0.5 if scale is None else scale
-  s0 = start_state(initial_state, (B, H, K, V), dt, q, k, v, g, beta)
+  (q, k, g, beta), dt, scale, s0 = _begin(q, k, v, g, beta, scale, initial_state, A_log,
+                                          dt_bias, raw)
+  B, T = q.shape[:2]
   reset = segment_starts(segment_ids, B, T)
 
   def step(s_bhkv, xs):
@@ -169,9 +207,9 @@ def segment_sums(g_nck):
 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-              segment_ids=None, A_log=None, dt_bias=None, gate=None, lower_bound=None,
-              use_qk_l2norm=False, l2norm_eps=1e-6, use_beta_sigmoid=False):
-  """The chunked form of SPEC §2.4 (C = 64, any T), same contract as `naive_kda`.
+              segment_ids=None, A_log=None, dt_bias=None, raw: RawInputs = PREPARED):
+  """The chunked form (C = 64, any T; docs/kernels.md#kda-chunked-form), same contract as
+  `naive_kda`.
 
   Per chunk of C tokens, with D[i, j] = exp(sum of g over (j, i]) (per feature; `segment_sums`),
   S the state entering the chunk and q~ = scale q:
@@ -184,14 +222,10 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
   token j to the chunk end. A segment start is a token whose g is -inf: every decay across it
   is 0, so the state restarts there, exactly as in the recurrence.
   """
-  q, k, g, beta = prepare_inputs(
-      q, k, g, beta, A_log=A_log, dt_bias=dt_bias, gate=gate, lower_bound=lower_bound,
-      use_qk_l2norm=use_qk_l2norm, l2norm_eps=l2norm_eps, use_beta_sigmoid=use_beta_sigmoid)
+  (q, k, g, beta), dt, scale, s0 = _begin(q, k, v, g, beta, scale, initial_state, A_log,
+                                          dt_bias, raw)
   B, T, H, K = q.shape
   V = v.shape[-1]
-  dt = compute_dtype(q, k, v, g, beta)
-  scale = K**-0.5 if scale is None else scale
-  s0 = start_state(initial_state, (B, H, K, V), dt, q, k, v, g, beta)
   g = jnp.where(segment_starts(segment_ids, B, T)[:, :, None, None], -jnp.inf, g.astype(dt))
 
   # [B, T, H, .] -> [B, H, N, C, .], zero-padding T (padded tokens neither read nor write)

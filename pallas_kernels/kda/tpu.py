@@ -1,4 +1,4 @@
-"""Chunked KDA forward and backward in Pallas Mosaic TPU (SPEC §2.4, §4).
+"""Chunked KDA forward and backward in Pallas Mosaic TPU (docs/kernels.md#kda-backends).
 
 Grid (B, H, NT): batch and heads "parallel", the chunk axis innermost and "arbitrary" so one
 core walks the chunks of a (b, h) in order and carries the [K,V] float32 state in VMEM scratch.
@@ -34,6 +34,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels.kda import _chunk_math as cm
 from pallas_kernels.kda import _layout
 from pallas_kernels.kda import _wrapper
+from pallas_kernels.kda.reference import PREPARED, RawInputs
 
 C = cm.C
 LANES = 128
@@ -210,49 +211,22 @@ def _bwd_call(q, k, v, g, beta, rc, rr, alog, dtb, states, do, dht, *, scale, in
 _kda_core = _wrapper.make_core(_fwd_call, _bwd_call)
 
 
-def kda_tpu(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    g: jax.Array,
-    beta: jax.Array,
-    *,
-    scale: float | None = None,
-    initial_state: jax.Array | None = None,
-    output_final_state: bool = False,
-    segment_ids: jax.Array | None = None,
-    interpret=False,
-    A_log: jax.Array | None = None,
-    dt_bias: jax.Array | None = None,
-    gate: str | None = None,
-    lower_bound: float | None = None,
-    use_qk_l2norm: bool = False,
-    l2norm_eps: float = 1e-6,
-    use_beta_sigmoid: bool = False,
-) -> tuple[jax.Array, jax.Array | None]:
+def kda_tpu(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+            segment_ids=None, A_log=None, dt_bias=None, raw: RawInputs = PREPARED,
+            interpret=False) -> tuple[jax.Array, jax.Array | None]:
   """KDA on TPU, with reference.naive_kda's contract and raw-input options. Differentiable in
   q, k, v, g, beta and initial_state (and A_log, dt_bias with a gate). `interpret=True` runs
   the kernels in Pallas TPU interpret mode on CPU.
 
-  The raw-input options (SPEC §4) gate="lower_bound" (K3), use_beta_sigmoid and use_qk_l2norm
-  are prepared in-kernel in float32 as each chunk is loaded (the math of
-  reference.prepare_inputs), and the backward kernel returns the raw inputs' gradients;
+  The raw-input options (docs/kernels.md#raw-inputs) gate="lower_bound" (K3),
+  use_beta_sigmoid and use_qk_l2norm are prepared in-kernel in float32 as each chunk is loaded
+  (the math of reference.prepare_inputs), and the backward kernel returns the raw inputs' gradients;
   gate="softplus" (Kimi-Linear) is prepared before the kernels, in jnp.
   """
   return _wrapper.kda_with(
-      _kda_core, _layout.lane_multiple, q, k, v, g, beta, scale=scale,
-      initial_state=initial_state, output_final_state=output_final_state,
-      segment_ids=segment_ids, interpret=interpret, in_kernel=True, A_log=A_log,
-      dt_bias=dt_bias, gate=gate, lower_bound=lower_bound, use_qk_l2norm=use_qk_l2norm,
-      l2norm_eps=l2norm_eps, use_beta_sigmoid=use_beta_sigmoid)
-
-
-def _step_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref, *, scale):
-  o, s = cm.decode_step(q_ref[...].astype(_f32), k_ref[...].astype(_f32),
-                        v_ref[...].astype(_f32), g_ref[...].astype(_f32), beta_ref[...],
-                        s_ref[...], scale)
-  o_ref[...] = o.astype(o_ref.dtype)
-  s_out_ref[...] = s
+      _kda_core, _layout.lane_multiple, q, k, v, g, beta, scale=scale, initial_state=initial_state,
+      output_final_state=output_final_state, segment_ids=segment_ids, A_log=A_log,
+      dt_bias=dt_bias, raw=raw, interpret=interpret, in_kernel=True)
 
 
 def kda_step_tpu(q, k, v, g, beta, state, *, scale=None, interpret=False):
@@ -262,28 +236,9 @@ def kda_step_tpu(q, k, v, g, beta, state, *, scale=None, interpret=False):
   One grid step handles up to 8 heads of one batch row; q/k/g arrive as columns [K,1] so they
   scale the state's rows without a relayout, and the step is pure VPU math in float32.
   """
-  B, H, K = q.shape
-  V = v.shape[-1]
-  scale = float(K**-0.5 if scale is None else scale)
-  hb = max(d for d in range(1, min(H, 8) + 1) if H % d == 0)
-  sq = pl.squeezed
-  col = pl.BlockSpec((sq, hb, K, 1), lambda b, h: (b, h, 0, 0))
-  row = pl.BlockSpec((sq, hb, 1, V), lambda b, h: (b, h, 0, 0))
-  one = pl.BlockSpec((sq, hb, 1, 1), lambda b, h: (b, h, 0, 0))
-  st = pl.BlockSpec((sq, hb, K, V), lambda b, h: (b, h, 0, 0))
-  args = (q[..., None], k[..., None], v[:, :, None, :], g.astype(_f32)[..., None],
-          beta.astype(_f32)[..., None, None], state.astype(_f32))
-  args, mat = _layout.match_vma(*args)
-  o, state = pl.pallas_call(
-      functools.partial(_step_kernel, scale=scale),
-      grid=(B, H // hb),
-      in_specs=[col, col, row, col, one, st],
-      out_specs=[row, st],
-      out_shape=[_layout.out_struct((B, H, 1, V), v.dtype, mat),
-                 _layout.out_struct((B, H, K, V), _f32, mat)],
-      input_output_aliases={5: 1},
+  H = q.shape[1]
+  return _wrapper.step_call(
+      q, k, v, g, beta, state, scale=scale,
+      heads=max(d for d in range(1, min(H, 8) + 1) if H % d == 0),
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
-      interpret=_interpret_arg(interpret),
-      name="kda_step_tpu",
-  )(*args)
-  return o[:, :, 0, :], state
+      interpret=_interpret_arg(interpret), name="kda_step_tpu")

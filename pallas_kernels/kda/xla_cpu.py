@@ -1,15 +1,17 @@
 """The XLA:CPU KDA backend ("xla_cpu", the default where there is no TPU or GPU): the chunked
-form of SPEC §2.4 (C = 64) in jnp, tuned for XLA:CPU, with its own backward.
+form (docs/kernels.md#kda-chunked-form, C = 64) in jnp, tuned for XLA:CPU, with its own backward.
 
     o, s = kda_xla_cpu(q, k, v, g, beta, *, scale=None, initial_state=None,
-                       output_final_state=False, segment_ids=None, <raw-input options>)
+                       output_final_state=False, segment_ids=None, A_log=None, dt_bias=None,
+                       raw=RawInputs(...))
 
 Same contract and options as reference.naive_kda / reference.chunk_kda, which define it; the
-raw-input options run through reference.prepare_inputs (JAX differentiates them). The
+raw inputs run through reference.prepare_inputs (JAX differentiates them). The
 per-chunk math lives in _xla_cpu_math.py.
 
 Why a backward of its own: autodiff of a scan stores every intermediate of every step (the
-per-token recurrence's backward runs ~500x slower than its forward on a CPU). The custom VJP
+per-token recurrence's backward runs orders of magnitude slower than its forward on a CPU:
+docs/benchmarks.md#kda). The custom VJP
 keeps only the state entering each chunk and recomputes each chunk's intra-chunk work inside one
 reverse scan that carries dS; only that recomputed intra-chunk part (no sequential dependence,
 a few batched matmuls) goes through jax.vjp.
@@ -29,12 +31,10 @@ from pallas_kernels.kda._xla_cpu_math import (CHUNK, Intra, chunk_apply, chunk_i
 
 
 def kda_xla_cpu(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-                segment_ids=None, A_log=None, dt_bias=None, gate=None, lower_bound=None,
-                use_qk_l2norm=False, l2norm_eps=1e-6, use_beta_sigmoid=False):
+                segment_ids=None, A_log=None, dt_bias=None,
+                raw: reference.RawInputs = reference.PREPARED):
   """KDA with the XLA:CPU chunked backend; see the module docstring."""
-  q, k, g, beta = reference.prepare_inputs(
-      q, k, g, beta, A_log=A_log, dt_bias=dt_bias, gate=gate, lower_bound=lower_bound,
-      use_qk_l2norm=use_qk_l2norm, l2norm_eps=l2norm_eps, use_beta_sigmoid=use_beta_sigmoid)
+  q, k, g, beta = reference.prepare_inputs(q, k, g, beta, A_log=A_log, dt_bias=dt_bias, raw=raw)
   B, _, H, K = q.shape
   scale = K**-0.5 if scale is None else float(scale)
   dt = (reference.compute_dtype(q, k, v, g, beta) if initial_state is None

@@ -1,10 +1,16 @@
 """Broken copies of the tiny checkpoint: each is refused with one line naming the file, tensor
-or field, exit code 2, no traceback, and nothing left behind in the output's folder."""
+or field, exit code 2, no traceback, and nothing left behind in the output's folder.
+
+No traceback anywhere: neither on stderr nor in a log record (Orbax logs an exception raised
+in its save threads, with its traceback, on the user's terminal; pytest would catch those
+records out of sight of `capsys`)."""
 
 import json
 import os
 import shutil
 import struct
+import subprocess
+import sys
 
 import ml_dtypes  # noqa: F401
 import numpy as np
@@ -18,6 +24,13 @@ SHARD1 = "model-00001-of-00003.safetensors"
 SHARD3 = "model-00003-of-00003.safetensors"
 INDEX = "model.safetensors.index.json"
 A_LOG = "language_model.model.layers.0.self_attn.A_log"
+
+
+@pytest.fixture(autouse=True)
+def no_logged_traceback(caplog):
+  yield
+  traced = [r.getMessage() for r in caplog.get_records("call") if r.exc_info]
+  assert not traced, f"logged with a traceback: {traced[0]}"
 
 
 @pytest.fixture
@@ -153,13 +166,28 @@ def test_wrong_dtype(hf, tmp_path, capsys):
   assert_refused(hf, tmp_path, capsys, name, "BF16", "F32")
 
 
+def poke_a_log_padding(t):
+  a = t[A_LOG].copy()
+  a[-1] = 0.5
+  return {**t, A_LOG: a}
+
+
 def test_nonzero_a_log_padding(hf, tmp_path, capsys):
-  def poke(t):
-    a = t[A_LOG].copy()
-    a[-1] = 0.5
-    return {**t, A_LOG: a}
-  edit_shard(hf, SHARD1, poke)
+  edit_shard(hf, SHARD1, poke_a_log_padding)
   assert_refused(hf, tmp_path, capsys, A_LOG, "padding")
+
+
+def test_nonzero_a_log_padding_as_a_user_sees_it(hf, tmp_path):
+  """The same refusal from the command line itself: the A_log check runs in Orbax's save
+  thread, whose failures Orbax logs with a traceback; stderr must hold the one line only."""
+  edit_shard(hf, SHARD1, poke_a_log_padding)
+  proc = subprocess.run([sys.executable, "-m", "k3jax.cli", "convert", "hf", "out", "--quiet"],
+                        check=False, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 2, proc.stderr
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+  assert lines[0].startswith(f"k3jax convert: error: tensor {A_LOG}: A_log padding"), lines
+  assert sorted(os.listdir(tmp_path)) == ["hf"], "temporary output left behind"
 
 
 def test_existing_output_needs_force(hf, tmp_path, capsys):

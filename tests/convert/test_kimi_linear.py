@@ -9,9 +9,9 @@ renamed `block_sparse_moe.`, dense layer 0 included, and no index (one model.saf
 
 Tolerances. transformers runs its router, attention softmax and KDA in float32 even inside a
 float64 module, so its "float64" logits are float32-accurate only (here ~1e-5 away from its
-own float32 run, logits of size ~3): k3jax in float64 must agree to the SPEC §8 layer bound
-1e-5. A k3jax float32 run carries float32 noise of its own: the SPEC §8 whole-model bound,
-1e-4, against both of transformers' runs, with the same argmax everywhere.
+own float32 run, logits of size ~3): k3jax in float64 must agree to the docs/correctness.md layer
+bound 1e-5. A k3jax float32 run carries float32 noise of its own: the docs/correctness.md
+whole-model bound, 1e-4, against both of transformers' runs, with the same argmax everywhere.
 """
 
 import json

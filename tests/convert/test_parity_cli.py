@@ -1,8 +1,8 @@
 """`k3jax parity` on the official-layout tiny checkpoint against the official PyTorch outputs
 (../shared/reference/k3_tiny_a), through converted checkpoints and on the folder itself.
 
-Tolerances are SPEC §8 / the reference README's: float64 within 1e-5 of `logits_fp64` (the
-float32 rounding of the stored truth); float32 within 2e-3 (the float32 noise floor of this
+Tolerances are docs/correctness.md / the reference README's: float64 within 1e-5 of `logits_fp64`
+(the float32 rounding of the stored truth); float32 within 2e-3 (the float32 noise floor of this
 random network) with the same argmax everywhere; bfloat16 by the official bf16 run (mean KL
 from the truth <= 2x the official's, argmax agreement >= the official's - 0.10). --decode
 applies the same rule to the cache path against `decode_logits_fp64`.
@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from k3jax.cli import main
+from tests.runs import fake_run
 
 FILES = ("reference.npz", "reference_b2_t130.npz")
 
@@ -125,7 +126,7 @@ def test_bf16_verdict_against_the_official_run():
 
 def test_decode_and_saved_logits(hf_dir, tmp_path, capsys):
   """--decode runs the cache path and judges it against decode_logits_fp64 (float64: 1e-5 per
-  SPEC §8, measured ~1e-12); --save-logits writes what was computed."""
+  docs/correctness.md, measured ~1e-12); --save-logits writes what was computed."""
   ref = os.path.join(hf_dir, "reference.npz")
   out = str(tmp_path / "logits.npz")
   rc, r = parity(capsys, hf_dir, ref, "float64", "--decode", "--save-logits", out)
@@ -139,7 +140,8 @@ def test_decode_and_saved_logits(hf_dir, tmp_path, capsys):
 
 def test_bf16_passes_by_the_official_bf16_run(hf_dir, capsys):
   """k3jax in bf16 is at least as close to the float64 truth as the official code in bf16
-  (SPEC §8's bf16 row; the numbers are reported in the closing note of the inference issue)."""
+  (docs/correctness.md#bf16; the numbers are reported in the closing note of the inference
+  issue)."""
   rc, r = parity(capsys, hf_dir, os.path.join(hf_dir, "reference.npz"), "bfloat16")
   assert r["mean_kl"] <= 2 * r["official_mean_kl"]
   assert r["argmax_agreement"] >= r["official_argmax_agreement"] - 0.10
@@ -161,3 +163,14 @@ def test_bad_reference_is_a_user_error(ckpt, tmp_path, capsys):
   np.savez(path, logits=np.zeros((1, 2, 3)))
   assert main(["parity", ckpt, "--reference", str(path)]) == 2
   assert "input_ids" in capsys.readouterr().err
+
+
+def test_relative_paths_and_a_train_output(ckpt, hf_dir, tmp_path, capsys, monkeypatch):
+  """A converted checkpoint and a `k3jax train` output folder holding it (run.json + model/),
+  by paths relative to the working directory (Orbax itself takes only absolute ones)."""
+  monkeypatch.chdir(tmp_path)
+  fake_run("run", model=ckpt)
+  ref = os.path.relpath(os.path.join(hf_dir, "reference.npz"))
+  for model in (os.path.relpath(ckpt), "run"):
+    rc, r = parity(capsys, model, ref, "float32")
+    assert rc == 0 and r["passed"] and r["model"] == model

@@ -24,6 +24,7 @@ from pallas_kernels import mxfp4
 from convert.hf_load import load_model
 from convert.load import load_checkpoint
 from k3jax.cli import main
+from tests.runs import fake_run
 
 FILES = ("config.json", "model.safetensors.index.json", "model-00001-of-00003.safetensors",
          "model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors")
@@ -118,6 +119,36 @@ def test_load_checkpoint_gives_the_folder_weights(converted, direct, experts):
     np.testing.assert_array_equal(got[k], v, err_msg=".".join(k))
 
 
+def test_config_files_written_before_the_execution_split_load_unchanged(converted, direct,
+                                                                       tmp_path):
+  """A k3jax_config.json written before architecture and execution were separated holds the
+  execution fields inside "config": the checkpoint loads the same config and weights, and the
+  dtypes a `k3jax train` output of that time recorded there are the ones it loads in."""
+  import configs
+  from k3jax.execution import Execution
+  ckpt = converted["bf16"][0]
+  legacy = tmp_path / "legacy"
+  shutil.copytree(ckpt, legacy)
+  path = legacy / "k3jax_config.json"
+  raw = json.loads(path.read_text())
+  raw["config"].update(dtype="float32", param_dtype="float32", matmul_precision="default",
+                       kda_backend=None, moe_grouped_matmul=None, moe_capacity_factor=None,
+                       moe_dispatch=None, remat="none", loss_chunk=None, attention="dense",
+                       attention_block=512, scan_layers=True)
+  path.write_text(json.dumps(raw))
+  model, cfg = load_checkpoint(str(legacy))
+  assert cfg == configs.resolve(ckpt) and model.ex == Execution()
+  got = _flat(model)
+  for k, v in direct.items():
+    np.testing.assert_array_equal(got[k], v, err_msg=".".join(k))
+  raw["config"].update(dtype="bfloat16", param_dtype="bfloat16", remat=False)
+  path.write_text(json.dumps(raw))
+  model, cfg = load_checkpoint(str(legacy))
+  assert cfg == configs.resolve(ckpt)
+  assert model.ex == Execution(dtype="bfloat16", param_dtype="bfloat16")
+  assert model.embed[...].dtype == ml_dtypes.bfloat16
+
+
 def test_partial_conversion_records_its_layers(hf_dir, tmp_path):
   out = str(tmp_path / "part")
   assert main(["convert", hf_dir, out, "--layers", "3-4", "--quiet"]) == 0
@@ -171,7 +202,7 @@ def test_fresh_layout_from_a_trained_checkpoint(hf_dir, converted, tmp_path):
   with open(os.path.join(out, "model.safetensors.index.json")) as f:
     index = json.load(f)
   assert index["metadata"]["total_size"] == sum(v[3].nbytes for v in got.values())
-  from k3jax.config import from_hf_config
+  from k3jax.hf_config import from_hf_config
   assert from_hf_config(out) == from_hf_config(hf_dir)
 
 
@@ -205,3 +236,18 @@ def test_prefix_of_a_partial_download(hf_dir, tmp_path):
   assert cfg.num_layers == 4 and cfg.mla_layers == (3,)
   with pytest.raises(Exception, match="holds layers 0-3"):
     load_checkpoint(out)
+
+
+def test_relative_paths_and_a_train_output(hf_dir, tmp_path, monkeypatch):
+  """convert and export by paths relative to the working directory (Orbax itself takes only
+  absolute ones); export also takes a `k3jax train` output folder (run.json + model/) for its
+  model/: the source folder comes back byte for byte."""
+  monkeypatch.chdir(tmp_path)
+  assert main(["convert", os.path.relpath(hf_dir), "ckpt", "--experts", "mxfp4",
+               "--quiet"]) == 0
+  fake_run("run", model="ckpt")
+  for source, back in (("ckpt", "back"), ("run", "back_run"), ("run/model", "back_model")):
+    assert main(["export", source, back, "--quiet"]) == 0, source
+    for name in FILES:
+      with open(os.path.join(hf_dir, name), "rb") as a, open(os.path.join(back, name), "rb") as b:
+        assert a.read() == b.read(), (source, name)

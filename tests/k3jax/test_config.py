@@ -1,4 +1,5 @@
-"""Config: presets, both HF layouts, refusal of unknown fields, round trip."""
+"""Config: presets, both HF layouts, refusal of unknown fields, round trip; the execution
+(dtypes, remat, ...) apart from it, and older config files that held both."""
 
 import json
 
@@ -6,7 +7,9 @@ import pytest
 
 import configs
 from k3jax.errors import ConfigError
-from k3jax.config import ModelConfig, from_hf_config, to_hf_config
+from k3jax.config import ModelConfig
+from k3jax.execution import FIELDS, Execution, Remat, recorded
+from k3jax.hf_config import from_hf_config, to_hf_config
 
 
 def test_k3_preset_schedule_matches_spec():
@@ -50,8 +53,7 @@ def _kimi_linear_flat():
 
 
 def test_kimi_linear_flat_layout_equals_preset():
-  assert from_hf_config(_kimi_linear_flat()) == configs.get("kimi_linear_48b").replace(
-      dtype="float32", param_dtype="float32")
+  assert from_hf_config(_kimi_linear_flat()) == configs.get("kimi_linear_48b")
 
 
 def test_transformers_save_pretrained_layout(tmp_path):
@@ -102,8 +104,7 @@ def test_k3_top_level_unknown_field_refused(reference_dir):
 @pytest.mark.parametrize("name", configs.PRESETS)
 def test_hf_round_trip(name):
   cfg = configs.get(name)
-  numerics = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
-  assert from_hf_config(to_hf_config(cfg), **numerics) == cfg
+  assert from_hf_config(to_hf_config(cfg)) == cfg
 
 
 def test_k3jax_dict_round_trip_and_refusal():
@@ -120,18 +121,41 @@ def test_invalid_schedule_refused():
 
 def test_remat_policy_names():
   """remat takes a policy name; the older bool reads as full / none; unknown names refused."""
-  from k3jax.errors import ConfigError  # noqa: PLC0415
-  from k3jax.config import REMAT_POLICIES  # noqa: PLC0415
-  import configs as presets  # noqa: PLC0415
-  cfg = presets.get("tiny")
-  assert cfg.remat == "none"
-  assert cfg.replace(remat=True).remat == "full" and cfg.replace(remat=False).remat == "none"
-  for name in REMAT_POLICIES:
-    assert cfg.replace(remat=name).remat == name
-  assert type(cfg).from_dict({**cfg.to_dict(), "remat": True}).remat == "full"
+  ex = Execution()
+  assert ex.remat == "none"
+  assert ex.replace(remat=True).remat == "full" and ex.replace(remat=False).remat == "none"
+  for name in Remat:
+    assert ex.replace(remat=name.value).remat == name
+  assert Execution.from_dict({**ex.to_dict(), "remat": True}).remat == "full"
   with pytest.raises(ConfigError, match="remat"):
-    cfg.replace(remat="sometimes")
+    ex.replace(remat="sometimes")
   with pytest.raises(ConfigError, match="loss_chunk"):
-    cfg.replace(loss_chunk=0)
+    ex.replace(loss_chunk=0)
   with pytest.raises(ConfigError, match="attention"):
-    cfg.replace(attention="sparse")
+    ex.replace(attention="sparse")
+
+
+def test_older_k3jax_config_files_hold_the_execution_too(tmp_path):
+  """Config files written before the split (converted checkpoints, `k3jax train` outputs)
+  hold dtypes, remat (a bool in the oldest) etc. beside the architecture: the architecture
+  reads unchanged, the execution fields are what `recorded` returns."""
+  cfg = configs.get("tiny")
+  legacy = {**cfg.to_dict(), "dtype": "bfloat16", "param_dtype": "float32",
+            "matmul_precision": "default", "kda_backend": None, "moe_grouped_matmul": None,
+            "moe_capacity_factor": None, "moe_dispatch": None, "remat": False,
+            "loss_chunk": None, "attention": "dense", "attention_block": 512,
+            "scan_layers": True}
+  assert set(legacy) - set(cfg.to_dict()) == FIELDS
+  assert ModelConfig.from_dict(legacy) == cfg
+  path = tmp_path / "k3jax_config.json"
+  path.write_text(json.dumps({"format": "k3jax", "config": legacy}))
+  assert configs.resolve(str(tmp_path)) == cfg
+  assert recorded({"format": "k3jax", "config": legacy}) == Execution(
+      dtype="bfloat16", param_dtype="float32")
+  # as written now: the architecture alone, the dtypes apart
+  now = {"format": "k3jax", "config": cfg.to_dict(),
+         "execution": {"dtype": "bfloat16", "param_dtype": "float32"}}
+  assert recorded(now) == Execution(dtype="bfloat16", param_dtype="float32")
+  assert recorded({"format": "k3jax", "config": cfg.to_dict()}) == Execution()
+  with pytest.raises(ConfigError, match="bogus"):
+    recorded({"config": cfg.to_dict(), "execution": {"bogus": 1}})

@@ -1,4 +1,5 @@
-"""`k3jax info`: K3's figures equal SPEC §2.1, computed without allocating the model."""
+"""`k3jax info`: K3's figures equal docs/model.md#configuration, computed without allocating the
+model."""
 
 import json
 import math
@@ -13,7 +14,7 @@ from k3jax.info import summary
 
 
 def test_k3_figures_match_spec():
-  s = summary(configs.get("k3"))
+  s = summary(configs.get("k3"), "bfloat16")
   assert round(s["total_params"] / 1e12, 3) == 2.779
   assert round(s["routed_expert_params"] / 1e12, 3) == 2.723
   assert s["params_per_routed_expert"] == 3 * 3584 * 3072 == 33_030_144
@@ -55,7 +56,7 @@ def safetensors_param_count(folder, kda_heads=None):
   """Parameters in an official-layout folder, read from the safetensors headers alone: MXFP4
   `*_packed` bytes hold two values each, their `*_scale` bytes and the router's
   `e_score_correction_bias` (a buffer, not a parameter) are not counted, and a K3 `A_log`
-  ([head_dim], SPEC §2.4) holds `kda_heads` values and zero padding."""
+  ([head_dim], docs/model.md#kda-layer) holds `kda_heads` values and zero padding."""
   total = 0
   for name in sorted(os.listdir(folder)):
     if not name.endswith(".safetensors"):

@@ -2,11 +2,13 @@
 what the library (and so `k3jax train`) computes; user mistakes exit 2 with one line."""
 
 import json
+import os
 
 import pytest
 
 from k3jax.cli import main
 from k3jax.tokenizer import chat, load_tokenizer
+from tests.runs import fake_run
 
 from .tokenizer import conversations, release
 
@@ -85,3 +87,12 @@ def test_user_mistakes_exit_2_with_one_line(folder, tmp_path, capsys):
   with pytest.raises(SystemExit) as e:
     main(["tokenize", "--help"])
   assert e.value.code == 0 and "--chat" in capsys.readouterr().out
+
+
+def test_a_train_output_by_a_relative_path(folder, tmp_path, capsys, monkeypatch):
+  """A `k3jax train` output folder stands for the tokenizer it trained with (here its
+  --init-from folder's, recorded relative to the working directory)."""
+  monkeypatch.chdir(tmp_path)
+  fake_run("runs/ft", init_from=os.path.relpath(folder))
+  text = "Hi <|im_end|> 12345"
+  assert _json(capsys, "runs/ft", "--text", text) == _json(capsys, folder, "--text", text)

@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 
 from k3jax.train import data
-from k3jax.train.loop import RunOptions, _numerics, step_config
+from k3jax.train.loop import RunOptions, execution, step_config
 from tests.k3jax.train.helpers import MICRO
 
 # latent 24 and expert width 22 (11 per tensor rank) appear side by side in no other array of
@@ -35,8 +35,8 @@ def run_options(out, config_file, **changes) -> RunOptions:
 
 
 def model_config(opts: RunOptions):
-  """The config a run with `opts` trains (float64 weights and compute)."""
-  return _numerics(TWO_LAYERS, opts)
+  """(config, execution) a run with `opts` trains (float64 weights and compute)."""
+  return TWO_LAYERS, execution(opts)
 
 
 def step_cfg(opts: RunOptions):

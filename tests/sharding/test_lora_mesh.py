@@ -1,8 +1,8 @@
 """LoRA fine-tuning on a mesh (fsdp=2, expert=2, tensor=2) equals LoRA on one device: two
-float64 steps of adapters on every MLA projection and every routed expert (SPEC §6, §10).
-The adapters follow the rules table through their base projection's axis names; the
-optimizer state exists for the adapters only, placed with them, and the frozen base leaves
-both runs bit-identical. (MXFP4-packed experts on a mesh: their placement is the same rule,
+float64 steps of adapters on every MLA projection and every routed expert (docs/sharding.md,
+docs/training.md#fine-tuning). The adapters follow the rules table through their base projection's
+axis names; the optimizer state exists for the adapters only, placed with them, and the frozen base
+leaves both runs bit-identical. (MXFP4-packed experts on a mesh: their placement is the same rule,
 and `k3jax plan --mode lora` compiles the sharded step with them, tests/k3jax/test_plan.py;
 packing them in float64 costs minutes of CPU compile, so not here.)"""
 
@@ -12,7 +12,7 @@ import pytest
 
 from k3jax.model import lora
 from k3jax.train import step as step_lib
-from k3jax.train.loop import _numerics
+from k3jax.train.loop import execution
 from sharding.mesh import make_mesh
 
 from .helpers import TWO_LAYERS, assert_close, random_batch, run_options, run_steps, step_cfg
@@ -26,10 +26,10 @@ def test_lora_on_a_mesh_equals_one_device():
   opts = run_options("unused", "unused")
   batches = [random_batch(seed) for seed in range(2)]
   with jax.enable_x64(True):
-    cfg, sc = _numerics(TWO_LAYERS, opts), step_cfg(opts)
-    init = step_lib.init_params(cfg, 0, SPEC)
-    want, want_loss = run_steps(step_lib.build(cfg, sc, spec=SPEC), init, batches)
-    sharded_steps = step_lib.build(cfg, sc, make_mesh(MESH), SPEC)
+    cfg, ex, sc = TWO_LAYERS, execution(opts), step_cfg(opts)
+    init = step_lib.init_params(cfg, ex, 0, SPEC)
+    want, want_loss = run_steps(step_lib.build(cfg, ex, sc, spec=SPEC), init, batches)
+    sharded_steps = step_lib.build(cfg, ex, sc, make_mesh(MESH), SPEC)
     placed, got_loss = run_steps(sharded_steps, init, batches)
   want, got = jax.device_get(want), jax.device_get(placed)
   np.testing.assert_allclose(got_loss, want_loss, rtol=1e-8, atol=0)

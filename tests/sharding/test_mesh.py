@@ -1,5 +1,5 @@
 """Mesh specs, the device lists a mesh can be built on, and refusing impossible meshes in one
-line before anything compiles (SPEC §6)."""
+line before anything compiles (docs/sharding.md)."""
 
 import jax
 import jax.numpy as jnp

@@ -1,6 +1,6 @@
 """Two processes x 4 CPU devices through `jax.distributed` on localhost (gloo collectives)
 train on one mesh (data=2 across the processes, expert=2, tensor=2), save, resume, and
-finish equal to a one-process run on one device with the same two data shards (SPEC §6).
+finish equal to a one-process run on one device with the same two data shards (docs/sharding.md).
 
 Both runs start `--init-from` one saved initial model (the processes restore it straight into
 their shards; no process compiles a random init). Each process runs `k3jax train` twice in one
@@ -57,8 +57,8 @@ def initial_model(tmp_path_factory):
   path = str(tmp_path_factory.mktemp("init") / "model")
   opts = run_options("unused", None)
   with jax.enable_x64(True):
-    cfg = model_config(opts)
-    steps = step_lib.build(cfg, step_cfg(opts))
+    cfg, ex = model_config(opts)
+    steps = step_lib.build(cfg, ex, step_cfg(opts))
     params, bias = steps.init_params(0)
     save_model(path, steps.graphdef, params, bias, cfg)
   return path
@@ -105,8 +105,8 @@ def test_two_processes_train_save_resume_equal_one_process(tmp_path, initial_mod
   opts = run_options(out, None)
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   with jax.enable_x64(True):
-    steps = step_lib.build(model_config(opts), step_cfg(opts))
-    params, bias = jax.eval_shape(lambda: step_lib.init_params(model_config(opts), 0))
+    steps = step_lib.build(*model_config(opts), step_cfg(opts))
+    params, bias = jax.eval_shape(lambda: step_lib.init_params(*model_config(opts), 0))
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
                           step_lib.abstract_state(steps, params, bias))
     states = []

@@ -1,5 +1,5 @@
-"""Placement from the one rules table (SPEC §6): parameters of the real model tree, optimizer
-moments beside their parameters, and an init that creates every array in its shards."""
+"""Placement from the one rules table (docs/sharding.md): parameters of the real model tree,
+optimizer moments beside their parameters, and an init that creates every array in its shards."""
 
 import jax
 import numpy as np
@@ -8,6 +8,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import configs
+from k3jax.execution import Execution
 from k3jax.model.transformer import K3Model
 from k3jax.optim import param_labels
 from k3jax.train import step as step_lib
@@ -29,7 +30,7 @@ def mesh():
 
 @pytest.fixture(scope="module")
 def tiny_steps(mesh):
-  return step_lib.build(TWO_LAYERS, step_config(options("unused", "unused")), mesh)
+  return step_lib.build(TWO_LAYERS, Execution(), step_config(options("unused", "unused")), mesh)
 
 
 def _key(k):
@@ -131,8 +132,8 @@ def test_init_creates_every_array_in_its_shards():
   stay below the model's size."""
   opts = run_options("unused", "unused")
   with jax.enable_x64(True):
-    cfg, sc = model_config(opts), step_cfg(opts)
-    steps = step_lib.build(cfg, sc, make_mesh(MESH))
+    (cfg, ex), sc = model_config(opts), step_cfg(opts)
+    steps = step_lib.build(cfg, ex, sc, make_mesh(MESH))
     params, bias = steps.init_params(0)
     for tree, shardings in ((params, steps.shardings["params"]),
                             (bias, steps.shardings["router_bias"])):
@@ -141,7 +142,7 @@ def test_init_creates_every_array_in_its_shards():
     # the same random bits (partitionable RNG) through the same transforms compiled in other
     # fusions: equal up to a few ulps of float32, the dtype some initialisers draw in (conv
     # taps, A_log, dt_bias, as the official ones do)
-    want = step_lib.build(cfg, sc).init_params(0)
+    want = step_lib.build(cfg, ex, sc).init_params(0)
     for a, b in zip(jax.tree.leaves((params, bias)), jax.tree.leaves(want)):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
     stats = steps.init_params.lower(0).compile().memory_analysis()
@@ -150,7 +151,7 @@ def test_init_creates_every_array_in_its_shards():
 
 
 def test_restore_target_carries_the_shardings(tiny_steps):
-  params, bias = jax.eval_shape(lambda: step_lib.init_params(TWO_LAYERS, 0))
+  params, bias = jax.eval_shape(lambda: step_lib.init_params(TWO_LAYERS, Execution(), 0))
   target = step_lib.abstract_state(tiny_steps, params, bias)
   for leaf, sharding in zip(jax.tree.leaves(target), jax.tree.leaves(tiny_steps.shardings)):
     assert isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding == sharding

@@ -1,6 +1,7 @@
 """Quantile Balancing over the batch mesh axes, as the sharded train step runs it: inside a
 shard_map over data x fsdp x expert, each device holding its own rows, both estimators and
-both threshold rules give the one-array result (SPEC §2.6, §6)."""
+both threshold rules give the one-array result (docs/model.md#quantile-balancing,
+docs/sharding.md)."""
 
 import functools
 

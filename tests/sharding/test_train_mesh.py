@@ -1,9 +1,9 @@
 """Three train steps on a mesh (fsdp=2, expert=2, tensor=2: every weight axis split) equal
-three steps on one device: losses, parameters, router biases, optimizer state (SPEC §6, §8).
-Both run in float64 with the histogram Quantile Balancing; the compiled sharded step reduces
-the QB histograms with exactly one all-reduce of the [MoE layers, E, bins] counts, runs the
-routed experts expert-parallel (8 experts over expert x fsdp: 2 per device) and never
-all-gathers an expert weight, its gradient or its optimizer state."""
+three steps on one device: losses, parameters, router biases, optimizer state (docs/sharding.md,
+docs/correctness.md). Both run in float64 with the histogram Quantile Balancing; the compiled
+sharded step reduces the QB histograms with exactly one all-reduce of the [MoE layers, E, bins]
+counts, runs the routed experts expert-parallel (8 experts over expert x fsdp: 2 per device) and
+never all-gathers an expert weight, its gradient or its optimizer state."""
 
 import re
 
@@ -45,11 +45,11 @@ def runs():
   opts = run_options("unused", "unused")
   batches = [random_batch(seed) for seed in range(3)]
   with jax.enable_x64(True):
-    cfg, sc = model_config(opts), step_cfg(opts)
-    one_device = step_lib.build(cfg, sc)
+    (cfg, ex), sc = model_config(opts), step_cfg(opts)
+    one_device = step_lib.build(cfg, ex, sc)
     init = one_device.init_params(0)
     one = three_steps(one_device, batches, init)
-    sharded_steps = step_lib.build(cfg, sc, make_mesh(MESH))
+    sharded_steps = step_lib.build(cfg, ex, sc, make_mesh(MESH))
     sharded = three_steps(sharded_steps, batches, init)
     params, bias = init
     hlo = sharded_steps.train.lower(

@@ -10,20 +10,21 @@ from flax import nnx
 
 from k3jax.engine.config import EngineConfig
 from k3jax.engine.engine import Engine
+from k3jax.execution import Execution
 from k3jax.model.transformer import K3Model
 from tests.k3jax.model.helpers import randomize, tiny_cfg
 
 # Every part of K3 in four layers (KDA, MLA, KDA, MLA; a dense first layer, then LatentMoE;
 # AttnRes blocks of two), so the engine's programs compile quickly.
-CFG = tiny_cfg(num_layers=4, mla_layers=(1, 3), attn_res_block_size=2, dtype="float64",
-               param_dtype="float64", matmul_precision="highest")
+CFG = tiny_cfg(num_layers=4, mla_layers=(1, 3), attn_res_block_size=2)
+EX = Execution(dtype="float64", param_dtype="float64", matmul_precision="highest")
 CONFIG = EngineConfig(max_num_seqs=4, max_model_len=96, page_size=8, prefill_chunk=16,
                       prefix_state_every=2, num_pages=40, max_top_logprobs=4)
 
 
 def model(seed: int = 1) -> K3Model:
   with jax.enable_x64(True):
-    return randomize(K3Model(CFG, rngs=nnx.Rngs(0)), seed=seed)
+    return randomize(K3Model(CFG, EX, rngs=nnx.Rngs(0)), seed=seed)
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:

@@ -129,3 +129,17 @@ def test_chat_template_is_rendered(tmp_path):
   text = chat.render(path, [{"role": "user", "content": "hi"}])
   assert text == "<|user|>hi<|end|>\n<|assistant|>"
   assert chat.encode(ByteTokenizer(), text) == list(text.encode())
+
+
+def test_relative_paths_to_a_run_and_its_model(run_dir, capsys, monkeypatch):
+  """The run folder and its model/ by paths relative to the working directory (Orbax itself
+  takes only absolute ones): the same tokens as by the absolute path."""
+  monkeypatch.chdir(os.path.dirname(run_dir))
+  name = os.path.basename(run_dir)
+  args = ["--prompt", "def f(x):", "--max-new-tokens", "4", "--dtype", "float64", "--json"]
+  rows = []
+  for model in (run_dir, name, os.path.join(name, "model")):
+    rc, out, err = generate(capsys, model, *args)
+    assert rc == 0, err
+    rows.append(json.loads(out))
+  assert rows[0] == rows[1] == rows[2]

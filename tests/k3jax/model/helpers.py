@@ -5,6 +5,9 @@ import numpy as np
 from flax import nnx
 
 import configs
+from k3jax.execution import Execution
+
+F64 = Execution(dtype="float64", param_dtype="float64")  # exactness tests (under x64)
 
 
 def tiny_cfg(**overrides):
@@ -21,8 +24,7 @@ def kimi_linear_cfg(**overrides):
   base = dict(vocab_size=64, hidden_size=32, num_layers=5, mla_layers=(3, 4), kda_num_heads=2,
               kda_head_dim=8, mla_num_heads=2, kv_lora_rank=8, qk_nope_head_dim=8,
               qk_rope_head_dim=4, v_head_dim=8, intermediate_size=48, num_experts=8,
-              num_experts_per_token=2, moe_intermediate_size=16, num_shared_experts=1,
-              dtype="float32", param_dtype="float32")
+              num_experts_per_token=2, moe_intermediate_size=16, num_shared_experts=1)
   base.update(overrides)
   return configs.get("kimi_linear_48b", **base)
 

@@ -1,5 +1,5 @@
 """RMSNorm, Projection, AttnRes, SiTU and the dense MLP against numpy transcriptions of their
-SPEC formulas (§2.2, §2.3, §2.6)."""
+formulas (docs/model.md)."""
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +12,7 @@ from k3jax.model.attn_res import AttnResQuery, attn_res
 from k3jax.model.layers import RMSNorm
 from k3jax.model.mlp import MLP, situ
 from tests import numerics
+from k3jax.execution import Execution
 from tests.k3jax.model.helpers import np64, randomize, tiny_cfg
 
 
@@ -20,8 +21,7 @@ def np_rmsnorm(x, gamma, eps):
 
 
 def test_rmsnorm_fp32():
-  cfg = tiny_cfg()
-  norm = randomize(RMSNorm(cfg, 32, ("embed",), eps=1e-5))
+  norm = randomize(RMSNorm(Execution(), 32, ("embed",), eps=1e-5))
   x = np.random.default_rng(0).standard_normal((2, 5, 32)).astype(np.float32) * 3
   got = norm(jnp.asarray(x))
   want = np_rmsnorm(np64(x), np64(norm.weight[...]), 1e-5)
@@ -30,8 +30,8 @@ def test_rmsnorm_fp32():
 
 def test_rmsnorm_bf16_casts_before_the_gain():
   """fp32 normalisation, cast to bf16, then a bf16 multiply by the (bf16) gain."""
-  cfg = tiny_cfg(dtype="bfloat16", param_dtype="bfloat16")
-  norm = randomize(RMSNorm(cfg, 32, ("embed",), eps=1e-5))
+  ex = Execution(dtype="bfloat16", param_dtype="bfloat16")
+  norm = randomize(RMSNorm(ex, 32, ("embed",), eps=1e-5))
   x = (np.random.default_rng(1).standard_normal((4, 32)) * 5).astype(ml_dtypes.bfloat16)
   got = np.asarray(norm(jnp.asarray(x)))
   xn = np_rmsnorm(np.asarray(x, np.float32), 1.0, 1e-5).astype(ml_dtypes.bfloat16)
@@ -84,7 +84,7 @@ def test_attn_res_zero_query_is_uniform_average():
   the 2 adds one each of at most sum|a_n v_n|: |error| <= 5 u sum_n |v_n| / 3 elementwise
   (u = 2^-24), whatever the order XLA sums in."""
   cfg = tiny_cfg()
-  q = AttnResQuery(cfg)   # fresh init: w = 0, gamma = 1
+  q = AttnResQuery(cfg, Execution())   # fresh init: w = 0, gamma = 1
   rng = np.random.default_rng(4)
   blocks = [jnp.asarray(rng.standard_normal((1, 2, 32)), jnp.float32) for _ in range(3)]
   got = q(blocks[:2], blocks[2])
@@ -105,7 +105,7 @@ def test_mlp_situ_and_swiglu():
   rng = np.random.default_rng(5)
   x = rng.standard_normal((2, 3, 32)).astype(np.float32)
   for cfg in (tiny_cfg(), tiny_cfg(hidden_act="silu", situ_beta=1.0, situ_linear_beta=None)):
-    mlp = randomize(MLP(cfg, 48, rngs=nnx.Rngs(0)))
+    mlp = randomize(MLP(cfg, Execution(), 48, rngs=nnx.Rngs(0)))
     wg, wu, wd = (np64(p.kernel[...]) for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
     a, b = np64(x) @ wg, np64(x) @ wu
     if cfg.hidden_act == "situ":
@@ -116,8 +116,8 @@ def test_mlp_situ_and_swiglu():
 
 
 def test_projection_keeps_master_weights_fp32():
-  cfg = tiny_cfg(dtype="bfloat16", param_dtype="float32")
-  mlp = MLP(cfg, 48, rngs=nnx.Rngs(0))
+  ex = Execution(dtype="bfloat16", param_dtype="float32")
+  mlp = MLP(tiny_cfg(), ex, 48, rngs=nnx.Rngs(0))
   assert mlp.gate_proj.kernel[...].dtype == jnp.float32
   y = mlp(jnp.ones((1, 2, 32), jnp.bfloat16))
   assert y.dtype == jnp.bfloat16

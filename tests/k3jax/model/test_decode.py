@@ -1,4 +1,5 @@
-"""Decoding through the cache (SPEC §7, §8) equals the full-sequence forward.
+"""Decoding through the cache (docs/inference.md, docs/correctness.md) equals the full-sequence
+forward.
 
 float64: against the official float64 decode (`decode_logits_fp64`, itself equal to the
 official forward to ~1e-12) and forward, to 1e-9: only summation order differs, measured
@@ -7,7 +8,7 @@ one pass, and a prefill followed by one token at a time) carry rounding errors o
 distribution, so the decode's distance from the float64 truth is judged by the one-pass float32
 evaluation's own distance: its RMS over all B*T*V logits (a stable statistic) at most 2x (the
 model forward and the decode of k3_tiny_a measured 3.8e-5 and 4.1e-5, 1.07x), and its max
-within SPEC §8's float32 noise floor of this network (2e-3). A decode bug (a token lost,
+within docs/correctness.md's float32 noise floor of this network (2e-3). A decode bug (a token lost,
 absorbed twice or misplaced) shows as O(1). The one-pass evaluation is the cached path over
 all T tokens at once (the same compiled chunk as the prefills here), not the model's
 forward, to save a compilation; its error is the same kind of float32 full-sequence rounding.
@@ -29,6 +30,7 @@ from k3jax.generate.engine import Generator, cache_len
 from k3jax.info import summary
 from k3jax.model.cache import bytes_per_request, init_cache, stack, unstack
 from k3jax.model.transformer import K3Model
+from k3jax.execution import Execution
 from k3jax.parity import NUMERICS
 from tests.k3jax.model.helpers import kimi_linear_cfg, randomize, tiny_cfg
 
@@ -52,7 +54,7 @@ def ref(ckpt):
 @pytest.fixture(scope="module")
 def tiny64(ckpt):
   with jax.enable_x64(True):
-    return load_model(ckpt, **NUMERICS["float64"])[0]
+    return load_model(ckpt, NUMERICS["float64"])[0]
 
 
 def decode(model, ids, prefill, chunk=CHUNK, start=None):
@@ -87,7 +89,7 @@ def test_reference_decode_float64(tiny64, ref, fname, x64):
 
 
 def test_reference_decode_float32(ckpt, ref):
-  model = load_model(ckpt, **NUMERICS["float32"])[0]
+  model = load_model(ckpt, NUMERICS["float32"])[0]
   r = ref["reference.npz"]
   t = r["input_ids"].shape[1]
   one_pass, _, _ = decode(model, r["input_ids"], t)
@@ -128,10 +130,10 @@ def test_mixed_lengths_batch_equals_each_alone(tiny64, ref, x64):
   np.testing.assert_allclose(mixed[1, 7:], alone_b[0], atol=1e-10, rtol=0)
 
 
-def random_model(cfg, seed):
-  """K3Model(cfg) with randomize()'s weights, built without running the initialisers (each
-  eager initialiser op would compile on its own)."""
-  model = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
+def random_model(cfg, ex, seed):
+  """K3Model(cfg, ex) with randomize()'s weights, built without running the initialisers
+  (each eager initialiser op would compile on its own)."""
+  model = nnx.eval_shape(lambda: K3Model(cfg, ex, rngs=nnx.Rngs(0)))
   for _, var in nnx.to_flat_state(nnx.state(model)):
     var.set_value(jnp.zeros(var.shape, var.dtype))
   return randomize(model, seed)
@@ -142,12 +144,12 @@ def kimi_linear():
   """A Kimi-Linear-shaped model (softplus gate, low-rank KDA gate, plain q_proj, no AttnRes,
   SwiGLU, MoE on the full width), 2 layers [KDA + dense, MLA + MoE], random weights, float64
   and float32 copies of the same numbers."""
-  cfg = kimi_linear_cfg(num_layers=2, mla_layers=(1,), dtype="float64", param_dtype="float64",
-                        matmul_precision="highest")
+  cfg = kimi_linear_cfg(num_layers=2, mla_layers=(1,))
+  ex = Execution(dtype="float64", param_dtype="float64", matmul_precision="highest")
   with jax.enable_x64(True):
-    m64 = random_model(cfg, 3)
+    m64 = random_model(cfg, ex, 3)
     state = jax.tree.map(lambda a: np.asarray(a, np.float32), nnx.state(m64))
-  m32 = nnx.eval_shape(lambda: K3Model(cfg.replace(dtype="float32", param_dtype="float32"),
+  m32 = nnx.eval_shape(lambda: K3Model(cfg, ex.replace(dtype="float32", param_dtype="float32"),
                                        rngs=nnx.Rngs(0)))
   nnx.update(m32, jax.tree.map(jnp.asarray, state))
   ids = np.random.default_rng(4).integers(0, cfg.vocab_size, (2, 30)).astype(np.int32)
@@ -171,11 +173,11 @@ def test_kimi_linear_decode(kimi_linear):
 def test_cache_bytes_equal_info(dtype):
   """Per request: the KDA state (fp32) and conv tails, and the MLA cache per position, are
   exactly `k3jax info`'s figures."""
-  cfg = tiny_cfg(dtype=dtype)
-  cache = init_cache(cfg, batch=3, max_len=16)
+  cfg = tiny_cfg()
+  cache = init_cache(cfg, Execution(dtype=dtype), batch=3, max_len=16)
   got = bytes_per_request(cache)
   assert bytes_per_request(unstack(cache)) == got   # the per-layer layout holds the same
-  want = summary(cfg)
+  want = summary(cfg, dtype)
   assert got["kda_state"] == want["kda_state_bytes_per_request"]
   assert got["kda_conv"] == want["kda_conv_state_bytes_per_request"]
   assert got["mla_per_token"] == want["mla_cache_bytes_per_token"]
@@ -190,10 +192,10 @@ def test_stacked_scanned_layout(x64):
   forward (float64), on [MLA + dense, KDA, KDA] with the two KDA layers under a scan. (The
   per-layer form, which every other test here runs on the CPU, meets the same truths.)"""
   from k3jax.model import schedule
-  cfg = tiny_cfg(num_layers=3, mla_layers=(0,), dtype="float64", param_dtype="float64",
-                 matmul_precision="highest")
+  cfg = tiny_cfg(num_layers=3, mla_layers=(0,))
+  ex = Execution(dtype="float64", param_dtype="float64", matmul_precision="highest")
   assert any(r.scanned and r.count >= 2 for r in schedule.plan(cfg, scan=True))
-  model = random_model(cfg, 5)
+  model = random_model(cfg, ex, 5)
   ids = np.random.default_rng(6).integers(0, cfg.vocab_size, (2, 9)).astype(np.int32)
   truth = np.asarray(nnx.jit(lambda m, x: m(x).logits)(model, jnp.asarray(ids)))
   for layout in ("stacked",):

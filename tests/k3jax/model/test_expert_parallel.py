@@ -1,8 +1,8 @@
 """Expert-parallel MoE (k3jax/model/expert_parallel.py) against the one-device MoE, on 8 fake CPU
-devices (SPEC §6, §8): forward, routing and every parameter gradient, on meshes that use each
-axis; the capacity factor's drops against a numpy count; the collectives of the compiled
-program; the ragged path's offsets (through an emulation of ragged_all_to_all, which XLA:CPU
-lacks) and its compilation for a TPU topology.
+devices (docs/sharding.md, docs/correctness.md): forward, routing and every parameter gradient, on
+meshes that use each axis; the capacity factor's drops against a numpy count; the collectives of the
+compiled program; the ragged path's offsets (through an emulation of ragged_all_to_all, which
+XLA:CPU lacks) and its compilation for a TPU topology.
 
 Both sides run in float64 and compute the same products; they differ only in the order of
 float sums: token gradients summed per device then across devices, the tensor-parallel psum
@@ -29,7 +29,8 @@ from k3jax.model import expert_parallel
 from sharding.activations import activation_spec
 from sharding.mesh import make_mesh
 from sharding.placement import variable_spec
-from tests.k3jax.model.helpers import kimi_linear_cfg, np64, randomize, tiny_cfg
+from k3jax.execution import Execution
+from tests.k3jax.model.helpers import F64, kimi_linear_cfg, np64, randomize, tiny_cfg
 from tests.k3jax.model.test_moe import np_moe
 
 ATOL = 1e-10
@@ -48,8 +49,8 @@ def placed(state, mesh):
       state, is_leaf=lambda v: isinstance(v, nnx.Variable))
 
 
-def make_moe(cfg, seed=0, bias=None):
-  moe = randomize(MoE(cfg, rngs=nnx.Rngs(seed)), seed)
+def make_moe(cfg, seed=0, bias=None, ex=Execution()):
+  moe = randomize(MoE(cfg, ex, rngs=nnx.Rngs(seed)), seed)
   rng = np.random.default_rng(seed + 100)
   b = rng.uniform(-0.1, 0.1, cfg.num_experts) if bias is None else bias
   moe.gate.bias.set_value(jnp.asarray(b, jnp.float32))
@@ -151,8 +152,8 @@ def case_runs(case):
     if dispatch == "ragged":
       patch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
     make = tiny_cfg if model == "k3" else kimi_linear_cfg
-    cfg = make(dtype="float64", param_dtype="float64", moe_dispatch=dispatch, **overrides)
-    moe = make_moe(cfg)
+    cfg = make(**overrides)
+    moe = make_moe(cfg, ex=F64.replace(moe_dispatch=dispatch))
     x = jnp.asarray(np.random.default_rng(1).standard_normal((8, 5, cfg.hidden_size)))
     return run(moe, x), run(moe, x, make_mesh(mesh_spec))
 
@@ -185,11 +186,10 @@ def test_capacity_factor_drops_exactly_the_overflow(dispatch, x64, request):
   them. Dropped count and output against numpy."""
   if dispatch == "ragged":
     request.getfixturevalue("ragged_on_cpu")
-  cfg = tiny_cfg(dtype="float64", param_dtype="float64", moe_dispatch=dispatch,
-                 moe_capacity_factor=1.0)
+  cfg = tiny_cfg()
   bias = np.zeros(cfg.num_experts)
   bias[:2] = 0.3
-  moe = make_moe(cfg, bias=bias)
+  moe = make_moe(cfg, bias=bias, ex=F64.replace(moe_dispatch=dispatch, moe_capacity_factor=1.0))
   x = np.random.default_rng(2).standard_normal((8, 5, cfg.hidden_size))
   y, r, _, _ = run(moe, jnp.asarray(x), make_mesh("data=2,expert=4"), grads=False)
   experts = np.asarray(r.experts_nk)
@@ -203,8 +203,8 @@ def test_capacity_factor_drops_exactly_the_overflow(dispatch, x64, request):
 def test_decode_few_tokens_scan_and_remat(x64):
   """3 tokens on 8 devices (padded to 8, the padding never sent) through two MoE layers
   scanned with lax.scan under remat, as transformer.py runs its layer stacks."""
-  cfg = tiny_cfg(dtype="float64", param_dtype="float64")
-  layers = [make_moe(cfg, seed) for seed in (3, 4)]
+  cfg = tiny_cfg()
+  layers = [make_moe(cfg, seed, ex=F64) for seed in (3, 4)]
   graphdef, _ = nnx.split(layers[0])
   stacked = jax.tree.map(lambda *a: jnp.stack(a), *[nnx.state(m) for m in layers])
   x = jnp.asarray(np.random.default_rng(5).standard_normal((3, 1, cfg.hidden_size)))
@@ -282,8 +282,9 @@ def test_ragged_path_compiles_for_tpu():
   from jax.experimental import topologies  # noqa: PLC0415
   topo = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2")
   mesh = make_mesh("expert=2,tensor=2", devices=topo.devices)
-  cfg = tiny_cfg(dtype="bfloat16", moe_grouped_matmul="ragged_dot")  # dispatch: by platform
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: MoE(cfg, rngs=nnx.Rngs(0))))
+  cfg = tiny_cfg()
+  ex = Execution(dtype="bfloat16", moe_grouped_matmul="ragged_dot")  # dispatch: by platform
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: MoE(cfg, ex, rngs=nnx.Rngs(0))))
   state = jax.tree.map(
       lambda v: v.replace(jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype,
                                                sharding=NamedSharding(mesh, spec_of(v, mesh)))),
@@ -331,16 +332,17 @@ def test_megablox_expert_parallel_equals_one_device(case, monkeypatch):
   mesh_spec, _, dispatch, overrides = CASES[case]
   if dispatch == "ragged":
     monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
-  cfg32 = tiny_cfg(dtype="float32", param_dtype="float32", moe_dispatch=dispatch,
-                   moe_grouped_matmul="megablox", **overrides)
-  moe32 = make_moe(cfg32)
+  cfg32 = tiny_cfg(**overrides)
+  ex32 = Execution(dtype="float32", param_dtype="float32", moe_dispatch=dispatch,
+                   moe_grouped_matmul="megablox")
+  moe32 = make_moe(cfg32, ex=ex32)
   bias = np.asarray(moe32.gate.bias.get_value())
   x32 = jnp.asarray(np.random.default_rng(1).standard_normal((8, 5, cfg32.hidden_size)),
                     jnp.float32)
   ep = run(moe32, x32, make_mesh(mesh_spec))
   with jax.enable_x64(True):
-    cfg64 = cfg32.replace(dtype="float64", param_dtype="float64", moe_grouped_matmul=None)
-    moe64 = make_moe(cfg64, bias=bias)
+    ex64 = ex32.replace(dtype="float64", param_dtype="float64", moe_grouped_matmul=None)
+    moe64 = make_moe(cfg32, bias=bias, ex=ex64)
     want = dict(nnx.to_flat_state(nnx.state(moe32, nnx.Param)))
     for path, var in nnx.to_flat_state(nnx.state(moe64, nnx.Param)):
       var.set_value(jnp.asarray(want[path].get_value(), jnp.float64))

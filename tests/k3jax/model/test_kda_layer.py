@@ -1,5 +1,5 @@
-"""The KDA layer against a numpy transcription of SPEC §2.4 (projections, causal conv, gates,
-l2norm, the recurrence, gated output norm), the Kimi-Linear variant against transformers'
+"""The KDA layer against a numpy transcription of docs/model.md#kda-layer (projections, causal conv,
+gates, l2norm, the recurrence, gated output norm), the Kimi-Linear variant against transformers'
 KimiLinearDeltaAttention, and its decode-state and packed-sequence behaviour."""
 
 import jax.numpy as jnp
@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from k3jax.model.kda import KDA
-from tests.k3jax.model.helpers import kimi_linear_cfg, np64, randomize, tiny_cfg
+from tests.k3jax.model.helpers import F64, kimi_linear_cfg, np64, randomize, tiny_cfg
 
 
 def np_sigmoid(a):
@@ -64,7 +64,7 @@ def np_kda_layer(m: KDA, cfg, x, seg=None):
 
 
 def _layer(cfg, seed=0):
-  m = randomize(KDA(cfg, rngs=nnx.Rngs(seed)), seed)
+  m = randomize(KDA(cfg, F64, rngs=nnx.Rngs(seed)), seed)
   rng = np.random.default_rng(seed + 50)
   m.A_log.set_value(jnp.asarray(rng.uniform(-1, 1.5, cfg.kda_num_heads), m.A_log[...].dtype))
   m.dt_bias.set_value(jnp.asarray(rng.uniform(-4, 1, m.dt_bias.shape), m.dt_bias[...].dtype))
@@ -74,7 +74,7 @@ def _layer(cfg, seed=0):
 @pytest.mark.parametrize("variant", ["k3", "kimi_linear"])
 @pytest.mark.parametrize("segments", [False, True])
 def test_kda_layer_formula(variant, segments, x64):
-  cfg = (tiny_cfg if variant == "k3" else kimi_linear_cfg)(dtype="float64", param_dtype="float64")
+  cfg = (tiny_cfg if variant == "k3" else kimi_linear_cfg)()
   m = _layer(cfg)
   x = np.random.default_rng(1).standard_normal((2, 13, cfg.hidden_size))
   seg = np.array([[1] * 6 + [2] * 7, [3] * 2 + [4] * 11]) if segments else None
@@ -87,7 +87,7 @@ def test_decode_state_continues_the_sequence(variant, x64):
   """Running T tokens, or T1 (chunked op) then one token (fused step) then the rest (chunked,
   with the state), is the same computation: float64, equal to summation order (1e-12). The
   conv tails are exactly the last taps-1 projected inputs."""
-  cfg = (tiny_cfg if variant == "k3" else kimi_linear_cfg)(dtype="float64", param_dtype="float64")
+  cfg = (tiny_cfg if variant == "k3" else kimi_linear_cfg)()
   m = _layer(cfg)
   x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 40, 32)))
   full, state_full = m(x)
@@ -104,7 +104,7 @@ def test_decode_state_continues_the_sequence(variant, x64):
 def test_left_padding_is_not_absorbed(x64):
   """A row of pads (token_mask False) then a sequence computes what the sequence computes
   alone, and the state stays exactly zero through the pads."""
-  cfg = tiny_cfg(dtype="float64", param_dtype="float64")
+  cfg = tiny_cfg()
   m = _layer(cfg)
   x = jnp.asarray(np.random.default_rng(3).standard_normal((1, 20, 32)))
   alone, _ = m(x[:, 7:])
@@ -120,7 +120,7 @@ def test_kimi_linear_kda_matches_transformers(x64):
   torch = pytest.importorskip("torch")
   from transformers import KimiLinearConfig
   from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention
-  cfg = kimi_linear_cfg(dtype="float64", param_dtype="float64")
+  cfg = kimi_linear_cfg()
   m = _layer(cfg, seed=5)
   hf_cfg = KimiLinearConfig(hidden_size=32, num_hidden_layers=5, hidden_act="silu",
                             linear_attn_config={"head_dim": 8, "num_heads": 2,

@@ -1,9 +1,9 @@
 """KDA per shard on a mesh (k3jax/model/kda_parallel.py): rows over data x expert, heads over
-tensor, on 8 fake CPU devices, against the naive recurrence in float64 (SPEC §4, §8;
-tolerances in tests/numerics.py): outputs, final state and the gradients w.r.t. every raw
-input, A_log and dt_bias included (each device holds a share of the rows, so those are summed
-over the mesh). The Pallas TPU kernel runs in interpret mode: inside the shard_map it sees its
-local [B/4, T, H/2, K] blocks, which is what lets it lower in a sharded TPU step."""
+tensor, on 8 fake CPU devices, against the naive recurrence in float64 (docs/kernels.md,
+docs/correctness.md; tolerances in tests/numerics.py): outputs, final state and the gradients w.r.t.
+every raw input, A_log and dt_bias included (each device holds a share of the rows, so those are
+summed over the mesh). The Pallas TPU kernel runs in interpret mode: inside the shard_map it sees
+its local [B/4, T, H/2, K] blocks, which is what lets it lower in a sharded TPU step."""
 
 import functools
 
@@ -60,7 +60,7 @@ def test_sharded_forward_runs_local_blocks_with_no_collective():
       jax.device_put(a, NamedSharding(make_mesh(MESH, jax.devices()[:8]), s))
       for a, s in zip(raw, specs))
   assert not mesh.empty
-  op = functools.partial(ops.kda, backend="xla_cpu", **kda_cases.RAW_OPTIONS,
+  op = functools.partial(ops.kda, backend="xla_cpu", raw=kda_cases.K3_RAW,
                          output_final_state=True)
   fn = jax.jit(functools.partial(kda_parallel.kda, op))
   compiled = fn.lower(q, k, v, x, logits, A_log=A_log, dt_bias=dt_bias,

@@ -1,6 +1,6 @@
-"""LoRA adapters, MXFP4-packed experts and expert QAT on the model (k3jax/model/lora.py,
-pallas_kernels/mxfp4/format.py), against independent references: pallas_kernels/mxfp4/format.py's numpy quantiser
-(bit for bit) and the same model with the adapters folded into float64 weights."""
+"""LoRA adapters, MXFP4-packed experts and expert QAT on the model (k3jax/model/lora.py), against
+an independent reference: the same model with the adapters folded into float64 weights. (The
+MXFP4 format itself, jnp against numpy bit for bit: tests/pallas_kernels/mxfp4/test_format.py.)"""
 
 import os
 
@@ -11,52 +11,15 @@ import pytest
 from flax import nnx
 
 from convert.hf_load import load_model
+from k3jax.execution import Execution
 from k3jax.model import lora
-from pallas_kernels import mxfp4 as mx
-
-
-def tricky_weights(dtype, seed=0):
-  """[in=128, out=24]: random groups over many binades, all-zero groups, -0, and values
-  exactly on the E2M1 midpoints (ties) and past the saturation point."""
-  rng = np.random.default_rng(seed)
-  binade = np.repeat(rng.integers(-20, 20, (24, 4)), 32, axis=1)  # one per group of 32
-  w = rng.standard_normal((24, 128)) * np.exp2(binade)
-  w[0, :32] = 0.0
-  w[1, :32] = -0.0
-  mids = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
-  w[2, :32] = np.concatenate([mids, -mids, [6.0, -6.0, 4.0], rng.uniform(-6, 6, 15)])
-  w[3, :32] = w[2, :32] * 2.0 ** -30
-  w[4, 32:64] = np.concatenate([[7.99], rng.uniform(-7.99, 7.99, 31)])  # amax just under 8
-  return w.T.astype(dtype)  # k3jax layout [in, out]
-
-
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_jax_mxfp4_matches_the_numpy_quantiser_bit_for_bit(dtype):
-  with jax.enable_x64(dtype == np.float64):
-    w_io = tricky_weights(dtype)
-    codes, scales = mx.quantize_np(w_io.T)
-    got_codes, got_scales = jax.jit(mx.quantize)(jnp.asarray(w_io))
-    np.testing.assert_array_equal(np.asarray(got_codes), codes)
-    np.testing.assert_array_equal(np.asarray(got_scales), scales)
-    truth = mx.dequantize_np(codes, scales, np.float64).T
-    rounded = np.asarray(jax.jit(mx.round_mxfp4)(jnp.asarray(w_io)), np.float64)
-    np.testing.assert_array_equal(rounded, truth)
-    np.testing.assert_array_equal(np.signbit(rounded), np.signbit(truth))  # -0 kept
-    deq = np.asarray(mx.dequantize(jnp.asarray(codes), jnp.asarray(scales), dtype), np.float64)
-    np.testing.assert_array_equal(deq, truth)
-    # straight-through: the gradient of sum(c * round(w)) is c
-    c = jnp.asarray(np.arange(w_io.size, dtype=dtype).reshape(w_io.shape))
-    g = jax.grad(lambda w: jnp.sum(c * mx.round_mxfp4(w)))(jnp.asarray(w_io))
-    np.testing.assert_array_equal(np.asarray(g), np.asarray(c))
-
-
 
 
 @pytest.fixture(scope="module")
 def tiny64(reference_dir):
   with jax.enable_x64(True):
-    yield load_model(os.path.join(reference_dir, "k3_tiny_a"), dtype="float64",
-                     param_dtype="float64")
+    yield load_model(os.path.join(reference_dir, "k3_tiny_a"),
+                     Execution(dtype="float64", param_dtype="float64"))
 
 
 @nnx.jit
@@ -101,11 +64,10 @@ def test_adapter_gradients_through_the_full_remat_scan(x64):
   misplaced adapter gradient would differ by far more than 1e-10)."""
   from k3jax.model import schedule  # noqa: PLC0415
   from k3jax.model.transformer import K3Model  # noqa: PLC0415
-  from tests.k3jax.model.helpers import randomize, tiny_cfg  # noqa: PLC0415
-  cfg = tiny_cfg(num_layers=5, mla_layers=(4,), attn_res_block_size=2, dtype="float64",
-                 param_dtype="float64")
+  from tests.k3jax.model.helpers import F64, randomize, tiny_cfg  # noqa: PLC0415
+  cfg = tiny_cfg(num_layers=5, mla_layers=(4,), attn_res_block_size=2)
   assert any(r.scanned for r in schedule.plan(cfg, scan=True))
-  m = randomize(K3Model(cfg, rngs=nnx.Rngs(1)))
+  m = randomize(K3Model(cfg, F64, rngs=nnx.Rngs(1)))
   lora.adapt(m, lora.AdaptSpec(rank=3, alpha=6.0, targets=("*",)), nnx.Rngs(1))
   key = jax.random.key(3)
   nnx.update(m, jax.tree.map(lambda x: 0.05 * jax.random.normal(jax.random.fold_in(key, x.size),
@@ -114,9 +76,9 @@ def test_adapter_gradients_through_the_full_remat_scan(x64):
   ids = jax.random.randint(jax.random.key(4), (2, 9), 0, cfg.vocab_size)
   grad_fn = nnx.jit(nnx.grad(lambda m: jnp.mean(m(ids).logits ** 2),
                              argnums=nnx.DiffState(0, nnx.LoRAParam)))
-  m.cfg = cfg.replace(scan_layers=False)
+  m.ex = F64.replace(scan_layers=False)
   g_plain = nnx.to_flat_state(grad_fn(m))
-  m.cfg = cfg.replace(remat="full")
+  m.ex = F64.replace(remat="full")
   g_scan = nnx.to_flat_state(grad_fn(m))
   assert len(g_plain) == len(g_scan) > 0
   for (p, a), (_, b) in zip(g_plain, g_scan):

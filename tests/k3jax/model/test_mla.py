@@ -1,13 +1,16 @@
-"""Gated MLA (NoPE) against a numpy transcription of SPEC §2.5 with causal and segment masks,
-and the Kimi-Linear variant (plain q_proj, no gate) against transformers' KimiLinearAttention."""
+"""Gated MLA (NoPE) against a numpy transcription of docs/model.md#gated-mla with causal and segment
+masks, and the Kimi-Linear variant (plain q_proj, no gate) against transformers'
+KimiLinearAttention."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+import configs
 from k3jax.model.mla import MLA
-from tests.k3jax.model.helpers import kimi_linear_cfg, np64, randomize, tiny_cfg
+from tests.k3jax.model.helpers import F64, kimi_linear_cfg, np64, randomize, tiny_cfg
 
 
 def np_rms(x, g, eps):
@@ -45,8 +48,8 @@ def np_mla(m: MLA, cfg, x, seg=None):
 
 @pytest.mark.parametrize("segments", [False, True])
 def test_gated_mla_formula(segments, x64):
-  cfg = tiny_cfg(dtype="float64", param_dtype="float64")
-  m = randomize(MLA(cfg, rngs=nnx.Rngs(0)))
+  cfg = tiny_cfg()
+  m = randomize(MLA(cfg, F64, rngs=nnx.Rngs(0)))
   rng = np.random.default_rng(1)
   x = rng.standard_normal((2, 11, cfg.hidden_size))
   seg = np.array([[1] * 4 + [2] * 7, [0] * 3 + [5] * 8]) if segments else None
@@ -61,8 +64,8 @@ def test_packed_segments_equal_separate_sequences(x64):
   in summation order (softmax sums over 12 keys with exact zeros vs 5 or 7), which moves the
   O(1) outputs by ~1e-15; 1e-12 holds on any machine, and a leak across the boundary moves
   them by >= 1e-3 (a float32 pair at a fixed 1e-6 would be two rounding noises compared)."""
-  cfg = tiny_cfg(dtype="float64", param_dtype="float64")
-  m = randomize(MLA(cfg, rngs=nnx.Rngs(0)))
+  cfg = tiny_cfg()
+  m = randomize(MLA(cfg, F64, rngs=nnx.Rngs(0)))
   x = jnp.asarray(np.random.default_rng(2).standard_normal((1, 12, 32)))
   seg = jnp.asarray([[1] * 5 + [2] * 7])
   packed, _ = m(x, segment_ids=seg)
@@ -75,8 +78,8 @@ def test_kimi_linear_mla_matches_transformers(x64):
   torch = pytest.importorskip("torch")
   from transformers import KimiLinearConfig
   from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearAttention
-  cfg = kimi_linear_cfg(dtype="float64", param_dtype="float64")
-  m = randomize(MLA(cfg, rngs=nnx.Rngs(3)), 3)
+  cfg = kimi_linear_cfg()
+  m = randomize(MLA(cfg, F64, rngs=nnx.Rngs(3)), 3)
   hf_cfg = KimiLinearConfig(hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
                             q_lora_rank=None, kv_lora_rank=8, qk_nope_head_dim=8,
                             qk_rope_head_dim=4, v_head_dim=8)
@@ -95,17 +98,17 @@ def test_kimi_linear_mla_matches_transformers(x64):
   causal = torch.full((10, 10), float("-inf"), dtype=torch.float64).triu(1)[None, None]
   want, _ = ref(torch.from_numpy(x), attention_mask=causal)
   # transformers' eager attention takes its softmax in fp32 even in a float64 module, so the
-  # agreement is fp32-level: SPEC §8's 1e-5 for a layer against PyTorch
+  # agreement is fp32-level: docs/correctness.md's 1e-5 for a layer against PyTorch
   np.testing.assert_allclose(np64(m(jnp.asarray(x))[0]), want.detach().numpy(), atol=1e-5)
 
 
 @pytest.mark.parametrize("make", [tiny_cfg, kimi_linear_cfg])
 def test_latent_cache_attention(make, x64):
-  """Attention over the latent cache (SPEC §7), k_b / v_b absorbed or expanded, equals the
+  """Attention over the latent cache (docs/inference.md), k_b / v_b absorbed or expanded, equals the
   layer's full-sequence attention at every position (float64, 1e-12): a whole prompt at once,
   then token by token; a left-padded row (junk before `start`) equals the row alone."""
-  cfg = make(dtype="float64", param_dtype="float64")
-  m = randomize(MLA(cfg, rngs=nnx.Rngs(5)), 5)
+  cfg = make()
+  m = randomize(MLA(cfg, F64, rngs=nnx.Rngs(5)), 5)
   x = jnp.asarray(np.random.default_rng(7).standard_normal((2, 9, cfg.hidden_size)))
   full, _ = m(x)
   c, rot = m.latent(x)
@@ -121,3 +124,18 @@ def test_latent_cache_attention(make, x64):
   c, rot = m.latent(junk)
   got = m.attend_latent(junk, c, rot, jnp.arange(9), jnp.asarray([4, 4], jnp.int32))
   np.testing.assert_allclose(np64(got[:, 4:]), np64(m(x[:, 4:])[0]), atol=1e-12, rtol=0)
+
+
+def test_mla_flash_equals_dense(x64):
+  """attention="flash" (pallas_kernels.flash_attention) gives the dense path's numbers: float64,
+  every value a softmax-weighted sum of O(1) terms over <= 10 keys."""
+  cfg = configs.get("tiny")
+  f64 = F64.replace(matmul_precision="highest")
+  mla = MLA(cfg, f64, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (2, 10, cfg.hidden_size), jnp.float64)
+  seg = jnp.asarray([[1] * 6 + [2] * 4, [1] * 10])
+  flash = MLA(cfg, f64.replace(attention="flash", attention_block=4), rngs=nnx.Rngs(0))
+  y_ref, m_ref = mla(x, segment_ids=seg)
+  y, m = flash(x, segment_ids=seg)
+  np.testing.assert_allclose(y, y_ref, rtol=0, atol=1e-12)
+  np.testing.assert_allclose(m, m_ref, rtol=0, atol=1e-12)

@@ -1,5 +1,6 @@
-"""Router, routed experts and LatentMoE against a per-token numpy loop (SPEC §2.6), and the
-Kimi-Linear MoE against transformers' KimiLinearMoE on the same weights."""
+"""Router, routed experts and LatentMoE against a per-token numpy loop
+(docs/model.md#router-and-latentmoe), and the Kimi-Linear MoE against transformers' KimiLinearMoE on
+the same weights."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +10,8 @@ from flax import nnx
 
 from k3jax.model.moe import MoE
 from tests import numerics
-from tests.k3jax.model.helpers import kimi_linear_cfg, np64, randomize, tiny_cfg
+from k3jax.execution import Execution
+from tests.k3jax.model.helpers import F64, kimi_linear_cfg, np64, randomize, tiny_cfg
 
 
 def np_silu(a):
@@ -17,8 +19,9 @@ def np_silu(a):
 
 
 def np_moe(moe: MoE, cfg, x, keep=None):
-  """Per-token, per-expert transcription of SPEC §2.6. keep [N, k] (bool, slot order of the
-  top-k): pairs to compute; the others are dropped (capacity factor), weights unchanged."""
+  """Per-token, per-expert transcription of docs/model.md#router-and-latentmoe. keep [N, k] (bool,
+  slot order of the top-k): pairs to compute; the others are dropped (capacity factor), weights
+  unchanged."""
   x = np64(x).reshape(-1, cfg.hidden_size)
   w_r, bias = np64(moe.gate.kernel[...]), np64(moe.gate.bias[...])
   s = 1 / (1 + np.exp(-(x @ w_r)))
@@ -53,8 +56,8 @@ def np_moe(moe: MoE, cfg, x, keep=None):
   return out
 
 
-def _moe(cfg, seed=0):
-  moe = randomize(MoE(cfg, rngs=nnx.Rngs(seed)), seed)
+def _moe(cfg, seed=0, ex=Execution()):
+  moe = randomize(MoE(cfg, ex, rngs=nnx.Rngs(seed)), seed)
   rng = np.random.default_rng(seed + 100)
   moe.gate.bias.set_value(jnp.asarray(rng.uniform(-0.1, 0.1, cfg.num_experts), jnp.float32))
   return moe
@@ -62,9 +65,8 @@ def _moe(cfg, seed=0):
 
 @pytest.mark.parametrize("variant", ["k3_latent", "kimi_linear"])
 def test_moe_matches_per_token_loop(variant, x64):
-  cfg = (tiny_cfg if variant == "k3_latent" else kimi_linear_cfg)(
-      dtype="float64", param_dtype="float64")
-  moe = _moe(cfg)
+  cfg = (tiny_cfg if variant == "k3_latent" else kimi_linear_cfg)()
+  moe = _moe(cfg, ex=F64)
   x = np.random.default_rng(1).standard_normal((2, 7, cfg.hidden_size))
   y, routing = moe(jnp.asarray(x))
   np.testing.assert_allclose(np64(y).reshape(-1, cfg.hidden_size), np_moe(moe, cfg, x),
@@ -97,8 +99,9 @@ def test_dropless_when_every_token_picks_the_same_experts():
   y, _ = moe(jnp.asarray(x))
   with jax.enable_x64(True):
     want = np_moe(moe, cfg, x)
-  # float32 vs the float64 loop: SPEC §8's 1e-5 of the output's scale (tests/numerics.py; the
-  # outputs reach 2.2 here, the error measured 3.6 u of that scale, u = 2^-24)
+  # float32 vs the float64 loop: docs/correctness.md's 1e-5 of the output's scale
+  # (tests/numerics.py; the outputs reach 2.2 here, the error measured 3.6 u of that scale,
+  # u = 2^-24)
   numerics.assert_close("moe", np64(y).reshape(-1, 32), want)
 
 
@@ -122,8 +125,8 @@ def test_kimi_linear_moe_matches_transformers(x64):
   torch = pytest.importorskip("torch")
   from transformers import KimiLinearConfig
   from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearMoE
-  cfg = kimi_linear_cfg(dtype="float64", param_dtype="float64")
-  moe = _moe(cfg, seed=7)
+  cfg = kimi_linear_cfg()
+  moe = _moe(cfg, seed=7, ex=F64)
   hf_cfg = KimiLinearConfig(hidden_size=32, moe_intermediate_size=16, num_local_experts=8,
                             num_experts_per_tok=2, n_shared_experts=1, routed_scaling_factor=2.446,
                             hidden_act="silu")
@@ -156,8 +159,8 @@ def test_dropless_reports_no_dropped_pairs():
 def test_capacity_factor_on_one_device(factor, x64):
   """cap = ceil(c * k * N / E) pairs per expert, the earliest tokens kept; dropped pairs add
   nothing and are counted. Against the per-token loop with numpy's own keep mask."""
-  cfg = tiny_cfg(dtype="float64", param_dtype="float64", moe_capacity_factor=factor)
-  moe = _moe(cfg, seed=9)
+  cfg = tiny_cfg()
+  moe = _moe(cfg, seed=9, ex=F64.replace(moe_capacity_factor=factor))
   moe.gate.bias.set_value(jnp.zeros(cfg.num_experts).at[:2].set(0.3))  # experts 0, 1 overflow
   x = np.random.default_rng(10).standard_normal((2, 11, 32))
   y, routing = moe(jnp.asarray(x))

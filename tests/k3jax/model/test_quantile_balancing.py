@@ -1,4 +1,5 @@
-"""Quantile Balancing (SPEC §2.6) on skewed synthetic router scores, against numpy loops.
+"""Quantile Balancing (docs/model.md#quantile-balancing) on skewed synthetic router scores, against
+numpy loops.
 
 "One update balances the batch" is read as the issue states it: with the old per-token
 thresholds alpha_i, expert j is picked by token i iff r_ij = alpha_i - s_ij < b_hat_j, and

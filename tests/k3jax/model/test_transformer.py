@@ -18,12 +18,12 @@ from flax import nnx
 
 from k3jax.model import schedule
 from k3jax.model.transformer import K3Model
-from tests.k3jax.model.helpers import kimi_linear_cfg, randomize, tiny_cfg
+from k3jax.execution import Execution
+from tests.k3jax.model.helpers import F64, kimi_linear_cfg, randomize, tiny_cfg
 
 
 # 5 layers [KDA+dense, KDA, KDA, MLA, MLA], AttnRes blocks of 3: every part, small compiles
 SMALL = dict(num_layers=5, mla_layers=(3, 4))
-F64 = dict(dtype="float64", param_dtype="float64")
 
 
 TOL64 = 1e-10
@@ -37,7 +37,7 @@ def model():
 @pytest.fixture(scope="module")
 def model64():
   with jax.enable_x64(True):
-    return randomize(K3Model(tiny_cfg(**SMALL, **F64), rngs=nnx.Rngs(0)))
+    return randomize(K3Model(tiny_cfg(**SMALL), F64, rngs=nnx.Rngs(0)))
 
 
 @nnx.jit
@@ -86,14 +86,14 @@ def test_deterministic_and_packed_sequences_do_not_interact(model64, x64):
 @pytest.mark.parametrize("make", [lambda **kw: tiny_cfg(num_layers=6, mla_layers=(5,), **kw),
                                   kimi_linear_cfg])
 def test_scanned_equals_unrolled(make, x64):
-  cfg = make(**F64)
+  cfg = make()
   runs = schedule.plan(cfg, scan=True)
   assert any(r.scanned for r in runs)
-  m = randomize(K3Model(cfg, rngs=nnx.Rngs(1)))
+  m = randomize(K3Model(cfg, F64, rngs=nnx.Rngs(1)))
   ids = _ids(cfg, (2, 9), 4)
   fwd = nnx.jit(lambda m, ids: m(ids))
   scanned = fwd(m, ids)
-  m.cfg = cfg.replace(scan_layers=False)
+  m.ex = F64.replace(scan_layers=False)
   unrolled = fwd(m, ids)
   np.testing.assert_allclose(np.asarray(scanned.logits), np.asarray(unrolled.logits),
                              atol=TOL64, rtol=0)
@@ -114,11 +114,11 @@ def test_remat_same_gradients(model64, x64, policy):
 
   grad_fn = nnx.jit(nnx.grad(loss))
   g_plain = grad_fn(model)
-  model.cfg = model.cfg.replace(remat=policy)
+  model.ex = model.ex.replace(remat=policy)
   try:
     g_remat = grad_fn(model)
   finally:
-    model.cfg = model.cfg.replace(remat="none")
+    model.ex = model.ex.replace(remat="none")
   # recomputation may fuse differently: float64 summation order, relative to each gradient's
   # scale (an entry can be a sum of cancelling terms larger than itself)
   for (p, a), (_, b) in zip(nnx.to_flat_state(g_plain), nnx.to_flat_state(g_remat)):
@@ -134,10 +134,10 @@ def test_block_scan_gradients_equal_unrolled(x64):
   unrolled model's without remat. Blocks of 2 so that layer 2 seals inside the scan
   (layers 1-3), which a wrong rebuilt buffer or a lost block-gradient would show by >= 1e-3;
   float64, the tolerance as in test_remat_same_gradients."""
-  cfg = tiny_cfg(num_layers=5, mla_layers=(4,), attn_res_block_size=2, **F64)
+  cfg = tiny_cfg(num_layers=5, mla_layers=(4,), attn_res_block_size=2)
   assert [(r.start, r.count, r.scanned) for r in schedule.plan(cfg, scan=True)] == [
       (0, 1, False), (1, 3, True), (4, 1, False)]
-  m = randomize(K3Model(cfg, rngs=nnx.Rngs(1)))
+  m = randomize(K3Model(cfg, F64, rngs=nnx.Rngs(1)))
   ids = _ids(cfg, (2, 9), 4)
 
   def loss(m):
@@ -145,9 +145,9 @@ def test_block_scan_gradients_equal_unrolled(x64):
     return jnp.mean(out.logits ** 2) + sum(jnp.sum(r.scores_ne ** 2) for r in out.routing)
 
   grad_fn = nnx.jit(nnx.grad(loss))
-  m.cfg = cfg.replace(scan_layers=False)
+  m.ex = F64.replace(scan_layers=False)
   g_plain = grad_fn(m)
-  m.cfg = cfg.replace(remat="full")
+  m.ex = F64.replace(remat="full")
   g_scan = grad_fn(m)
   for (p, a), (_, b) in zip(nnx.to_flat_state(g_plain), nnx.to_flat_state(g_scan)):
     a, b = np.asarray(a[...]), np.asarray(b[...])
@@ -168,7 +168,7 @@ def test_schedule_maps_layers_to_stacks():
 
 
 def test_bf16_forward_is_finite():
-  cfg = tiny_cfg(dtype="bfloat16", param_dtype="float32")
-  m = K3Model(cfg.replace(**SMALL), rngs=nnx.Rngs(0))
+  cfg = tiny_cfg(**SMALL)
+  m = K3Model(cfg, Execution(dtype="bfloat16", param_dtype="float32"), rngs=nnx.Rngs(0))
   logits = logits_fn(m, _ids(cfg, (1, 20), 6), None)
   assert logits.dtype == jnp.bfloat16 and bool(jnp.isfinite(logits).all())

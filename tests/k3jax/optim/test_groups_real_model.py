@@ -1,5 +1,5 @@
 """Per-Head Muon's grouping on the real K3Model parameter trees (K3 and Kimi-Linear, abstract:
-`nnx.eval_shape`), against SPEC §5: every parameter in exactly one group; per-head blocks
+`nnx.eval_shape`), against docs/training.md: every parameter in exactly one group; per-head blocks
 exactly where the spec puts them (KDA q/k/v per head d -> 128; MLA q_b per head 1536 -> 192,
 Kimi-Linear's q_proj d -> 192; MLA k_b and v_b per head 512 -> 128; experts per expert); every
 other matrix whole (one block per layer); AdamW for embeddings, lm_head, norms, A_log, dt_bias,
@@ -52,7 +52,7 @@ def test_grouping_on_the_real_parameter_tree(preset):
   assert len(flat_labels) == len(flat) and set(flat_labels.values()) <= {"muon", "adam"}
 
   per_head = per_head_blocks(cfg)
-  if preset == "k3":  # the numbers SPEC §5 names
+  if preset == "k3":  # the numbers docs/training.md names
     assert per_head["kda.q_proj.kernel"][1:] == (7168, 128)
     assert per_head["mla.q_b_proj.kernel"][1:] == (1536, 192)
     assert per_head["mla.k_b_proj.kernel"][1:] == per_head["mla.v_b_proj.kernel"][1:] == (512,

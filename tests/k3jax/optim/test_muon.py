@@ -1,10 +1,10 @@
-"""Per-Head Muon (SPEC §5): Newton-Schulz, grouping by logical names, per-block updates, RMS
-scale, decoupled weight decay, dtype stability, and QK-clip.
+"""Per-Head Muon (docs/training.md): Newton-Schulz, grouping by logical names, per-block updates,
+RMS scale, decoupled weight decay, dtype stability, and QK-clip.
 
 The references are independent of the code under test: a float64 numpy transcription of the
 quintic iteration, a hand-written table of every parameter's group and blocks, and optax's own
 2-D Muon / AdamW run on each block in a Python loop, in float64. float32 results are compared
-with those float64 truths under the bounds derived below (SPEC §8).
+with those float64 truths under the bounds derived below (docs/correctness.md).
 """
 
 import contextlib
@@ -520,8 +520,9 @@ def one_device_two_steps(small_state):
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
 def test_sharded_update_equals_one_device(small_state, one_device_two_steps, axis_type):
   """Params placed by the logical-axis rules on a (data 1, fsdp 4, expert 1, tensor 2) mesh of 8
-  CPU devices: two jitted steps give the single-device numbers, computed in float64 (SPEC §8's
-  1e-5 is met with room: the float32 bound per leaf, two_steps_float64, is <= 7e-6)."""
+  CPU devices: two jitted steps give the single-device numbers, computed in float64
+  (docs/correctness.md's 1e-5 is met with room: the float32 bound per leaf, two_steps_float64, is <=
+  7e-6)."""
   from jax.sharding import NamedSharding
   from sharding.rules import MESH_AXES, logical_to_spec
   mesh = jax.make_mesh((1, 4, 1, 2), MESH_AXES,

@@ -1,5 +1,6 @@
 """Per-Head Muon on a mesh: where each Newton-Schulz block runs, read from the compiled
-optimizer update (the update alone, jitted with the parameters' shardings; SPEC §5, §6).
+optimizer update (the update alone, jitted with the parameters' shardings; docs/training.md,
+docs/sharding.md).
 
   * blocks split only over heads (`tensor`) or experts (`expert`, and `fsdp` where the rules
     table gives the experts expert x fsdp) are whole on their devices: the update has no

@@ -1,7 +1,8 @@
 """k3jax/plan/hlo.matmul_flops: the matmul FLOPs of a compiled program with loops counted by
 their trip counts (XLA's cost_analysis counts a loop body once), on XLA:CPU and, compiled
 ahead of time with libtpu, on TPU; and the grouped matmul's row alignment that keeps TPU's
-ragged_dot off its dense fallback, measured with it."""
+ragged_dot off its dense fallback, measured with it; flash attention's, exactly its causal
+blocks'."""
 
 import os
 
@@ -9,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from pallas_kernels.flash_attention import flash_attention
 from pallas_kernels.grouped_matmul import ROWS, grouped_matmul
 from k3jax.plan import hlo
 from k3jax.plan.hlo import matmul_flops
@@ -127,3 +129,26 @@ def test_conditional_attributes_its_widest_branch_once():
   by_op: dict = {}
   assert matmul_flops(text, by_op) == STEPS * 2 * ONE
   assert sum(by_op.values()) == STEPS * 2 * ONE, by_op
+
+
+@pytest.mark.parametrize("t", [32, 28, 30])  # block 4: n = 8, 7, 8 (padded) blocks
+def test_flash_flops_are_the_causal_blocks(t):
+  b, h, dk, dv, block = 1, 2, 8, 4, 4
+  n = -(-t // block)
+  pairs = n * (n + 1) // 2
+  qk, pv = 2 * block * block * h * dk, 2 * block * block * h * dv  # one block pair's S, P V
+  ks = jax.random.split(jax.random.key(0), 4)
+  q, k = (jax.random.normal(kk, (b, t, h, dk)) for kk in ks[:2])
+  v, w = (jax.random.normal(kk, (b, t, h, dv)) for kk in ks[2:])
+
+  def attend(q, k, v):
+    return flash_attention(q, k, v, scale=dk**-0.5, block=block)
+
+  loss = lambda q, k, v, w: jnp.sum(w * attend(q, k, v)[0])  # noqa: E731
+  forward = jax.jit(attend).lower(q, k, v).compile().as_text()
+  both = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, k, v, w).compile().as_text()
+  assert matmul_flops(forward) == pairs * (qk + pv)
+  # backward per block pair: S recomputed (qk), dV = P^T dO (pv), dP = dO V^T (pv), dK = dS^T Q
+  # (qk), dQ = dS K (qk). D = rowsum(dO * O) is a product and a sum, no matmul.
+  assert matmul_flops(both) == pairs * (qk + pv) + pairs * (3 * qk + 2 * pv)
+  assert " conditional(" not in forward and " conditional(" not in both  # no branch per step

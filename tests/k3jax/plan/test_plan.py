@@ -130,14 +130,16 @@ def test_analytic_counts_one_moe_layer_on_the_mesh():
   import jax  # noqa: PLC0415
   from k3jax import plan  # noqa: PLC0415
   from k3jax.plan import analytic as plan_analytic  # noqa: PLC0415
-  cfg = plan.plan_config(k3.config())
+  cfg, ex = k3.config(), plan.plan_config()
   l, f = cfg.latent_size, cfg.moe_intermediate_size
   fsdp = jax.sharding.AbstractMesh((1, 512, 1, 2), ("data", "fsdp", "expert", "tensor"))
   gathered = 2 * 896 * 3 * l * (f // 2) * 2
-  assert plan_analytic.moe_layer_bytes(cfg, fsdp, 512 * 8192) == gathered + 3 * 8192 * 16 * l * 2
+  assert plan_analytic.moe_layer_bytes(cfg, ex, fsdp, 512 * 8192) == (
+      gathered + 3 * 8192 * 16 * l * 2)
   ep = jax.sharding.AbstractMesh((1, 4, 128, 2), ("data", "fsdp", "expert", "tensor"))
-  dropless = plan_analytic.moe_layer_bytes(cfg, ep, 512 * 8192)
-  bounded = plan_analytic.moe_layer_bytes(cfg.replace(moe_capacity_factor=1.25), ep, 512 * 8192)
+  dropless = plan_analytic.moe_layer_bytes(cfg, ex, ep, 512 * 8192)
+  bounded = plan_analytic.moe_layer_bytes(cfg, ex.replace(moe_capacity_factor=1.25), ep,
+                                          512 * 8192)
   # 7 local experts each taking <= ceil(1.25 x 16 x 128 x 8192 / 896) pairs, not 128 x 8192 x 7;
   # the rows rounded up to a multiple of 128 (whole row tiles of the megablox kernels, and a
   # multiple of the 8 that XLA:TPU's ragged_dot kernel takes)

@@ -35,9 +35,9 @@ def _param_count(cfg) -> int:
 
 
 def _cache_bytes(cfg, tensor: int) -> int:
-  """One device's cache on a tensor-only mesh, from the config (SPEC §7): the KDA recurrent
-  state [B, H, K, V] fp32 and conv tails [B, taps - 1, H, K] x 3 in bf16 split over tensor by
-  heads; the MLA latent and shared key [B, S, kv_lora + rope] in bf16 whole on every device
+  """One device's cache on a tensor-only mesh, from the config (docs/inference.md): the KDA
+  recurrent state [B, H, K, V] fp32 and conv tails [B, taps - 1, H, K] x 3 in bf16 split over tensor
+  by heads; the MLA latent and shared key [B, S, kv_lora + rope] in bf16 whole on every device
   (no head axis); 4-byte start per row and the length."""
   h, k = cfg.kda_num_heads // tensor, cfg.kda_head_dim
   n_kda, n_mla = len(cfg.kda_layers), len(cfg.mla_layers)

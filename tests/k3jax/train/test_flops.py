@@ -1,5 +1,5 @@
 """Model FLOPs: the matmul parameters `flops.count` finds in the parameter tree equal a count
-done by hand from the config fields and the layer shapes SPEC §2 gives, for a tiny config and
+done by hand from the config fields and the layer shapes docs/model.md gives, for a tiny config and
 for K3 itself."""
 
 import configs
@@ -43,9 +43,9 @@ def test_k3_matmul_params_by_hand():
   cfg = configs.get("k3")
   n = flops.active_matmul_params(cfg)
   assert n == hand_count(cfg)
-  # the rest of `k3jax info`'s active parameters (SPEC §2.1: 105B) is the embedding table (a
-  # lookup) and the elementwise ones (norm gains, conv taps, A_log, dt_bias, AttnRes queries):
-  # 15M of them, well under 0.1%
+  # the rest of `k3jax info`'s active parameters (docs/model.md#configuration: 105B) is the
+  # embedding table (a lookup) and the elementwise ones (norm gains, conv taps, A_log, dt_bias,
+  # AttnRes queries): 15M of them, well under 0.1%
   rest = summary(cfg)["active_params"] - n - cfg.vocab_size * cfg.hidden_size
   assert 0 < rest < 1e-3 * n
 

@@ -22,6 +22,7 @@ from convert import orbax_io
 from convert.hf_load import load_model
 from convert.lora_export import ADAPTER_CONFIG, ADAPTER_FILE, is_adapter
 from k3jax.cli import main
+from k3jax.execution import Execution
 from k3jax.info import param_breakdown
 from k3jax.model import lora
 from pallas_kernels import mxfp4 as mx
@@ -67,11 +68,11 @@ def saved_arrays(directory):
 
 def test_lora_run_trains_adapters_only(trained):
   opts, summary, base = trained
-  model, cfg = load_model(base, param_dtype="float32")
-  cfg_run = cfg.replace(param_dtype="float32", dtype="float32")
-  spec = adapt_spec(opts, cfg_run)
+  ex_run = Execution(param_dtype="float32", dtype="float32")
+  model, cfg = load_model(base, ex_run)
+  spec = adapt_spec(opts, cfg)
   _, params, bias = step_lib.split_model(model)
-  start = step_lib.adapt_params(cfg_run, params, bias, spec, opts.seed)
+  start = step_lib.adapt_params(cfg, ex_run, params, bias, spec, opts.seed)
   start_flat = {tuple(str(k.key) for k in p): np.asarray(v)
                 for p, v in jax.tree_util.tree_flatten_with_path(start)[0]}
   saved = saved_arrays(os.path.join(summary["out"], "model"))
@@ -97,7 +98,7 @@ def test_lora_run_trains_adapters_only(trained):
   # the model's parameters as `k3jax info` counts them, plus the adapters
   assert summary["total_params"] == sum(param_breakdown(cfg).values()) + n_adapter
   # the optimizer holds state for the adapters only: AdamW's two moments, nothing else
-  steps = step_lib.build(cfg_run, step_config(opts), spec=spec)
+  steps = step_lib.build(cfg, ex_run, step_config(opts), spec=spec)
   state = steps.init(start, bias, step_lib.new_rng(0))
   sizes = [x.size for x in jax.tree.leaves(state["opt_state"]) if x.ndim]
   assert sum(sizes) == 2 * n_adapter
@@ -172,9 +173,10 @@ def test_merged_export_is_base_plus_scaled_adapters_and_computes_the_trained_mod
   # W + s A B in bf16, the official layout's dtype, so the reference folds the MLA adapters
   # and rounds them to bf16 likewise. Float64 summation order only: ~1e-12.
   with jax.enable_x64(True):
-    loaded, cfg64 = load_model(merged_dir, dtype="float64", param_dtype="float64")
+    ex64 = Execution(dtype="float64", param_dtype="float64")
+    loaded, cfg64 = load_model(merged_dir, ex64)
     spec = lora.AdaptSpec(rank=4, alpha=8.0, targets=TARGETS, base_experts="mxfp4", qat=True)
-    abstract = nnx.eval_shape(lambda: step_lib.make_model(cfg64, 0, spec))
+    abstract = nnx.eval_shape(lambda: step_lib.make_model(cfg64, ex64, 0, spec))
     graphdef, abstract_state = nnx.split(abstract)
     flat = {tuple(str(k) for k in p): v for p, v in nnx.to_flat_state(abstract_state)}
     trained_model = nnx.merge(graphdef, nnx.from_flat_state(
@@ -224,16 +226,16 @@ def test_frozen_base_is_held_in_the_compute_dtype():
   master copy: half the bytes), the adapters and their AdamW moments in fp32, MXFP4 codes
   as uint8; a train step keeps every dtype (traced, not compiled)."""
   from .helpers import MICRO  # noqa: PLC0415
-  cfg = MICRO.replace(dtype="bfloat16", param_dtype="float32")
+  cfg, ex = MICRO, Execution(dtype="bfloat16", param_dtype="float32")
   spec = lora.AdaptSpec(rank=4, targets=TARGETS, base_experts="mxfp4")
-  params, bias = jax.eval_shape(lambda: step_lib.init_params(cfg, 0, spec))
+  params, bias = jax.eval_shape(lambda: step_lib.init_params(cfg, ex, 0, spec))
   kinds = {}
   for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
     keys = tuple(str(k.key) for k in path)
     kind = "adapter" if is_adapter(keys) else "packed" if x.dtype == jnp.uint8 else "base"
     kinds.setdefault(kind, set()).add(jnp.dtype(x.dtype).name)
   assert kinds == {"adapter": {"float32"}, "packed": {"uint8"}, "base": {"bfloat16"}}
-  steps = step_lib.build(cfg, step_lib.StepConfig(), spec=spec)
+  steps = step_lib.build(cfg, ex, step_lib.StepConfig(), spec=spec)
   state = jax.eval_shape(steps.init, params, bias, jax.ShapeDtypeStruct((2,), jnp.uint32))
   assert {jnp.dtype(x.dtype).name for x in jax.tree.leaves(state["opt_state"]) if x.ndim} == {
       "float32"}

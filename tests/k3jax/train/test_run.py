@@ -19,11 +19,12 @@ import numpy as np
 import pytest
 
 from k3jax.cli import main
+from k3jax.folders import MODEL_DIR
 from k3jax.train import checkpoint as ckpt_lib
 from k3jax.train import data as data_lib
 from k3jax.train import flops
 from k3jax.train import step as step_lib
-from k3jax.train.loop import run, step_config
+from k3jax.train.loop import execution, run, step_config
 from k3jax.train.metrics import read_records
 from k3jax.tokenizer import ByteTokenizer
 
@@ -141,16 +142,16 @@ def test_sigkill_during_a_save_resumes_from_the_last_complete_checkpoint(
     np.testing.assert_allclose(losses(got)[s], killed[s], atol=1e-5, rtol=0)
 
 
-def _first_batch_loss(folder, config_file, tmp_path):
-  """Train one step from `folder`; return (the step's loss, the loss of the folder's weights on
-  that same first batch computed directly)."""
+def _first_batch_loss(folder, config_file, tmp_path, weights=None):
+  """Train one step from `folder`; return (the step's loss, the loss of the folder's weights
+  (or of those in `weights`) on that same first batch computed directly)."""
   out = tmp_path / os.path.basename(folder)
   opts = options(out, None, init_from=str(folder), steps=1)
   summary = run(opts)
   from convert.load import load_any
-  model, _ = load_any(str(folder))
+  model, _ = load_any(str(weights or folder))
   _, params, bias = step_lib.split_model(model)
-  steps = step_lib.build(MICRO, step_config(opts))
+  steps = step_lib.build(MICRO, execution(opts), step_config(opts))
   docs = data_lib.split_documents(data_lib.stdlib_documents())[0]
   tokens = data_lib.tokenize(docs, ByteTokenizer())
   pipe = data_lib.PipelineConfig(opts.seq_len, opts.batch_size, opts.grad_accum, opts.seed)
@@ -168,13 +169,28 @@ def test_fine_tune_from_a_checkpoint_and_from_an_official_folder(straight, tmp_p
   """--init-from the straight run's final model (a k3jax model checkpoint) and from its export
   to the official layout: training starts from exactly those weights."""
   summary, _ = straight
-  model_dir = os.path.join(summary["out"], ckpt_lib.MODEL_DIR)
+  model_dir = os.path.join(summary["out"], MODEL_DIR)
   hf_dir = tmp_path / "hf"
   assert main(["export", model_dir, str(hf_dir), "--quiet"]) == 0
   for folder in (model_dir, hf_dir):
     got, want = _first_batch_loss(folder, config_file, tmp_path)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
     assert got < np.log(256) - 1.0  # a trained model, not a fresh one
+
+
+def test_fine_tune_from_a_train_output_by_a_relative_path(straight, tmp_path, config_file,
+                                                          monkeypatch):
+  """--init-from a `k3jax train` output folder (its model/ and its tokenizer) by a path
+  relative to the working directory: training starts from that model, and the run records
+  the path absolute (a later command may run elsewhere)."""
+  summary, _ = straight
+  monkeypatch.chdir(os.path.dirname(summary["out"]))
+  name = os.path.basename(summary["out"])
+  got, want = _first_batch_loss(name, config_file, tmp_path,
+                                weights=os.path.join(summary["out"], MODEL_DIR))
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+  with open(tmp_path / name / "run.json") as f:
+    assert json.load(f)["options"]["init_from"] == summary["out"]
 
 
 def _cli_error(capsys, *args):

@@ -2,8 +2,8 @@
 the next batch with a bias derived from this batch only, gradient accumulation equals one big
 batch, QK-clip rescales exactly the MLA heads.
 
-Every test runs the micro model in float64 (SPEC §8): each compares two computations that are
-the same math in another order (a row packed or alone, two micro-batches or one, the train
+Every test runs the micro model in float64 (docs/correctness.md): each compares two computations
+that are the same math in another order (a row packed or alone, two micro-batches or one, the train
 program or the forward one), and in float64 (u = 2^-53) those agree to ~1e-15 of their scale on
 any machine, so TOL64 = 1e-10 of the scale separates summation order from a real difference
 (a token leaking across segments moves an NLL by >= 1e-3). Quantile Balancing itself is fp32 by
@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 
+from k3jax.execution import Execution
 from k3jax.model.quantile_balancing import quantile_balancing_bias
 from k3jax.train import data
 from k3jax.train import step as step_lib
@@ -27,7 +28,7 @@ T = 32
 ROWS = 4
 
 
-MICRO64 = MICRO.replace(dtype="float64", param_dtype="float64")
+F64 = Execution(dtype="float64", param_dtype="float64")
 TOL64 = 1e-10
 U32 = 2.0**-24
 
@@ -35,13 +36,13 @@ U32 = 2.0**-24
 @pytest.fixture(scope="module")
 def steps():
   with jax.enable_x64(True):
-    return step_lib.build(MICRO64, step_config(options("unused", "unused")))
+    return step_lib.build(MICRO, F64, step_config(options("unused", "unused")))
 
 
 @pytest.fixture(scope="module")
 def params_bias():
   with jax.enable_x64(True):
-    params, bias = step_lib.init_params(MICRO64, 0)
+    params, bias = step_lib.init_params(MICRO, F64, 0)
     # a non-zero starting bias, so "routed with b_t" and "routed with b_t+1" differ
     b = bias["moe"]["gate"]["bias"]
     noise = jax.random.normal(jax.random.key(7), b.shape, b.dtype) * 0.05

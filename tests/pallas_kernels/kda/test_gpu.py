@@ -1,13 +1,12 @@
 """GPU KDA kernels (Pallas, Triton lowering) in interpret mode vs the naive recurrence in float64,
-and their lowering to Triton for a CUDA target on this CPU-only machine (SPEC §4, §8;
-tolerances in tests/numerics.py).
+and their lowering to Triton for a CUDA target on this CPU-only machine (docs/kernels.md,
+docs/correctness.md; tolerances in tests/numerics.py).
 
-K=32, V=64 are powers of two, as the Triton lowering needs (other sizes are zero-padded).
+The checks shared with the TPU kernels are kda_cases.PallasChecks (TestCommon). K=32, V=64 are
+powers of two, as the Triton lowering needs (other sizes are zero-padded).
 """
 
-import jax
-import jax.numpy as jnp
-import pytest
+import functools
 
 from tests import numerics
 from tests.pallas_kernels.kda import kda_cases
@@ -15,22 +14,11 @@ from pallas_kernels.kda.gpu import kda_gpu
 from pallas_kernels.kda.reference import naive_kda
 
 
-def kernel(*args, **kw):
-  return kda_gpu(*args, **kw, interpret=True)
+kernel = functools.partial(kda_gpu, interpret=True)
 
 
-@pytest.mark.parametrize("T", [1, 63, 64, 130])
-def test_fp32_matches_naive(T):
-  kda_cases.check_against_naive(kernel, B=2, T=T, H=2, K=32, V=64, decay="mild")
-
-
-def test_fp32_strong_gate_matches_naive():
-  kda_cases.check_against_naive(kernel, B=2, T=130, H=2, K=32, V=64, decay="k3", seed=3)
-
-
-def test_bf16_matches_naive_on_same_inputs():
-  kda_cases.check_against_naive(kernel, B=2, T=130, H=1, K=128, V=128, dtype=jnp.bfloat16,
-                                seed=5)
+class TestCommon(kda_cases.PallasChecks):
+  backend, kernel = "pallas_gpu", staticmethod(kernel)
 
 
 def test_odd_feature_sizes_are_padded():
@@ -43,13 +31,6 @@ def test_odd_feature_sizes_are_padded():
   numerics.assert_close("final_state", ht, ht_ref)
 
 
-def test_public_op_with_the_lower_bound_gate():
-  """ops.kda hands K3's raw inputs to kda_gpu, which prepares them in its wrapper (the GPU
-  kernels take prepared inputs); same as "naive"."""
-  kda_cases.check_fused_against_naive(kda_cases.via_op("pallas_gpu"), B=2, T=63, H=2, K=32,
-                                      V=64, reference=kda_cases.via_op("naive"))
-
-
 def test_lowers_to_triton_for_cuda_forward_and_gradient():
   """Pallas -> Triton IR for an (abstract) H100, no GPU needed. Compiling that IR to a cubin
   happens inside XLA:GPU, which needs the CUDA PJRT plugin and a GPU: not checked here."""
@@ -60,11 +41,3 @@ def test_lowers_to_triton_for_cuda_forward_and_gradient():
     assert "__gpu$xla.gpu.triton" in text
     for name in kernels[what]:
       assert name in text, name
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_decode_step_matches_naive(dtype):
-  """Through the public decode op, so the dispatch to the fused kernel is covered too."""
-  from pallas_kernels.kda import kda_step
-  kda_cases.check_decode_steps(
-      lambda *a: kda_step(*a, backend="pallas_gpu", interpret=True), dtype=dtype)

@@ -1,33 +1,28 @@
 """Deviceless ahead-of-time compilation of the GPU KDA kernels (Triton and Mosaic GPU) for an
-H100 (opt-in).
+H100.
 
 XLA can compile for a CUDA target on a machine without a GPU when the CUDA PJRT plugin is
-installed (`pip install jax-cuda12-plugin==<jax version>`, no `with-cuda` extra needed): a
-compile-only topology from a target config describing the GPU. This runs Triton's whole
-pipeline (Triton IR -> PTX -> cubin), so it proves what interpret mode and lowering cannot:
-that the kernels fit the GPU (shared memory, registers; the Mosaic GPU kernel plans 208.5 KiB
-of the 227 KiB at K = V = 128). It is opt-in (K3JAX_GPU_AOT=1) because compiling these kernels
-takes minutes per kernel on a 2-core machine and needs a package this project does not
-install; CI still checks each kernel's CUDA lowering (test_gpu.py, test_mosaic_gpu.py).
+installed (`jax-cuda12-plugin` and `jax-cuda12-pjrt` at jax's version, in the `test` extra; no
+`with-cuda` extra and no CUDA libraries needed): a compile-only topology from a target config
+describing the GPU. This runs Triton's whole pipeline (Triton IR -> PTX -> cubin), so it proves
+what interpret mode and lowering (test_gpu.py, test_mosaic_gpu.py) cannot: that the kernels fit
+the GPU (shared memory, registers; the Mosaic GPU kernel plans 208.5 KiB of the 227 KiB at
+K = V = 128). CI runs it: without the plugin these tests fail rather than skip, so a test
+environment that lost the plugin cannot pass unnoticed. The rest of the suite stays on the CPU
+backend (JAX_PLATFORMS=cpu, tests/conftest.py); a compile-only topology needs no CUDA backend.
 """
 
-import os
+import importlib.util
 import time
 
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.experimental import topologies
 
-if os.environ.get("K3JAX_GPU_AOT") != "1":
-  pytest.skip("opt-in: set K3JAX_GPU_AOT=1 (needs jax-cuda12-plugin, minutes per kernel); CI "
-              "checks each kernel's CUDA lowering in test_gpu.py / test_mosaic_gpu.py",
-              allow_module_level=True)
-pytest.importorskip("jax_cuda12_plugin", reason="needs jax-cuda12-plugin for a CUDA compiler")
-from jax.experimental import topologies  # noqa: E402
-
-from pallas_kernels.kda.gpu import kda_gpu  # noqa: E402
-from pallas_kernels.kda.mosaic_gpu import kda_mosaic_gpu  # noqa: E402
-from tests.pallas_kernels.kda import kda_cases  # noqa: E402
+from pallas_kernels.kda.gpu import kda_gpu, kda_step_gpu
+from pallas_kernels.kda.mosaic_gpu import kda_mosaic_gpu
+from tests.pallas_kernels.kda import kda_cases
 
 H100 = """
 gpu_device_info {
@@ -44,6 +39,13 @@ dnn_version_info { major: 9 minor: 7 }
 runtime_version { major: 12 minor: 8 patch: 0 }
 device_description_str: "NVIDIA H100 80GB HBM3"
 """
+
+
+@pytest.fixture(autouse=True)
+def cuda_compiler():
+  if importlib.util.find_spec("jax_cuda12_plugin") is None:
+    pytest.fail("no CUDA compiler: jax-cuda12-plugin is missing; install the test extra "
+                "(pip install -e '.[test]')", pytrace=False)
 
 
 @pytest.mark.slow
@@ -64,7 +66,6 @@ def test_kda_gpu_compiles_for_h100(kernel, what):
 
 @pytest.mark.slow
 def test_kda_step_gpu_compiles_for_h100():
-  from pallas_kernels.kda.gpu import kda_step_gpu
   topo = topologies.get_topology_desc(platform="cuda", target_config=H100, topology="1x1x1")
   mesh = jax.sharding.Mesh(topo.devices[:1], ("x",))
   sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())

@@ -1,8 +1,8 @@
-"""Mosaic GPU KDA backend (SPEC §4, §8) on this CPU-only machine: the kernel in Mosaic GPU
-interpret mode (plgpu.InterpretGPUParams: simulated TMA, shared memory, barriers, wgmma as
-numpy matmuls) against the naive recurrence in float64, and its lowering for CUDA, which runs
-Mosaic GPU's own lowering (wgmma operand layouts, TMA tile shapes, swizzles) without a GPU.
-Tolerances in tests/numerics.py.
+"""Mosaic GPU KDA backend (docs/kernels.md, docs/correctness.md) on this CPU-only machine: the
+kernel in Mosaic GPU interpret mode (plgpu.InterpretGPUParams: simulated TMA, shared memory,
+barriers, wgmma as numpy matmuls) against the naive recurrence in float64, and its lowering for
+CUDA, which runs Mosaic GPU's own lowering (wgmma operand layouts, TMA tile shapes, swizzles)
+without a GPU. Tolerances in tests/numerics.py.
 
 K=32, V=64 (K != V; K is zero-padded to 64 for the kernel's 64-wide tiles), and K=96, V=128
 for the kernel's K-tile and V-block loops. Interpret mode
@@ -130,7 +130,7 @@ def _scan_recurrence(wn, qd, m, klT, uT, a, h0T):
 def test_recurrence_vjp_matches_a_float64_scan():
   """The recurrence's own VJP (reverse-time kernel + chunk-parallel gradients) against JAX's
   autodiff of a float64 scan, on operands of the prologue's shapes and sizes but otherwise
-  arbitrary: 3 chunks, K = V = 128 (two K tiles, two V blocks). Tolerance SPEC §8's (the
+  arbitrary: 3 chunks, K = V = 128 (two K tiles, two V blocks). Tolerance docs/correctness.md's (the
   kernel's products are 3xTF32, < 2^-20 relative each, well inside 1e-5)."""
   from pallas_kernels.kda.mosaic_gpu import recurrence
   B, H, NT, C, K, V = 1, 1, 3, 64, 128, 128

@@ -1,4 +1,5 @@
-"""KDA's plain references (reference.py) and the fast jnp backend "xla_cpu" (SPEC §2.4, §8).
+"""KDA's plain references (reference.py) and the fast jnp backend "xla_cpu"
+(docs/model.md#kda-layer, docs/correctness.md).
 
 The truth is the token-by-token recurrence (`naive_kda`) run in float64 on the very inputs the
 float32 op gets, differentiated by JAX autodiff. Independent implementations meet the same
@@ -246,8 +247,9 @@ def test_prepared_inputs(gate):
   # The preparation itself vs a numpy transcription in float64: a few elementwise roundings
   # (exp, sigmoid, rsqrt), so 1e-6 of each tensor's scale (the softplus gate reaches ~30).
   prepared = reference.prepare_inputs(q, k, g_raw, beta_raw, A_log=A_log, dt_bias=dt_bias,
-                                      gate=gate, lower_bound=-5.0, use_qk_l2norm=True,
-                                      use_beta_sigmoid=True)
+                                      raw=reference.RawInputs(
+                                          gate=gate, lower_bound=-5.0, use_qk_l2norm=True,
+                                          use_beta_sigmoid=True))
   expected = numpy_prepare(q, k, g_raw, beta_raw, A_log, dt_bias, gate, -5.0)
   for name, a, e in zip(("q", "k", "g", "beta"), prepared, expected):
     assert_close(name, a, e, atol=1e-6)
@@ -303,13 +305,29 @@ def test_gate_argument_errors():
     kda(q, k, v, g, beta, gate="tanh")
 
 
+def test_raw_inputs_bundle_or_keywords():
+  """The op takes the raw-input options as one RawInputs or as its fields' keywords (the
+  signature before the bundle): the same program, so the same bits; never both at once."""
+  q, k, v, x, logits, A_log, dt_bias, _ = kda_cases.make_raw_inputs(1, 70, 2, K, V, seed=4)
+  params = dict(A_log=A_log, dt_bias=dt_bias, backend="xla_cpu")
+  o_bundle, _ = kda(q, k, v, x, logits, raw=kda_cases.K3_RAW, **params)
+  o_keywords, _ = kda(q, k, v, x, logits, gate="lower_bound", lower_bound=-5.0,
+                      use_qk_l2norm=True, use_beta_sigmoid=True, **params)
+  np.testing.assert_array_equal(o_bundle, o_keywords)
+  assert reference.RawInputs(gate="softplus").gate is reference.Gate.SOFTPLUS
+  with pytest.raises(TypeError, match="not both"):
+    kda(q, k, v, x, logits, raw=kda_cases.K3_RAW, use_qk_l2norm=True, **params)
+  with pytest.raises(TypeError, match="use_qk_norm"):
+    kda(q, k, v, x, logits, use_qk_norm=True, **params)
+
+
 # ----------------------------------------------------------------------------------------------
 # dtypes
 # ----------------------------------------------------------------------------------------------
 
 
 def numpy_recurrence(q, k, v, g, beta, s0, scale):
-  """float64 numpy transcription of SPEC §2.4, token by token."""
+  """float64 numpy transcription of docs/model.md#kda-layer, token by token."""
   q, k, v, g, beta, s = (np.asarray(x, np.float64) for x in (q, k, v, g, beta, s0))
   o = np.zeros(v.shape)
   for t in range(q.shape[1]):
@@ -379,7 +397,7 @@ def test_reference_chunk_kda(raw):
   B, T, H = 2, 100, 3
   if raw:
     args = kda_cases.make_raw_inputs(B, T, H, K, V, seed=8)
-    opts = kda_cases.RAW_OPTIONS
+    opts = {"raw": kda_cases.K3_RAW}
   else:
     args, opts = kda_cases.make_inputs(B, T, H, K, V, seed=8), {}
   argnums = (0, 1, 2, 3, 4, len(args) - 1)  # q, k, v, g (or x), beta (or logits), h0

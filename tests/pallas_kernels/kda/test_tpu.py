@@ -1,7 +1,8 @@
 """TPU KDA kernels (Pallas Mosaic TPU) in interpret mode vs the naive recurrence in float64
-(SPEC §4, §8; tolerances in tests/numerics.py).
+(docs/kernels.md, docs/correctness.md; tolerances in tests/numerics.py).
 
-K=32, V=64 exercise the wrapper's padding of K and V to the 128 lanes the kernel tiles use.
+The checks shared with the GPU (Triton) kernels are kda_cases.PallasChecks (TestCommon); K=32,
+V=64 exercise the wrapper's padding of K and V to the 128 lanes the kernel tiles use.
 """
 
 import functools
@@ -17,23 +18,11 @@ from pallas_kernels.kda.reference import naive_kda
 from pallas_kernels.kda.tpu import kda_tpu
 
 
-def kernel(*args, **kw):
-  return kda_tpu(*args, **kw, interpret=True)
+kernel = functools.partial(kda_tpu, interpret=True)
 
 
-@pytest.mark.parametrize("T", [1, 63, 64, 130])
-def test_fp32_matches_naive(T):
-  kda_cases.check_against_naive(kernel, B=2, T=T, H=2, K=32, V=64, decay="mild")
-
-
-def test_fp32_strong_gate_matches_naive():
-  """lb=-5 gate: 64-token cumulative decays far below e^-88 must not overflow or NaN."""
-  kda_cases.check_against_naive(kernel, B=2, T=130, H=2, K=32, V=64, decay="k3", seed=3)
-
-
-def test_bf16_matches_naive_on_same_inputs():
-  kda_cases.check_against_naive(kernel, B=2, T=130, H=1, K=128, V=128, dtype=jnp.bfloat16,
-                                seed=5)
+class TestCommon(kda_cases.PallasChecks):
+  backend, kernel = "pallas_tpu", staticmethod(kernel)
 
 
 def test_no_state_no_segments_and_custom_scale():
@@ -56,20 +45,6 @@ def test_fused_raw_inputs_match_naive_on_prepared(T, l2norm_eps):
 def test_fused_bf16_raw_inputs():
   kda_cases.check_fused_against_naive(kernel, B=2, T=70, H=2, K=32, V=64, dtype=jnp.bfloat16,
                                       seed=9)
-
-
-def test_public_op_fuses_the_lower_bound_gate():
-  """ops.kda with gate="lower_bound" hands the raw inputs to the kernel; same as "naive"."""
-  kda_cases.check_fused_against_naive(kda_cases.via_op("pallas_tpu"), B=2, T=63, H=2, K=32,
-                                      V=64, reference=kda_cases.via_op("naive"))
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_decode_step_matches_naive(dtype):
-  """Through the public decode op, so the dispatch to the fused kernel is covered too."""
-  from pallas_kernels.kda import kda_step
-  kda_cases.check_decode_steps(
-      lambda *a: kda_step(*a, backend="pallas_tpu", interpret=True), dtype=dtype)
 
 
 def test_inside_shard_map_over_batch():
@@ -98,7 +73,7 @@ def test_fused_inside_shard_map_over_batch():
   raw = kda_cases.make_raw_inputs(2, 64, 2, 32, 64, seed=19)[:7]
   put = lambda a, spec: jax.device_put(a, jax.sharding.NamedSharding(mesh, spec))
   sharded = [put(a, P("data")) for a in raw[:5]] + [put(a, P()) for a in raw[5:]]
-  opts = dict(kda_cases.RAW_OPTIONS, l2norm_eps=1e-6, output_final_state=True)
+  opts = dict(raw=kda_cases.K3_RAW, output_final_state=True)
   d = P("data")
   run = jax.shard_map(lambda *a: kernel(*a[:5], A_log=a[5], dt_bias=a[6], **opts), mesh=mesh,
                       in_specs=(d,) * 5 + (P(), P()), out_specs=(d, d))

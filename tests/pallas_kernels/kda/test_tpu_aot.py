@@ -1,7 +1,7 @@
 """Ahead-of-time compilation of the TPU KDA kernels for real TPU topologies, on the CPU.
 
 Interpret mode checks the math; only Mosaic's compiler proves the kernels lower for a TPU
-(SPEC §4). libtpu provides the compiler and the topology description; no TPU is needed. We
+(docs/kernels.md). libtpu provides the compiler and the topology description; no TPU is needed. We
 compile forward and gradient (bf16, T=2048, H=4, K=V=128, B=2; prepared inputs, and raw inputs
 with the gate, beta sigmoid and l2norm fused in-kernel) inside a shard_map over a 2x2
 mesh of the topology's chips (batch x heads), so the kernels compile as they would run sharded.
@@ -23,6 +23,7 @@ pytest.importorskip("libtpu", reason="libtpu is needed to compile for TPU ahead 
 from jax.experimental import topologies  # noqa: E402
 
 from pallas_kernels.kda import _chunk_math as cm  # noqa: E402
+from pallas_kernels.kda.reference import RawInputs  # noqa: E402
 from pallas_kernels.kda.tpu import kda_tpu  # noqa: E402
 
 B, T, H, K, V = 2, 2048, 4, 128, 128
@@ -48,8 +49,8 @@ def _sharded_kda(mesh, fused=False):
   def run(q, k, v, g, beta, h0, *gate):
     opts = {}
     if fused:
-      opts = dict(A_log=gate[0], dt_bias=gate[1], gate="lower_bound", lower_bound=-5.0,
-                  use_qk_l2norm=True, use_beta_sigmoid=True)
+      opts = dict(A_log=gate[0], dt_bias=gate[1], raw=RawInputs(
+          gate="lower_bound", lower_bound=-5.0, use_qk_l2norm=True, use_beta_sigmoid=True))
     return kda_tpu(q, k, v, g, beta, initial_state=h0, output_final_state=True, **opts)
 
   return run, specs

@@ -1,6 +1,10 @@
-"""MXFP4 quantise / dequantise against the OCP MX rules, checked by brute force: every E2M1
-value times the group's power of two, nearest wins, ties to the even code."""
+"""The MXFP4 format (pallas_kernels/mxfp4/format.py): the host numpy quantise / dequantise
+against the OCP MX rules, checked by brute force (every E2M1 value times the group's power of
+two, nearest wins, ties to the even code), and the device jnp functions against the numpy ones,
+bit for bit."""
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -86,3 +90,38 @@ def test_dequantize_every_scale_and_byte_matches_the_formula():
     np.testing.assert_array_equal(got[:255][finite], want[:255][finite])
     # beyond float32 (scales 253, 254 with large codes): signed infinity
     np.testing.assert_array_equal(got[:255][~finite], np.sign(want[:255][~finite]) * np.inf)
+
+
+def tricky_weights(dtype, seed=0):
+  """[in=128, out=24]: random groups over many binades, all-zero groups, -0, and values
+  exactly on the E2M1 midpoints (ties) and past the saturation point."""
+  rng = np.random.default_rng(seed)
+  binade = np.repeat(rng.integers(-20, 20, (24, 4)), 32, axis=1)  # one per group of 32
+  w = rng.standard_normal((24, 128)) * np.exp2(binade)
+  w[0, :32] = 0.0
+  w[1, :32] = -0.0
+  mids = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+  w[2, :32] = np.concatenate([mids, -mids, [6.0, -6.0, 4.0], rng.uniform(-6, 6, 15)])
+  w[3, :32] = w[2, :32] * 2.0 ** -30
+  w[4, 32:64] = np.concatenate([[7.99], rng.uniform(-7.99, 7.99, 31)])  # amax just under 8
+  return w.T.astype(dtype)  # k3jax layout [in, out]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_jax_mxfp4_matches_the_numpy_quantiser_bit_for_bit(dtype):
+  with jax.enable_x64(dtype == np.float64):
+    w_io = tricky_weights(dtype)
+    codes, scales = mxfp4.quantize_np(w_io.T)
+    got_codes, got_scales = jax.jit(mxfp4.quantize)(jnp.asarray(w_io))
+    np.testing.assert_array_equal(np.asarray(got_codes), codes)
+    np.testing.assert_array_equal(np.asarray(got_scales), scales)
+    truth = mxfp4.dequantize_np(codes, scales, np.float64).T
+    rounded = np.asarray(jax.jit(mxfp4.round_mxfp4)(jnp.asarray(w_io)), np.float64)
+    np.testing.assert_array_equal(rounded, truth)
+    np.testing.assert_array_equal(np.signbit(rounded), np.signbit(truth))  # -0 kept
+    deq = np.asarray(mxfp4.dequantize(jnp.asarray(codes), jnp.asarray(scales), dtype), np.float64)
+    np.testing.assert_array_equal(deq, truth)
+    # straight-through: the gradient of sum(c * round(w)) is c
+    c = jnp.asarray(np.arange(w_io.size, dtype=dtype).reshape(w_io.shape))
+    g = jax.grad(lambda w: jnp.sum(c * mxfp4.round_mxfp4(w)))(jnp.asarray(w_io))
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(c))
