@@ -98,7 +98,7 @@ def matmul_bound(n_params: int, batch: int, reps: int) -> float:
 
 def filled_cache(gen, batch: int, context: int, seed: int = 0):
   """A cache holding `context` positions of random latents and states (room for 64 more)."""
-  from k3jax.generate.engine import cache_len  # noqa: PLC0415
+  from k3jax.generate.static_batch import cache_len  # noqa: PLC0415
   cache = gen.new_cache(batch, cache_len(context + 64))
   leaves, treedef = jax.tree.flatten((cache.kda, cache.mla))
   keys = jax.random.split(jax.random.key(seed), len(leaves))
@@ -141,11 +141,11 @@ def main(argv=None) -> int:
   if args.quick:
     args.contexts, args.reps, args.prefill = [1024, 4096], 3, 1024
 
-  from k3jax.generate.engine import Generator  # noqa: PLC0415
+  from k3jax.generate.static_batch import StaticBatch  # noqa: PLC0415
   from k3jax.info import summary  # noqa: PLC0415
   cfgs = {"hybrid": hybrid_config()}
   cfgs["all-MLA"] = twin_config(cfgs["hybrid"])
-  gens = {name: Generator(random_model(cfg), prefill_chunk=512) for name, cfg in cfgs.items()}
+  gens = {name: StaticBatch(random_model(cfg), prefill_chunk=512) for name, cfg in cfgs.items()}
   print(f"platform {jax.default_backend()}, {os.cpu_count()} CPUs; batch {args.batch}, float32")
   for name, cfg in cfgs.items():
     s = summary(cfg, "float32")

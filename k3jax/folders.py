@@ -100,3 +100,32 @@ def _tokenizer_source(kind: str, init_from: str | None, seen: tuple[str, ...]
   if folder.run is not None:
     return folder.tokenizer
   return TokenizerSource(folder.weights, folder.weights)
+
+
+LENGTH_KEYS = ("max_position_embeddings", "model_max_length")
+
+
+def max_model_len(folder: ModelFolder) -> int | None:
+  """The longest sequence the model's own files declare (`max_position_embeddings` in its
+  config.json, top level or text_config; `model_max_length` in its tokenizer_config.json), or
+  None. A `k3jax train` run's training sequence length is not one: it says what was trained
+  on, not what the model can read."""
+  dirs = [folder.weights, os.path.join(folder.weights, "hf")]
+  if folder.tokenizer.folder:
+    dirs.append(folder.tokenizer.folder)
+  for d in dirs:
+    for name in ("config.json", "tokenizer_config.json"):
+      try:
+        with open(os.path.join(d, name)) as f:
+          raw = json.load(f)
+      except (OSError, ValueError):
+        continue
+      if not isinstance(raw, dict):
+        continue
+      for section in (raw, raw.get("text_config") or {}):
+        for key in LENGTH_KEYS:
+          value = section.get(key) if isinstance(section, dict) else None
+          # HF writes a huge sentinel (1e30) for "no limit" in model_max_length
+          if isinstance(value, int) and 0 < value < 10**9:
+            return value
+  return None

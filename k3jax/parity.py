@@ -119,11 +119,11 @@ def decode_logits(model, ids, prefill: int) -> np.ndarray:
   """Logits of every position through the cache: `prefill` tokens at once, then one by one."""
   import jax.numpy as jnp  # noqa: PLC0415
 
-  from k3jax.generate.engine import Generator  # noqa: PLC0415
+  from k3jax.generate.static_batch import StaticBatch  # noqa: PLC0415
   b, t = ids.shape
   if not 0 < prefill <= t:
     raise UserError(f"decode_prefill_len {prefill} outside [1, {t}]")
-  gen = Generator(model)
+  gen = StaticBatch(model)
   logits, cache, extra = gen.prefill(np.asarray(ids[:, :prefill]), np.zeros(b, np.int32),
                                      gen.max_len(prefill, t - prefill))
   outs = [np.asarray(logits[:, extra:], np.float64)]

@@ -97,6 +97,12 @@ TABLE: tuple[tuple[str, Target, Target], ...] = (
     ("expert_scores", None, None),
     ("latent", "fsdp", None),
     ("moe_mlp", "tensor", "tensor"),
+    # the serving engine's caches (k3jax/model/paged.py): every device indexes any request slot
+    # and any latent page (the pages hold the MLA latent, which has no head axis to split);
+    # the KDA state's heads follow `heads`
+    ("slots", None, None),
+    ("pages", None, None),
+    ("page", None, None),
 )
 
 # (logical name, mesh axis or tuple of mesh axes or None), Flax's LogicalRules format

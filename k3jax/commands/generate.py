@@ -1,10 +1,11 @@
-"""`k3jax generate`: sample from a model folder (docs/inference.md).
+"""`k3jax generate`: sample from a model folder on the serving engine (docs/serving.md).
 
 MODEL is an official K3 / Kimi-Linear folder, a converted k3jax checkpoint, or a `k3jax train`
 output folder (its `model/` weights and the run's tokenizer: bytes for the tiny preset). Text
 prompts use the folder's tokenizer (`tiktoken.model`; bytes for a byte-level model) and, with
 --chat, its chat template; --prompt-ids takes token ids. Several prompts (repeat --prompt /
---prompt-ids, or one per line of --prompt-file) run as one left-padded batch.
+--prompt-ids, or one per line of --prompt-file) are served together by the engine: up to
+--max-num-seqs at once, each finishing on its own.
 
 Output: one prompt streams its text (or ids) to stdout as tokens arrive; several prompts print
 `[i] text` per prompt as each finishes; --json prints one object per prompt (index,
@@ -24,7 +25,8 @@ from k3jax.commands._args import (Formatter, default_compile_cache, nonneg_float
                                   positive_int, token_ids)
 from k3jax.errors import UserError
 from k3jax.execution import NUMERICS
-from k3jax.folders import TokenizerSource, model_folder
+from k3jax.engine import DEFAULT_MAX_MODEL_LEN, Engine, EngineConfig, SamplingParams
+from k3jax.folders import TokenizerSource, max_model_len, model_folder
 
 DTYPES = ("auto", "float64", "float32", "bfloat16")
 
@@ -86,7 +88,6 @@ class _Printer:
   def __init__(self, args, prompts, tokenizer, stops):
     self.args, self.prompts, self.tok, self.stops = args, prompts, tokenizer, set(stops)
     self.rows = [[] for _ in prompts]
-    self.done = [False] * len(prompts)
     self.shown = 0  # characters (or ids) of row 0 already streamed
     self.stream = len(prompts) == 1 and not args.json
 
@@ -95,20 +96,12 @@ class _Printer:
       return None
     return self.tok.decode([t for t in ids if t not in self.stops])
 
-  def add(self, block) -> None:
-    for b, row in enumerate(block):
-      new = [int(t) for t in row if t >= 0]
-      self.rows[b].extend(new)
-      finished = not self.done[b] and (len(new) < len(row) or self._ended(b))
-      if self.stream:
-        self._stream(final=finished)
-      if finished:
-        self.done[b] = True
-        self._finish(b)
-
-  def _ended(self, b) -> bool:
-    row = self.rows[b]
-    return len(row) >= self.args.max_new_tokens or bool(row and row[-1] in self.stops)
+  def add(self, b: int, new: list[int], finish_reason: str | None) -> None:
+    self.rows[b].extend(new)
+    if self.stream:
+      self._stream(final=finish_reason is not None)
+    if finish_reason is not None:
+      self._finish(b, finish_reason)
 
   def _stream(self, final: bool) -> None:
     if self.tok is None:
@@ -123,18 +116,8 @@ class _Printer:
     sys.stdout.write(piece + ("\n" if final else ""))
     sys.stdout.flush()
 
-  def close(self) -> None:
-    """Rows that ended exactly at a block boundary without a visible end (max_new 0)."""
-    for b in range(len(self.rows)):
-      if not self.done[b]:
-        self.done[b] = True
-        if self.stream:
-          self._stream(final=True)
-        self._finish(b)
-
-  def _finish(self, b) -> None:
+  def _finish(self, b: int, reason: str) -> None:
     row = self.rows[b]
-    reason = "stop" if row and row[-1] in self.stops else "length"
     if self.args.json:
       obj = {"index": b, "prompt_tokens": len(self.prompts[b]), "tokens": row,
              "finish_reason": reason}
@@ -181,28 +164,43 @@ def run(args: argparse.Namespace) -> int:
     print(f"{args.model}: {cfg.num_layers} layers, {dtype}, loaded in "
           f"{time.perf_counter() - t0:.1f}s; {len(prompts)} prompt(s) of "
           f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens", file=sys.stderr)
-    if mesh is None:
-      _generate(args, model, cfg, prompts, tokenizer, stops)
-    else:
-      with jax.set_mesh(mesh):
-        _generate(args, model, cfg, prompts, tokenizer, stops)
+    config = engine_config(args, prompts, max_model_len(folder))
+    _generate(args, model, prompts, tokenizer, stops, config, mesh)
   return 0
 
 
-def _generate(args, model, cfg, prompts, tokenizer, stops) -> None:
-  from k3jax.generate.engine import Generator  # noqa: PLC0415
-  from k3jax.generate.sampling import Sampling  # noqa: PLC0415
-  gen = Generator(model, prefill_chunk=args.prefill_chunk, block=args.block)
+def engine_config(args, prompts: list[list[int]], limit: int | None) -> EngineConfig:
+  """The engine for this command's prompts: a slot per prompt (up to --max-num-seqs), the
+  model's maximum length (--max-model-len, else the folder's own, else 8192)."""
+  max_len = args.max_model_len or limit or DEFAULT_MAX_MODEL_LEN
+  longest = max(map(len, prompts))
+  if longest > max_len:
+    raise UserError(f"a prompt has {longest} tokens; the maximum model length is {max_len} "
+                    "(--max-model-len)")
+  return EngineConfig(max_num_seqs=min(len(prompts), args.max_num_seqs), max_model_len=max_len,
+                      prefill_chunk=args.prefill_chunk,
+                      prefix_state_every=args.prefix_state_every)
+
+
+def _generate(args, model, prompts, tokenizer, stops, config: EngineConfig, mesh) -> None:
+  engine = Engine(model, config, mesh=mesh)
   printer = _Printer(args, prompts, tokenizer, stops)
-  sampling = Sampling.make(args.temperature, args.top_k, args.top_p)
+  for i, p in enumerate(prompts):
+    # stops holds the EOS already (unless --ignore-eos): the engine adds none of its own
+    sampling = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature,
+                              top_k=args.top_k, top_p=args.top_p, seed=args.seed + i,
+                              stop_token_ids=tuple(stops), ignore_eos=True)
+    try:
+      engine.add(str(i), p, sampling)
+    except ValueError as e:
+      raise UserError(f"prompt {i}: {e}") from None
   t0, n_new = time.perf_counter(), 0
-  for block in gen.stream(prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                          seed=args.seed, stop_ids=stops, pad_id=cfg.pad_token_id or 0):
-    printer.add(block)
-    n_new += int((block >= 0).sum())
-  printer.close()
-  print(f"{n_new} new tokens in {time.perf_counter() - t0:.2f}s (compilation included)",
-        file=sys.stderr)
+  while engine.has_work():
+    for out in engine.step():
+      printer.add(int(out.request_id), out.token_ids, out.finish_reason)
+      n_new += len(out.token_ids)
+  print(f"{n_new} new tokens in {time.perf_counter() - t0:.2f}s (compilation included), "
+        f"{engine.steps} engine steps", file=sys.stderr)
 
 
 def register(sub) -> None:
@@ -231,9 +229,16 @@ def register(sub) -> None:
   p.add_argument("--mesh", metavar="MESH", help="device mesh, e.g. data=2,tensor=4")
   p.add_argument("--json", action="store_true", help="one JSON object per prompt")
   p.add_argument("--prefill-chunk", type=positive_int, default=512,
-                 help="prompt tokens per prefill call")
+                 help="prompt tokens per prefill row of an engine step")
+  p.add_argument("--max-model-len", type=positive_int, default=None,
+                 help="the longest sequence (prompt + output) the engine holds (default: the "
+                 "folder's max_position_embeddings / model_max_length, else 8192)")
+  p.add_argument("--max-num-seqs", type=positive_int, default=64,
+                 help="prompts served at once (each holds a KDA state); the rest wait")
+  p.add_argument("--prefix-state-every", type=positive_int, default=4, metavar="K",
+                 help="prefix cache: a KDA state snapshot every K cached blocks")
   p.add_argument("--block", type=positive_int, default=8,
-                 help="decode steps per jitted call (the streaming granularity)")
+                 help="kept for scripts; the engine streams every step (docs/serving.md)")
   p.add_argument("--compile-cache", default=default_compile_cache(),
                  help="persistent XLA compilation cache folder (none: off)")
   p.set_defaults(func=run)

@@ -39,14 +39,16 @@ def seed32(seed: int) -> int:
 
 
 class Engine:
-  """Continuous batching over `model` (a K3Model, whose graph and current weights it uses)."""
+  """Continuous batching over `model` (a K3Model, whose graph and current weights it uses).
+  `mesh`: run every step on this device mesh (the model's weights placed on it, as
+  `sharding.placement` puts them); the caches are placed by the rules table."""
 
   def __init__(self, model: nnx.Module, config: EngineConfig | None = None, *,
                eos_token_ids: Iterable[int] = (), detokenize: Callable[[list[int]], str]
-               | None = None, seed: int = 0):
+               | None = None, seed: int = 0, mesh=None):
     self.config = config or EngineConfig()
     self.cfg = model.cfg
-    self.runner = Runner(model, self.config)
+    self.runner = Runner(model, self.config, mesh)
     self.scheduler = Scheduler(self.config)
     self.eos = frozenset(int(t) for t in eos_token_ids)
     self.detokenize = detokenize

@@ -89,7 +89,7 @@ def bucket(n: int, cap: int) -> int:
 class Runner:
   """Holds the device cache and the weights; runs steps."""
 
-  def __init__(self, model: nnx.Module, config: EngineConfig):
+  def __init__(self, model: nnx.Module, config: EngineConfig, mesh=None):
     self.cfg, self.ex, self.config = model.cfg, model.ex, config
     layout = config.layout or ("unstacked" if jax.default_backend() == "cpu" else "stacked")
     self.layout = layout
@@ -98,6 +98,9 @@ class Runner:
     self.cache = paged.init_cache(self.cfg, self.ex, slots=config.max_num_seqs,
                                   pages=config.pool_pages + 1, page_size=config.page_size,
                                   snapshots=config.snapshots)
+    self.mesh = mesh
+    if mesh is not None:
+      self.cache = paged.place(self.cache, mesh)
 
   def set_params(self, state) -> None:
     """New weights (an nnx.State of the engine's model graph): stacked, used as they are;
@@ -110,6 +113,12 @@ class Runner:
 
   def step(self, parts: tuple[paged.Rows, ...], page_table: np.ndarray, rows: SampleRows,
            targets: np.ndarray | None, ctx_pages: int) -> StepOut:
+    if self.mesh is None:
+      return self._step(parts, page_table, rows, targets, ctx_pages)
+    with jax.set_mesh(self.mesh):  # the model's constraints and expert parallelism see it
+      return self._step(parts, page_table, rows, targets, ctx_pages)
+
+  def _step(self, parts, page_table, rows, targets, ctx_pages) -> StepOut:
     out, self.cache = _step(
         self.static, self.params, self.cache, jnp.asarray(page_table),
         tuple(paged.Rows(*(jnp.asarray(a) for a in p)) for p in parts),

@@ -42,6 +42,7 @@ from k3jax.model.decode import Unstacked, UnstackedDefs
 from k3jax.model.kda import KDA, KDAState
 from k3jax.model.kda import initial_state as kda_initial_state
 from k3jax.model.transformer import _valid, initial_carry, layer_step
+from sharding.activations import activation_spec
 
 FROM_SLOT, FRESH, FROM_SNAPSHOT = 0, 1, 2  # where a row's KDA state comes from
 
@@ -83,6 +84,23 @@ def init_cache(cfg: ModelConfig, ex: Execution, *, slots: int, pages: int, page_
   mla = tuple(MLACache(jnp.zeros((*shape, cfg.kv_lora_rank), dt),
                        jnp.zeros((*shape, cfg.qk_rope_head_dim), dt)) for _ in cfg.mla_layers)
   return PagedCache(kda, snaps, mla)
+
+
+_KDA_NAMES = KDAState(*(("slots", None, "heads", "head_dim"),) * 3,
+                      ("slots", "heads", "head_dim", None))
+_PAGE_NAMES = MLACache(("pages", "page", "kv_lora"), ("pages", "page", None))
+
+
+def place(cache: PagedCache, mesh) -> PagedCache:
+  """`cache` on `mesh`, placed by the rules table (KDA heads over `tensor`, slots and pages
+  whole on every device)."""
+  def put(x, names):
+    spec = activation_spec(names, x.shape, mesh)
+    return jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+  kda = tuple(KDAState(*map(put, e, _KDA_NAMES)) for e in cache.kda)
+  snaps = tuple(KDAState(*map(put, e, _KDA_NAMES)) for e in cache.snapshots)
+  pages = tuple(MLACache(*map(put, e, _PAGE_NAMES)) for e in cache.pages)
+  return PagedCache(kda, snaps, pages)
 
 
 def _start_state(entry: KDAState, snaps: KDAState, rows: Rows) -> KDAState:

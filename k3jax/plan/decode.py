@@ -1,6 +1,6 @@
 """`k3jax plan --mode decode`: will serving fit a TPU slice, on which mesh, how many tokens/s.
 
-What `k3jax generate` runs on TPU (k3jax/generate/engine.py, the stacked layout: layers
+What `k3jax generate` runs on TPU (k3jax/generate/static_batch.py, the stacked layout: layers
 scanned, weights and cache stacked) is lowered with abstract sharded inputs and compiled ahead
 of time for the topology, like the train plan (k3jax/plan/train.py):
 
@@ -140,7 +140,7 @@ def plan_one(cfg, ex, devices, topology: str, mesh_spec, *, batch: int, seq: int
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
 
-  from k3jax.generate.engine import decode_block, extend_jit  # noqa: PLC0415
+  from k3jax.generate.static_batch import decode_block, extend_jit  # noqa: PLC0415
   from k3jax.generate.sampling import Sampling  # noqa: PLC0415
   from k3jax.plan.analytic import moe_layer_bytes  # noqa: PLC0415
   from k3jax.train import flops as flops_lib  # noqa: PLC0415

@@ -14,7 +14,7 @@ all T tokens at once (the same compiled chunk as the prefills here), not the mod
 forward, to save a compilation; its error is the same kind of float32 full-sequence rounding.
 
 All tests run at batch 2 and one cache length (engine.cache_len rounds to 256), so the
-compiled prefill / step functions (module-level jit in k3jax.generate.engine) are shared.
+compiled prefill / step functions (module-level jit in k3jax.generate.static_batch) are shared.
 """
 
 import os
@@ -26,7 +26,7 @@ import pytest
 from flax import nnx
 
 from convert.hf_load import load_model
-from k3jax.generate.engine import Generator, cache_len
+from k3jax.generate.static_batch import StaticBatch, cache_len
 from k3jax.info import summary
 from k3jax.model.cache import bytes_per_request, init_cache, stack, unstack
 from k3jax.model.transformer import K3Model
@@ -61,7 +61,7 @@ def decode(model, ids, prefill, chunk=CHUNK, start=None):
   """(logits [B, T, V] float64 of the real positions, final cache, pads in front): the first
   `prefill` tokens in chunks, then one token at a time. The prompt is left-padded to whole
   chunks first (as the engine does), so every prefill here runs at one compiled shape."""
-  gen = Generator(model, prefill_chunk=chunk)
+  gen = StaticBatch(model, prefill_chunk=chunk)
   b, t = ids.shape
   start = np.zeros(b, np.int32) if start is None else start
   pads = -prefill % chunk
@@ -199,7 +199,7 @@ def test_stacked_scanned_layout(x64):
   ids = np.random.default_rng(6).integers(0, cfg.vocab_size, (2, 9)).astype(np.int32)
   truth = np.asarray(nnx.jit(lambda m, x: m(x).logits)(model, jnp.asarray(ids)))
   for layout in ("stacked",):
-    gen = Generator(model, prefill_chunk=64, layout=layout)
+    gen = StaticBatch(model, prefill_chunk=64, layout=layout)
     prompt = np.pad(ids[:, :5], ((0, 0), (59, 0)))
     logits, cache, _ = gen.prefill(prompt, np.full(2, 59, np.int32), MAX_LEN)
     outs = [np.asarray(logits[:, 59:])]

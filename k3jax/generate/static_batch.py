@@ -1,4 +1,8 @@
-"""Batched generation: left-padded prompts, chunked prefill, a jitted decode loop in blocks.
+"""The static batch: left-padded prompts, chunked prefill, a jitted decode loop in blocks.
+
+Every request of a batch waits for the slowest and a new one waits for the batch to end; the
+serving engine (k3jax/engine/) does not. This stays as the engine benchmark's baseline and a
+second, independent path for the tests.
 
     prompts --left-pad--> ids [B, P], start [B]      (further left-padded to whole chunks)
     prefill:  extend(ids[:, chunk]) chunk by chunk                   -> logits of position P-1
@@ -96,7 +100,7 @@ def decode_block(static, block: int, params, cache: Cache, logits_bv, key, done_
 
 
 @dataclasses.dataclass
-class Generator:
+class StaticBatch:
   """Generation with one model. `stream(prompts, ...)` yields [B, n] token blocks (-1 where a
   row has finished); `generate` collects them.
 
