@@ -14,8 +14,10 @@ implementations:
   "tiled"      XLA, a loop over row tiles (tiled.py), one expert dequantised at a time: bit
                for bit the reference with grouped_matmul's "tiled" (same tiles, same dots).
   "pallas"     a Pallas TPU kernel on megablox's grid that dequantises codes tiles in VMEM
-               (tpu.py); interpreted on CPU. Its float32 accumulation runs over contraction
-               tiles: within a dot product's rounding of the reference, not bitwise.
+               (tpu.py). Its float32 accumulation runs over contraction tiles: within a dot
+               product's rounding of the reference, not bitwise. Lowered for another platform
+               it runs "tiled" instead (interpret=None), or the kernel in Pallas's interpret
+               mode (interpret=True: the tests; not inside shard_map, see tpu.py).
 
 impl=None picks "pallas" on TPU and "tiled" elsewhere. The gradient is the input's only,
 dx = dy W^T (the same implementation on the transposed tiles); the codes and scales are frozen

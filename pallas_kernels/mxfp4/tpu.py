@@ -43,6 +43,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.mxfp4.format import GROUP
+from pallas_kernels.mxfp4.tiled import grouped_matmul_mxfp4_tiled
+from pallas_kernels.vma import vary_like
 
 TM = 128  # rows per tile (megablox's: bounds the per-group rounding of the grid)
 _HALF = GROUP // 2  # code bytes per scale
@@ -106,23 +108,30 @@ def _first_of_group(meta, grid_id):
   return (grid_id == 0) | (group_ids[grid_id] != group_ids[jnp.maximum(grid_id - 1, 0)])
 
 
+def _tile_weights(c_ref, s_ref, cache_ref, meta, grid_id, k_i, dtype):
+  """The step's dequantised weights (even, odd inputs), from the cache, filled at the group's
+  first row tile."""
+  @pl.when(_first_of_group(meta, grid_id))
+  def _():
+    lo, hi = dequantize_tile(c_ref[...], s_ref[...], dtype)
+    cache_ref[0, k_i] = lo
+    cache_ref[1, k_i] = hi
+
+  return cache_ref[0, k_i], cache_ref[1, k_i]
+
+
 def _fwd_kernel(offsets, group_ids, m_tile_ids, xe_ref, xo_ref, c_ref, s_ref, out_ref, acc_ref,
                 cache_ref, *, tm, tiles_k):
   meta = (offsets, group_ids, m_tile_ids)
   grid_id, k_i = pl.program_id(1), pl.program_id(2)
-
-  @pl.when(_first_of_group(meta, grid_id))
-  def _():
-    lo, hi = dequantize_tile(c_ref[...], s_ref[...], cache_ref.dtype)
-    cache_ref[0, k_i] = lo
-    cache_ref[1, k_i] = hi
+  lo, hi = _tile_weights(c_ref, s_ref, cache_ref, meta, grid_id, k_i, xe_ref.dtype)
 
   @pl.when(k_i == 0)
   def _():
     acc_ref[...] = jnp.zeros_like(acc_ref)
 
   dot = functools.partial(jax.lax.dot, preferred_element_type=acc_ref.dtype)
-  acc_ref[...] += dot(xe_ref[...], cache_ref[0, k_i]) + dot(xo_ref[...], cache_ref[1, k_i])
+  acc_ref[...] += dot(xe_ref[...], lo) + dot(xo_ref[...], hi)
 
   @pl.when(k_i == tiles_k - 1)
   def _():
@@ -133,12 +142,7 @@ def _bwd_kernel(offsets, group_ids, m_tile_ids, dy_ref, c_ref, s_ref, dxe_ref, d
                 acc_ref, cache_ref, *, tm, tiles_k):
   meta = (offsets, group_ids, m_tile_ids)
   grid_id, k_i = pl.program_id(1), pl.program_id(2)
-
-  @pl.when(_first_of_group(meta, grid_id))
-  def _():
-    lo, hi = dequantize_tile(c_ref[...], s_ref[...], cache_ref.dtype)  # [tn/2, tk]
-    cache_ref[0, k_i] = lo
-    cache_ref[1, k_i] = hi
+  weights = _tile_weights(c_ref, s_ref, cache_ref, meta, grid_id, k_i, dy_ref.dtype)
 
   @pl.when(k_i == 0)
   def _():
@@ -146,9 +150,8 @@ def _bwd_kernel(offsets, group_ids, m_tile_ids, dy_ref, c_ref, s_ref, dxe_ref, d
 
   dy = dy_ref[...]
   dims = (((1,), (1,)), ((), ()))  # dy [tm, tk] . W [tn/2, tk] over tk
-  for h in (0, 1):
-    acc_ref[h] += jax.lax.dot_general(dy, cache_ref[h, k_i], dims,
-                                      preferred_element_type=acc_ref.dtype)
+  for h, w in enumerate(weights):
+    acc_ref[h] += jax.lax.dot_general(dy, w, dims, preferred_element_type=acc_ref.dtype)
 
   @pl.when(k_i == tiles_k - 1)
   def _():
@@ -181,8 +184,7 @@ def _call(x, codes, scales_t, group_sizes, *, transpose: bool, interpret):
     ]
     out_specs = pl.BlockSpec((TM, tn), lambda n, i, k, off, gid, mt: (mt[i], n))
     out_shape = jax.ShapeDtypeStruct((m, n_out), dtype)
-    scratch = [pltpu.VMEM((TM, tn), acc),
-               pltpu.VMEM((2, tiles_k, tk // 2, tn), dtype)]
+    scratch = [pltpu.VMEM((TM, tn), acc), pltpu.VMEM((2, tiles_k, tk // 2, tn), dtype)]
     kernel, operands = _fwd_kernel, (xe, xo, codes, scales_t)
     x_bytes = 2 * m * n_in * x.dtype.itemsize
   else:
@@ -196,8 +198,7 @@ def _call(x, codes, scales_t, group_sizes, *, transpose: bool, interpret):
     half_spec = pl.BlockSpec((TM, tn // 2), lambda n, i, k, off, gid, mt: (mt[i], n))
     out_specs = [half_spec, half_spec]
     out_shape = [jax.ShapeDtypeStruct((m, half), dtype)] * 2
-    scratch = [pltpu.VMEM((2, TM, tn // 2), acc),
-               pltpu.VMEM((2, tiles_k, tn // 2, tk), dtype)]
+    scratch = [pltpu.VMEM((2, TM, tn // 2), acc), pltpu.VMEM((2, tiles_k, tn // 2, tk), dtype)]
     kernel, operands = _bwd_kernel, (x, codes, scales_t)
     x_bytes = m * n_out * x.dtype.itemsize
   # megablox's figures: every row of the buffer (the grid stops earlier; `k3jax plan` counts
@@ -230,10 +231,14 @@ def _unchecked(fn, *args):
   way, and the call sits inside ops.py's custom_vjp: autodiff never transposes the cast."""
   # (grouped_matmul's megablox path does the same; the flag is the one shard_map sets)
   from jax._src import config  # noqa: PLC0415
-  varying = tuple(sorted(set().union(*(jax.typeof(a).mat.varying for a in args))))
   with config._check_vma(False):  # noqa: SLF001
     out = fn(*args)
-  return jax.tree.map(lambda y: jax.lax.pcast(y, varying, to="varying"), out) if varying else out
+  return jax.tree.map(lambda y: vary_like(y, *args), out)
+
+
+def _split(y, transpose: bool):
+  """The tile loop's dx [m, in] as the kernel returns it: even and odd columns apart."""
+  return (y[:, 0::2], y[:, 1::2]) if transpose else y
 
 
 def grouped_matmul_mxfp4_tpu(x_mk: jax.Array, codes: jax.Array, scales: jax.Array,
@@ -241,20 +246,26 @@ def grouped_matmul_mxfp4_tpu(x_mk: jax.Array, codes: jax.Array, scales: jax.Arra
                              interpret: bool | None = None) -> jax.Array:
   """x [m, in] @ W_g(row) (transpose: x [m, out] @ W_g(row)^T) for the MXFP4 experts codes
   [E, out, in/2], scales [E, out, in/32]. Rows past the last group give zeros. interpret=None
-  decides by the platform lowered for (TPU compiles the kernel, CPU interprets it). Not
-  differentiable itself (ops.py's custom_vjp calls it both ways)."""
+  decides by the platform lowered for: TPU compiles the kernel, any other runs the XLA tile
+  loop (tiled.py: the reference's numbers). interpret=True runs the kernel in Pallas's
+  interpret mode (the tests), outside shard_map only: Pallas interprets a kernel when it is
+  lowered, where shard_map's varying types refuse the kernel's constants and scratch beside
+  its blocks. Not differentiable itself (ops.py's custom_vjp calls it both ways)."""
   m = x_mk.shape[0]
   pad = -m % TM  # whole row tiles
   if pad:
     x_mk = jnp.pad(x_mk, ((0, pad), (0, 0)))
   group_sizes_e = group_sizes_e.astype(jnp.int32)
   args = (x_mk, codes, jnp.swapaxes(scales, 1, 2), group_sizes_e)
-  run = lambda interp: functools.partial(_call, transpose=transpose, interpret=interp)  # noqa: E731
+  kernel = functools.partial(_call, transpose=transpose)
   if interpret is None:
-    out = _unchecked(lambda *a: jax.lax.platform_dependent(*a, cpu=run(True), default=run(False)),
-                     *args)
+    def elsewhere(x, codes, scales_t, sizes):
+      return _split(grouped_matmul_mxfp4_tiled(x, codes, jnp.swapaxes(scales_t, 1, 2), sizes,
+                                               transpose=transpose), transpose)
+    out = _unchecked(lambda *a: jax.lax.platform_dependent(
+        *a, tpu=functools.partial(kernel, interpret=False), default=elsewhere), *args)
   else:
-    out = _unchecked(run(interpret), *args)
+    out = _unchecked(functools.partial(kernel, interpret=interpret), *args)
   if transpose:  # dx's even and odd columns, interleaved again
     out = jnp.stack(out, axis=-1).reshape(x_mk.shape[0], -1)
   live = jnp.arange(out.shape[0]) < jnp.sum(group_sizes_e)  # the grid never writes the rest

@@ -43,9 +43,9 @@ def logits(model, ids):
 
 @pytest.fixture(scope="module")
 def tiny64(reference_dir):
-  with jax.enable_x64(True):
-    yield load_model(os.path.join(reference_dir, "k3_tiny_a"), dtype="float64",
-                     param_dtype="float64")
+  with jax.enable_x64(True):  # (float64 arrays; the tests enter x64 themselves to use them)
+    return load_model(os.path.join(reference_dir, "k3_tiny_a"), dtype="float64",
+                      param_dtype="float64")
 
 
 @pytest.mark.parametrize("targets", [None, ("mla.*", "moe.experts.*")],
@@ -94,7 +94,7 @@ def _pack(moe, adapters: bool):
     for m in (moe, dense):
       for w in lora.EXPERT_WEIGHTS:
         lora._attach_expert(m.experts, w, names[w], lora.AdaptSpec(rank=3, alpha=6.0),
-                            nnx.Rngs(2), jnp.float64)
+                            nnx.Rngs(2), moe.cfg.jnp_param_dtype)
       _random_adapters(m)
   return dense
 
@@ -190,3 +190,76 @@ def test_no_float_copy_of_a_layers_experts(monkeypatch):
   assert temp + stack <= temp_ref, (temp, temp_ref, stack)
   print(f"\ntemporaries: packed {temp / 2**20:.1f} MiB, dequantise-then-multiply "
         f"{temp_ref / 2**20:.1f} MiB (one stack {stack / 2**20:.1f} MiB)")
+
+
+def test_megablox_config_expert_parallel_equals_one_device():
+  """moe_grouped_matmul="megablox" (what `k3jax train` runs on TPU) takes packed experts to the
+  Pallas MXFP4 kernel, which lowered for the CPU runs the tile loop (pallas_kernels/mxfp4/
+  tpu.py): its platform switch and varying-type casts inside the expert-parallel body, float32,
+  with adapters, against the one-device dense MoE in float64 on the same (dequantised)
+  weights: forward, routing and every gradient. Tolerance and routing margin as
+  test_expert_parallel.py's megablox test (its float32 bound, 0.015)."""
+  mesh_spec, overrides = CASES["fsdp2_expert2_tensor2"]
+  cfg32 = _packable_cfg(**overrides).replace(dtype="float32", param_dtype="float32",
+                                             moe_grouped_matmul="megablox")
+  moe32 = make_moe(cfg32)
+  dense32 = _pack(moe32, adapters=True)
+  x32 = jnp.asarray(np.random.default_rng(1).standard_normal((8, 5, cfg32.hidden_size)),
+                    jnp.float32)
+  ep = run(moe32, x32, make_mesh(mesh_spec))
+  with jax.enable_x64(True):
+    graphdef, state = nnx.split(dense32)
+    cfg64 = cfg32.replace(dtype="float64", param_dtype="float64", moe_grouped_matmul=None)
+    dense64 = nnx.merge(graphdef, jax.tree.map(
+        lambda a: jnp.asarray(a, jnp.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a,
+        state))
+    for m in (dense64, dense64.experts, dense64.gate):
+      m.cfg = cfg64
+    for w in lora.EXPERT_WEIGHTS:  # frozen, as the packed codes are: no gradient to compare
+      setattr(dense64.experts, w, nnx.Variable(getattr(dense64.experts, w)[...]))
+    one = run(dense64, jnp.asarray(x32, jnp.float64))
+    bias = np.asarray(dense64.gate.bias[...])
+    biased = np.sort(np.asarray(one[1].scores_ne) + bias, axis=-1)[..., ::-1]
+    k = cfg32.num_experts_per_token
+    assert np.min(biased[..., k - 1] - biased[..., k]) > 1e-4
+    assert_same(one, ep, atol=0.015)
+
+
+def test_packed_expert_parallel_compiles_the_kernel_for_tpu():
+  """The expert-parallel layer with packed experts and adapters, forward and backward, compiled
+  for a v5e 2x2 topology (libtpu, no TPU needed; tensor-parallel F, so each rank its own
+  groups): the program holds the MXFP4 kernel both ways and the megablox kernels of the
+  adapters."""
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  pytest.importorskip("libtpu", reason="libtpu is needed to compile for TPU ahead of time")
+  from jax.experimental import topologies  # noqa: PLC0415
+  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
+
+  from sharding.placement import variable_spec  # noqa: PLC0415
+  topo = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2")
+  mesh = make_mesh("expert=2,tensor=2", devices=topo.devices)
+  cfg = tiny_cfg(latent_size=32, moe_intermediate_size=64, dtype="bfloat16",
+                 moe_grouped_matmul="megablox")
+
+  def build():
+    moe = MoE(cfg, rngs=nnx.Rngs(0))
+    spec = lora.AdaptSpec(rank=4, targets=("experts.*",), base_experts="mxfp4")
+    return lora.adapt(moe, spec, nnx.Rngs(1))
+
+  graphdef, adapters, frozen = nnx.split(nnx.eval_shape(build), nnx.LoRAParam, ...)
+  adapters, frozen = (jax.tree.map(
+      lambda v: v.replace(jax.ShapeDtypeStruct(
+          v.get_value().shape, v.get_value().dtype,
+          sharding=NamedSharding(mesh, variable_spec(v, mesh)))),
+      s, is_leaf=lambda v: isinstance(v, nnx.Variable)) for s in (adapters, frozen))
+  x = jax.ShapeDtypeStruct((4, 16, cfg.hidden_size), jnp.bfloat16,
+                           sharding=NamedSharding(mesh, P("expert")))
+
+  def loss(adapters, x, frozen):  # the adapters' gradient and the input's (dx: W^T)
+    y, _ = nnx.merge(graphdef, adapters, frozen)(x)
+    return jnp.sum(y.astype(jnp.float32) ** 2)
+
+  with jax.set_mesh(mesh):
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(adapters, x, frozen).lower(
+        lowering_platforms=("tpu",)).compile().as_text()
+  assert "mxfp4_grouped_matmul" in hlo and "mxfp4_grouped_matmul_t" in hlo
