@@ -161,7 +161,9 @@ def _bwd_kernel(offsets, group_ids, m_tile_ids, dy_ref, c_ref, s_ref, dxe_ref, d
 
 def _call(x, codes, scales_t, group_sizes, *, transpose: bool, interpret):
   """One pallas_call. x: [m, in] (forward) or dy [m, out] (transpose); scales_t [E, in/32,
-  out]. Returns y [m, out], or dx's even and odd columns [m, in/2] each."""
+  out]. Returns y [m, out], or dx's even and odd columns [m, in/2] each. Inside shard_map only
+  the pallas_call itself is traced unchecked (`_unchecked`): what remat's partial evaluation
+  traces again, with the check on, must be typed (the group metadata here)."""
   m = x.shape[0]
   e, n_out, half = codes.shape
   n_in = 2 * half
@@ -221,7 +223,7 @@ def _call(x, codes, scales_t, group_sizes, *, transpose: bool, interpret):
           dimension_semantics=("parallel", "arbitrary", "arbitrary")),
       interpret=interpret, cost_estimate=cost,
       name="mxfp4_grouped_matmul_t" if transpose else "mxfp4_grouped_matmul")
-  return call(*meta, *operands)
+  return _unchecked(call, *meta, *operands)
 
 
 def _unchecked(fn, *args):
@@ -257,15 +259,18 @@ def grouped_matmul_mxfp4_tpu(x_mk: jax.Array, codes: jax.Array, scales: jax.Arra
     x_mk = jnp.pad(x_mk, ((0, pad), (0, 0)))
   group_sizes_e = group_sizes_e.astype(jnp.int32)
   args = (x_mk, codes, jnp.swapaxes(scales, 1, 2), group_sizes_e)
-  kernel = functools.partial(_call, transpose=transpose)
-  if interpret is None:
-    def elsewhere(x, codes, scales_t, sizes):
-      return _split(grouped_matmul_mxfp4_tiled(x, codes, jnp.swapaxes(scales_t, 1, 2), sizes,
-                                               transpose=transpose), transpose)
-    out = _unchecked(lambda *a: jax.lax.platform_dependent(
-        *a, tpu=functools.partial(kernel, interpret=False), default=elsewhere), *args)
+  def kernel(*a, interpret=interpret):
+    return _call(*a, transpose=transpose, interpret=interpret)
+
+  def elsewhere(x, codes, scales_t, sizes):  # plain jnp: typed inside shard_map as it is
+    return _split(grouped_matmul_mxfp4_tiled(x, codes, jnp.swapaxes(scales_t, 1, 2), sizes,
+                                             transpose=transpose), transpose)
+
+  if interpret is None:  # (only the kernel's branch traced unchecked: remat retraces the rest)
+    out = jax.lax.platform_dependent(*args, tpu=functools.partial(kernel, interpret=False),
+                                     default=elsewhere)
   else:
-    out = _unchecked(functools.partial(kernel, interpret=interpret), *args)
+    out = kernel(*args)
   if transpose:  # dx's even and odd columns, interleaved again
     out = jnp.stack(out, axis=-1).reshape(x_mk.shape[0], -1)
   live = jnp.arange(out.shape[0]) < jnp.sum(group_sizes_e)  # the grid never writes the rest

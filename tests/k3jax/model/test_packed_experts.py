@@ -226,10 +226,11 @@ def test_megablox_config_expert_parallel_equals_one_device():
 
 
 def test_packed_expert_parallel_compiles_the_kernel_for_tpu():
-  """The expert-parallel layer with packed experts and adapters, forward and backward, compiled
-  for a v5e 2x2 topology (libtpu, no TPU needed; tensor-parallel F, so each rank its own
-  groups): the program holds the MXFP4 kernel both ways and the megablox kernels of the
-  adapters."""
+  """The expert-parallel layer with packed experts and adapters, forward and backward under
+  remat (as `k3jax train` runs its layers; remat's partial evaluation retraces the kernel's
+  surroundings with shard_map's type check on), compiled for a v5e 2x2 topology (libtpu, no
+  TPU needed; tensor-parallel F, so each rank its own groups): the program holds the MXFP4
+  kernel both ways."""
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   pytest.importorskip("libtpu", reason="libtpu is needed to compile for TPU ahead of time")
   from jax.experimental import topologies  # noqa: PLC0415
@@ -255,9 +256,12 @@ def test_packed_expert_parallel_compiles_the_kernel_for_tpu():
   x = jax.ShapeDtypeStruct((4, 16, cfg.hidden_size), jnp.bfloat16,
                            sharding=NamedSharding(mesh, P("expert")))
 
+  @jax.checkpoint
+  def layer(adapters, x, frozen):
+    return nnx.merge(graphdef, adapters, frozen)(x)[0]
+
   def loss(adapters, x, frozen):  # the adapters' gradient and the input's (dx: W^T)
-    y, _ = nnx.merge(graphdef, adapters, frozen)(x)
-    return jnp.sum(y.astype(jnp.float32) ** 2)
+    return jnp.sum(layer(adapters, x, frozen).astype(jnp.float32) ** 2)
 
   with jax.set_mesh(mesh):
     hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(adapters, x, frozen).lower(
