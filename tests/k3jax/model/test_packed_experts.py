@@ -18,11 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from convert.hf_load import load_model
 from k3jax.model import expert_weights, lora
 from k3jax.model.moe import MoE
 from sharding.mesh import make_mesh
+from sharding.placement import variable_spec
 from tests.k3jax.model.helpers import tiny_cfg
 from tests.k3jax.model.test_expert_parallel import assert_same, make_moe, run
 
@@ -234,9 +236,6 @@ def test_packed_expert_parallel_compiles_the_kernel_for_tpu():
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   pytest.importorskip("libtpu", reason="libtpu is needed to compile for TPU ahead of time")
   from jax.experimental import topologies  # noqa: PLC0415
-  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
-
-  from sharding.placement import variable_spec  # noqa: PLC0415
   topo = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2")
   mesh = make_mesh("expert=2,tensor=2", devices=topo.devices)
   cfg = tiny_cfg(latent_size=32, moe_intermediate_size=64, dtype="bfloat16",
