@@ -13,6 +13,8 @@ import os
 import jax
 import numpy as np
 import pytest
+
+from k3jax.execution import Execution
 from flax import nnx
 
 import configs
@@ -21,7 +23,7 @@ from convert.load import load_any, load_checkpoint, named_shardings
 from k3jax.cli import main
 from sharding.rules import MESH_AXES
 
-F64 = {"dtype": "float64", "param_dtype": "float64"}
+F64 = Execution(dtype="float64", param_dtype="float64")
 CODES = ("moe", "experts", "w1_packed")
 
 
@@ -53,8 +55,8 @@ def test_keep_packed_restores_the_codes_and_computes_the_dequantised_model(
   saved = np.asarray(orbax_io.open_array(checkpoints["mxfp4"], CODES).read().result())
   ids = np.load(os.path.join(hf_dir, "reference.npz"))["input_ids"][:, :24]
   with jax.enable_x64(True):
-    packed, _ = load_checkpoint(checkpoints["mxfp4"], keep_packed=True, **F64)
-    dense, _ = load_checkpoint(checkpoints["mxfp4"], **F64)
+    packed, _ = load_checkpoint(checkpoints["mxfp4"], F64, keep_packed=True)
+    dense, _ = load_checkpoint(checkpoints["mxfp4"], F64)
     flat = _flat(packed)
     assert ("moe", "experts", "w1") not in flat
     assert flat[CODES].dtype == np.uint8

@@ -21,11 +21,12 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from convert.hf_load import load_model
+from k3jax.execution import Execution
 from k3jax.model import expert_weights, lora
 from k3jax.model.moe import MoE
 from sharding.mesh import make_mesh
 from sharding.placement import variable_spec
-from tests.k3jax.model.helpers import tiny_cfg
+from tests.k3jax.model.helpers import F64, tiny_cfg
 from tests.k3jax.model.test_expert_parallel import assert_same, make_moe, run
 
 ATOL = 1e-10
@@ -46,8 +47,7 @@ def logits(model, ids):
 @pytest.fixture(scope="module")
 def tiny64(reference_dir):
   with jax.enable_x64(True):  # (float64 arrays; the tests enter x64 themselves to use them)
-    return load_model(os.path.join(reference_dir, "k3_tiny_a"), dtype="float64",
-                      param_dtype="float64")
+    return load_model(os.path.join(reference_dir, "k3_tiny_a"), F64)
 
 
 @pytest.mark.parametrize("targets", [None, ("mla.*", "moe.experts.*")],
@@ -79,8 +79,7 @@ def test_packed_model_computes_the_dequantised_model(tiny64, reference_dir, targ
 def _packable_cfg(**overrides):
   """tiny_cfg with widths of whole MXFP4 groups (latent 32, F 64: two groups, one per tensor
   rank at tensor=2)."""
-  return tiny_cfg(latent_size=32, moe_intermediate_size=64, dtype="float64",
-                  param_dtype="float64", **overrides)
+  return tiny_cfg(latent_size=32, moe_intermediate_size=64, **overrides)
 
 
 def _pack(moe, adapters: bool):
@@ -96,7 +95,7 @@ def _pack(moe, adapters: bool):
     for m in (moe, dense):
       for w in lora.EXPERT_WEIGHTS:
         lora._attach_expert(m.experts, w, names[w], lora.AdaptSpec(rank=3, alpha=6.0),
-                            nnx.Rngs(2), moe.cfg.jnp_param_dtype)
+                            nnx.Rngs(2), moe.ex.jnp_param_dtype)
       _random_adapters(m)
   return dense
 
@@ -106,7 +105,7 @@ def test_adapter_gradients_through_the_packed_kernel(x64):
   W^T): the adapters' gradients equal those of the same adapters over the float base (merged
   weights, plain autodiff)."""
   cfg = _packable_cfg()
-  moe = make_moe(cfg)
+  moe = make_moe(cfg, ex=F64)
   dense = _pack(moe, adapters=True)
   x = jnp.asarray(np.random.default_rng(1).standard_normal((4, 5, cfg.hidden_size)))
   grad = nnx.jit(nnx.grad(lambda m, x: jnp.sum(jnp.sin(m(x)[0])),
@@ -132,7 +131,7 @@ CASES = {  # mesh, overrides: the packed parts' placements and gathers
 def _case(case, adapters):
   mesh_spec, overrides = CASES[case]
   with jax.enable_x64(True):
-    moe = make_moe(_packable_cfg(**overrides))
+    moe = make_moe(_packable_cfg(**overrides), ex=F64)
     _pack(moe, adapters)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((8, 5, moe.cfg.hidden_size)))
     return run(moe, x), run(moe, x, make_mesh(mesh_spec))
@@ -164,9 +163,8 @@ def test_no_float_copy_of_a_layers_experts(monkeypatch):
   a layer's stack [E, in, out] (its jaxpr, every sub-jaxpr included), and compiled, their
   temporaries are at least a stack's float32 bytes below the same layer run through the
   dequantise-then-multiply reference (which holds one)."""
-  cfg = tiny_cfg(latent_size=256, moe_intermediate_size=512, num_experts=16,
-                 dtype="float32", param_dtype="float32", moe_grouped_matmul="tiled")
-  moe = MoE(cfg, rngs=nnx.Rngs(0))
+  cfg = tiny_cfg(latent_size=256, moe_intermediate_size=512, num_experts=16)
+  moe = MoE(cfg, Execution(moe_grouped_matmul="tiled"), rngs=nnx.Rngs(0))
   lora.pack_experts(moe.experts, {w: lora._names(getattr(moe.experts, w))
                                   for w in lora.EXPERT_WEIGHTS})
   e, l, f = cfg.num_experts, cfg.latent_size, cfg.moe_intermediate_size
@@ -202,21 +200,20 @@ def test_megablox_config_expert_parallel_equals_one_device():
   weights: forward, routing and every gradient. Tolerance and routing margin as
   test_expert_parallel.py's megablox test (its float32 bound, 0.015)."""
   mesh_spec, overrides = CASES["fsdp2_expert2_tensor2"]
-  cfg32 = _packable_cfg(**overrides).replace(dtype="float32", param_dtype="float32",
-                                             moe_grouped_matmul="megablox")
-  moe32 = make_moe(cfg32)
+  cfg32 = _packable_cfg(**overrides)
+  moe32 = make_moe(cfg32, ex=Execution(moe_grouped_matmul="megablox"))
   dense32 = _pack(moe32, adapters=True)
   x32 = jnp.asarray(np.random.default_rng(1).standard_normal((8, 5, cfg32.hidden_size)),
                     jnp.float32)
   ep = run(moe32, x32, make_mesh(mesh_spec))
   with jax.enable_x64(True):
     graphdef, state = nnx.split(dense32)
-    cfg64 = cfg32.replace(dtype="float64", param_dtype="float64", moe_grouped_matmul=None)
+    ex64 = F64
     dense64 = nnx.merge(graphdef, jax.tree.map(
         lambda a: jnp.asarray(a, jnp.float64) if jnp.issubdtype(a.dtype, jnp.floating) else a,
         state))
     for m in (dense64, dense64.experts, dense64.gate):
-      m.cfg = cfg64
+      m.ex = ex64
     for w in lora.EXPERT_WEIGHTS:  # frozen, as the packed codes are: no gradient to compare
       setattr(dense64.experts, w, nnx.Variable(getattr(dense64.experts, w)[...]))
     one = run(dense64, jnp.asarray(x32, jnp.float64))
@@ -238,11 +235,11 @@ def test_packed_expert_parallel_compiles_the_kernel_for_tpu():
   from jax.experimental import topologies  # noqa: PLC0415
   topo = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2")
   mesh = make_mesh("expert=2,tensor=2", devices=topo.devices)
-  cfg = tiny_cfg(latent_size=32, moe_intermediate_size=64, dtype="bfloat16",
-                 moe_grouped_matmul="megablox")
+  cfg = tiny_cfg(latent_size=32, moe_intermediate_size=64)
+  ex = Execution(dtype="bfloat16", param_dtype="bfloat16", moe_grouped_matmul="megablox")
 
   def build():
-    moe = MoE(cfg, rngs=nnx.Rngs(0))
+    moe = MoE(cfg, ex, rngs=nnx.Rngs(0))
     spec = lora.AdaptSpec(rank=4, targets=("experts.*",), base_experts="mxfp4")
     return lora.adapt(moe, spec, nnx.Rngs(1))
 
