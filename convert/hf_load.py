@@ -22,11 +22,12 @@ from k3jax.execution import Execution
 __all__ = ["CheckpointError", "build_model", "load_model"]
 
 
-def build_model(cfg: ModelConfig, ex: Execution, arrays: dict[Path, Any]):
+def build_model(cfg: ModelConfig, ex: Execution, arrays: dict[Path, Any], abstract=None):
   """A K3Model run as `ex` says holding `arrays` (k3jax path -> full stacked array), cast to
-  each variable's dtype (ex.param_dtype, or the >= fp32 of the F32 exceptions)."""
+  each variable's dtype (ex.param_dtype, or the >= fp32 of the F32 exceptions). `abstract`:
+  the (abstract) model to fill instead of K3Model(cfg, ex), e.g. one with packed experts."""
   from k3jax.model.transformer import K3Model  # noqa: PLC0415
-  model = nnx.eval_shape(lambda: K3Model(cfg, ex, rngs=nnx.Rngs(0)))
+  model = abstract or nnx.eval_shape(lambda: K3Model(cfg, ex, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(model)
   for path, var in nnx.to_flat_state(state):
     key = tuple(str(p) for p in path)

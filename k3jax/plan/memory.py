@@ -12,8 +12,10 @@ remat; `k3jax plan` sizes those):
                      E8M0 scales 0.5 + 1/32 = 0.53125 (`--base-experts mxfp4`; 2 with
                      `float`), no gradient, no optimizer state; adapters: fp32 master 4 +
                      gradient 4 + AdamW 8 = 16
-                     + transient: one MoE layer's experts dequantised to bf16 for its matmuls
-                     (divided over the devices of the expert axis)
+                     + transient, under expert QAT only (`qat=True`): one MoE layer's experts
+                     dequantised to bf16 to be rounded with their adapters (divided over the
+                     devices of the expert axis); without it the grouped matmuls dequantise
+                     packed experts a tile at a time (pallas_kernels/mxfp4/ops.py)
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def _counts(cfg: ModelConfig, spec) -> dict[str, int]:
 
 
 def budget(cfg: ModelConfig, *, lora_rank: int = 16, lora_targets: tuple[str, ...] | None = None,
-           base_experts: str = "mxfp4") -> dict:
+           base_experts: str = "mxfp4", qat: bool = False) -> dict:
   """Parameter counts and bytes of full fine-tuning and of LoRA for `cfg`."""
   from k3jax.model import lora  # noqa: PLC0415
   base = _counts(cfg, None)
@@ -62,7 +64,7 @@ def budget(cfg: ModelConfig, *, lora_rank: int = 16, lora_targets: tuple[str, ..
   full = (base["muon"] + base["experts"]) * FULL_MUON + base["adam"] * FULL_ADAM
   per_expert = BASE_MXFP4 if base_experts == "mxfp4" else BASE_BF16
   frozen = (base["muon"] + base["adam"]) * BASE_BF16 + base["experts"] * per_expert
-  transient = expert_param * BASE_BF16 if base_experts == "mxfp4" else 0
+  transient = expert_param * BASE_BF16 if base_experts == "mxfp4" and qat else 0
   lora_total = frozen + adapters * ADAPTER + transient
   return {
       "total_params": sum(base.values()), "expert_params": base["experts"],

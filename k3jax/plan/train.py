@@ -230,10 +230,11 @@ def plan_one(cfg, ex, sc, devices, topology: str, mesh_spec, *, batch: int, seq:
   largest = max(_bytes_per_device(x) for x in jax.tree.leaves(state["params"]))
   n_params = step_lib.count_params(state["params"])
   trainable = step_lib.partition(state["params"], steps.trainable)[0]
-  if lora:  # the temporaries' gradients are the adapters'; the experts are dequantised per
-    # MoE layer (bf16, this device's share)
+  if lora:  # the temporaries' gradients are the adapters'; packed experts are dequantised a
+    # tile at a time in the grouped matmuls, except under QAT, which rounds each MoE layer's
+    # whole W + s A B (bf16, this device's share)
     params_bytes = (sum(_bytes_per_device(x) for x in jax.tree.leaves(trainable))
-                    + _dequantised_layer_bytes(state["params"]))
+                    + (_dequantised_layer_bytes(state["params"]) if spec.qat else 0))
   sizes = _mesh_size(mesh)
   rows_dev = (batch // accum) // (sizes["data"] * sizes["fsdp"] * sizes["expert"])
   common = dict(topology=topology, devices=n, mesh=format_sizes(sizes), batch=batch, seq=seq,
