@@ -47,7 +47,7 @@ def main() -> None:
   from k3jax.model.moe import RouterBias  # noqa: PLC0415
   from k3jax.model.transformer import K3Model  # noqa: PLC0415
   from k3jax.optim import dimension_numbers, per_head_muon  # noqa: PLC0415
-  from k3jax.optim.ns_layout import ns_plan  # noqa: PLC0415
+  from k3jax.optim.ns_layout import ns_placement  # noqa: PLC0415
   from k3jax.plan.hlo import collectives, summary  # noqa: PLC0415
   from sharding.mesh import make_mesh  # noqa: PLC0415
   from sharding.placement import like_params, variable_spec  # noqa: PLC0415
@@ -88,7 +88,7 @@ def main() -> None:
       ops = "+".join(sorted(op.replace("all-", "a").replace("collective-permute", "cp")
                             for op in summary(found)))
       row[whole] = f"{count:3d} {size / 2**20:9.2f} MiB {ops:10s}"
-    there, padded, split = ns_plan(home, var.shape, dn, dict(mesh.shape))
+    there, padded, split = ns_placement(home, var.shape, dn, dict(mesh.shape))
     grown = [f"{a}->{b}" for a, b in zip(var.shape, padded) if a != b]  # zero blocks
     layout = (f"[pad {grown[0]}] " if grown else "") + f"{home}" + (
         "" if there == home else f" -> {there}") + (f" split {'x'.join(split)}" if split else "")

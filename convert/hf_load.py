@@ -1,8 +1,8 @@
 """Load an official-layout folder (K3 or Kimi-Linear) straight into a k3jax model, in memory.
 
-For tests, parity and small models. It reads through the same validated plan as the streaming
-converter (`convert.source`), so both refuse the same bad input; this path simply keeps every
-array in host memory.
+For tests, parity and small models. It reads through the same validated list of reads as the
+streaming converter (`convert.source`), so both refuse the same bad input; this path simply
+keeps every array in host memory.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 
 from k3jax.errors import CheckpointError
-from convert.source import open_source, plan, read_weight, to_k3jax
+from convert.source import items_to_read, open_source, read_weight, to_k3jax
 from convert.variables import Path, abstract_variables
 from k3jax.config import ModelConfig
 from k3jax.execution import Execution
@@ -50,7 +50,7 @@ def load_model(folder: str, ex: Execution = Execution(), *, cfg: ModelConfig | N
   source.cfg = cfg
   variables = abstract_variables(cfg, ex)
   arrays = {path: np.zeros(v.shape, v.get_value().dtype) for path, v in variables.items()}
-  for item in plan(source, shapes={p: tuple(v.shape) for p, v in variables.items()}):
+  for item in items_to_read(source, shapes={p: tuple(v.shape) for p, v in variables.items()}):
     weight = read_weight(source, item)
     for path, arr in zip(item.slot.entry.paths, to_k3jax(item, weight, cfg)):
       arrays[path][item.slot.index] = arr

@@ -1,12 +1,12 @@
 """An official-layout folder (K3 or Kimi-Linear) checked against its config, before any weight
-is read, and planned as a list of reads in file order.
+is read, and listed as the reads of its tensors in file order.
 
 `open_source` reads config.json and the index (or the lone model.safetensors) and refuses shard
-paths that leave the folder. `plan` matches every tensor the config implies (through the name
-map, in every spelling it knows) against the index: missing, extra, misplaced (index vs. shard
-header), mistyped and misshapen tensors are refused here, by name, with the file. Vision tensors
-are skipped without opening their shards. The plan is sorted by (shard, offset), so a converter
-reads each shard front to back.
+paths that leave the folder. `items_to_read` matches every tensor the config implies (through the
+name map, in every spelling it knows) against the index: missing, extra, misplaced (index vs.
+shard header), mistyped and misshapen tensors are refused here, by name, with the file. Vision
+tensors are skipped without opening their shards. The list is sorted by (shard, offset), so a
+converter reads each shard front to back.
 """
 
 from __future__ import annotations
@@ -159,13 +159,13 @@ def _expected_dtypes(source: Source, item_slot: Slot) -> tuple[str, ...]:
   return _FLOAT_DTYPES
 
 
-def plan(source: Source, layers: range | None = None, shapes: dict | None = None,
-         keep: Callable[[Slot], bool] | None = None) -> list[Item]:
+def items_to_read(source: Source, layers: range | None = None, shapes: dict | None = None,
+                  keep: Callable[[Slot], bool] | None = None) -> list[Item]:
   """Every tensor to read for `layers` (and the global ones `keep` accepts), validated, in
   (shard, offset) order. Only the shards holding them need to exist (a partial download).
 
   Also checks the whole index for tensors the config does not explain (extra tensors), so a
-  partial plan still refuses a folder that is not the model its config describes.
+  partial list still refuses a folder that is not the model its config describes.
   """
   cfg, dialect = source.cfg, source.dialect
   if shapes is None:

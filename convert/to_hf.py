@@ -28,7 +28,7 @@ from convert.load import checkpoint_config, read_manifest
 from convert.name_map import DIALECTS, PACKED, SCALE, Slot, full_name, hf_shape, slots
 from convert.outdir import staged
 from convert.progress import Progress
-from convert.safetensors_io import DTYPES, ShardWriter, plan_header
+from convert.safetensors_io import DTYPES, ShardWriter, encode_header
 from convert.source import INDEX, SINGLE
 from convert.to_orbax import HF_DIR, packed_paths
 from convert.variables import param_shapes
@@ -136,7 +136,7 @@ def _fresh_layout(cfg: ModelConfig, shapes, num_shards: int | None):
   files = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
   if len(groups) == 1:
     files = [SINGLE]
-  return dialect, [(f, plan_header([t[:3] for t in g], {"format": "pt"}))
+  return dialect, [(f, encode_header([t[:3] for t in g], {"format": "pt"}))
                    for f, g in zip(files, groups)], len(groups) == 1
 
 
@@ -180,7 +180,7 @@ def export(ckpt_dir: str, out_dir: str, *, force: bool = False, progress: bool =
     unknown = [k for k in parsed if k not in names]
     if unknown:  # e.g. vision tensors sharing a shard: write the shard without them
       kept = [(k, v["dtype"], tuple(v["shape"])) for k, v in parsed.items() if k in names]
-      raw = plan_header(kept, meta)
+      raw = encode_header(kept, meta)
       parsed = {k: v for k, v in parsed.items() if k in names}
     headers.append((file, raw, parsed))
   covered = {n: file for file, _, parsed in headers for n in parsed}

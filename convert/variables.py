@@ -2,7 +2,7 @@
 abstract variable (shape, dtype) of the model a config describes, computed with
 `nnx.eval_shape` (nothing allocated).
 
-Every converter module (the folder plan, the Orbax writer, the loaders, export) takes its
+Every converter module (the folder's reads, the Orbax writer, the loaders, export) takes its
 shapes from here, so none of them needs another to know what the model holds.
 """
 

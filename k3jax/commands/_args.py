@@ -1,4 +1,5 @@
-"""Argument helpers shared by the commands: value parsers, the help formatter, error wrapping."""
+"""Argument helpers shared by the commands: value parsers, the help formatter, error wrapping,
+and the flags more than one command takes (`add_remat`, `add_lora`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import argparse
 import os
 
 from k3jax.errors import CheckpointError
+from k3jax.execution import Remat
+from k3jax.model import lora
 
 
 def _bounded(kind, allow_zero: bool):
@@ -68,3 +71,35 @@ def io_errors_are_user_errors(fn):
       where = f"{e.filename}: " if e.filename else ""
       raise CheckpointError(f"{where}{e.strerror or e}") from None
   return run
+
+
+def add_remat(parser, *, default: str | None, bare: str | None = None) -> None:
+  """--remat POLICY (execution.Remat), as `k3jax train` runs it and `k3jax plan` plans it; the
+  default is the command's, and `bare` (if any) is what a bare --remat means."""
+  extra = {"nargs": "?", "const": bare} if bare else {}
+  parser.add_argument(
+      "--remat", default=default, choices=[r.value for r in Remat], **extra,
+      help="rematerialisation policy per layer: none keeps every activation, full recomputes "
+           "the layer from its input, save-dots keeps the projections' outputs, offload keeps "
+           "them in host memory" + (f" (bare --remat: {bare})" if bare else "")
+           + ("" if default else " (none given: none)"))
+
+
+def add_lora(parser, *, rank: int | None, base_experts: str, when: str = "") -> None:
+  """--lora RANK, --lora-targets PATTERN..., --base-experts float|mxfp4: LoRA fine-tuning over a
+  frozen base (k3jax/model/lora.py), as `k3jax train` runs it and `k3jax plan --mode lora`
+  plans it. The defaults are the command's; `when` prefixes each help ("--mode lora: ")."""
+  parser.add_argument(
+      "--lora", type=int, default=rank, metavar="RANK",
+      help=f"{when}LoRA adapters of this rank on the targets; the base stays frozen and holds "
+           "no optimizer state")
+  parser.add_argument(
+      "--lora-targets", nargs="+", default=None, metavar="PATTERN",
+      help=f"{when}fnmatch patterns over projection paths (none given: "
+           f"{' '.join(lora.DEFAULT_TARGETS)}; moe.experts.* adds one adapter per routed expert; "
+           "paths look like mla.q_b_proj, kda.o_proj, moe.shared_experts.up_proj, "
+           "moe.routed_down, moe.experts.w1)")
+  parser.add_argument(
+      "--base-experts", choices=("float", "mxfp4"), default=base_experts,
+      help=f"{when}the frozen routed experts in memory: float (bf16) or mxfp4 (MXFP4 codes, "
+           "dequantised per matmul)")

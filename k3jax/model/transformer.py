@@ -127,7 +127,7 @@ class K3Model(nnx.Module):
     routings: list[Routing] = []
     max_logits: list[jax.Array] = []
     layer_out: list[jax.Array] = []
-    for run in schedule.plan(cfg, scan=ex.scan_layers and not return_layer_out):
+    for run in schedule.runs(cfg, scan=ex.scan_layers and not return_layer_out):
       carry, run_routing, run_logits = run_layers(cfg, ex, run, stacks, carry, segment_ids)
       routings.extend(run_routing)
       max_logits.extend(run_logits)

@@ -14,6 +14,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from pallas_kernels.grouped_matmul import SCOPE
+
 OPS = ("all-gather", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute",
        "reduce-scatter")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
@@ -205,3 +207,9 @@ def matmul_flops(hlo_text: str, by_op: dict | None = None) -> float:
     return total
 
   return cost(entry) if entry else 0.0
+
+
+def is_grouped_matmul(op_name: str) -> bool:
+  """Whether a name in `matmul_flops`'s `by_op` is one of the routed experts' grouped matmuls:
+  ragged_dot, or megablox's kernels (gmm, tgmm) under grouped_matmul's named scope."""
+  return "ragged_dot" in op_name or (SCOPE in op_name and "pallas_call" in op_name)

@@ -23,8 +23,14 @@ from __future__ import annotations
 import argparse
 import math
 
+from flax import nnx
+
+import configs
 from k3jax.config import ModelConfig
 from k3jax.execution import Execution
+from k3jax.model import lora
+from k3jax.optim.groups import dimension_numbers
+from k3jax.train.step import make_model
 
 FULL_MUON, FULL_ADAM = 4 + 4 + 4 + 2, 4 + 4 + 8 + 2
 BASE_BF16, BASE_MXFP4, ADAPTER = 2.0, 0.5 + 1 / 32, 4 + 4 + 8
@@ -32,10 +38,6 @@ HBM = {"H200 (141 GB)": 141e9, "TPU v5p (95 GB)": 95e9}
 
 
 def _counts(cfg: ModelConfig, spec) -> dict[str, int]:
-  from flax import nnx  # noqa: PLC0415
-
-  from k3jax.optim.groups import dimension_numbers  # noqa: PLC0415
-  from k3jax.train.step import make_model  # noqa: PLC0415
   abstract = nnx.eval_shape(lambda: make_model(cfg, Execution(), 0, spec))  # shapes only
   out = {"muon": 0, "adam": 0, "experts": 0, "adapters": 0}
   for path, v in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
@@ -55,7 +57,6 @@ def _counts(cfg: ModelConfig, spec) -> dict[str, int]:
 def budget(cfg: ModelConfig, *, lora_rank: int = 16, lora_targets: tuple[str, ...] | None = None,
            base_experts: str = "mxfp4", qat: bool = False) -> dict:
   """Parameter counts and bytes of full fine-tuning and of LoRA for `cfg`."""
-  from k3jax.model import lora  # noqa: PLC0415
   base = _counts(cfg, None)
   spec = lora.AdaptSpec(rank=lora_rank, targets=tuple(lora_targets or lora.DEFAULT_TARGETS))
   adapters = _counts(cfg, spec)["adapters"]
@@ -95,7 +96,6 @@ def markdown(b: dict) -> str:
 
 
 def main(argv=None) -> None:
-  import configs  # noqa: PLC0415
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--config", default="k3")
   p.add_argument("--lora", type=int, default=16)

@@ -265,7 +265,8 @@ def _path_shardings(steps: step_lib.Steps) -> dict:
   return out
 
 
-def _shard_plan(steps: step_lib.Steps, pipe: data_lib.PipelineConfig, opts: RunOptions):
+def _process_rows_and_shards(steps: step_lib.Steps, pipe: data_lib.PipelineConfig,
+                             opts: RunOptions):
   """(rows of each micro-batch this process supplies, the data shards it reads, those whose
   state it writes into checkpoints: each shard by the lowest process reading it)."""
   rows_per_micro = opts.batch_size // opts.grad_accum
@@ -318,7 +319,7 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
   steps = step_lib.build(cfg, ex, sc, mesh, spec)  # refuses a mesh the model cannot be split on
   pipe = data_lib.PipelineConfig(opts.seq_len, opts.batch_size, opts.grad_accum, opts.seed,
                                  num_shards=opts.data_shards)
-  rows, read_shards, write_shards = _shard_plan(steps, pipe, opts)
+  rows, read_shards, write_shards = _process_rows_and_shards(steps, pipe, opts)
   rows_per_micro = opts.batch_size // opts.grad_accum
 
   ckpt = Checkpointer(os.path.join(out, "checkpoints"), keep=opts.keep)

@@ -9,7 +9,7 @@ import pytest
 from safetensors.numpy import load_file, save
 
 from k3jax.errors import CheckpointError
-from convert.safetensors_io import ShardWriter, plan_header, read_header
+from convert.safetensors_io import ShardWriter, encode_header, read_header
 
 
 def _tensors(seed=0):
@@ -28,13 +28,13 @@ def _tensors(seed=0):
 def test_writer_reproduces_safetensors_byte_for_byte(tmp_path, metadata):
   tensors = _tensors()
   want = save(tensors, metadata=metadata)
-  header = plan_header([(k, {np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(np.float32): "F32",
+  header = encode_header([(k, {np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(np.float32): "F32",
                              np.dtype(np.uint8): "U8", np.dtype(np.float16): "F16",
                              np.dtype(np.float64): "F64"}[v.dtype], v.shape)
                         for k, v in tensors.items()], metadata)
   path = tmp_path / "x.safetensors"
   writer = ShardWriter(str(path), header)
-  for name in reversed(list(tensors)):  # any order: each tensor goes to its planned offset
+  for name in reversed(list(tensors)):  # any order: each tensor goes to its offset in the header
     writer.write(name, tensors[name])
   writer.close()
   assert path.read_bytes() == want

@@ -66,7 +66,7 @@ def test_adapter_gradients_through_the_full_remat_scan(x64):
   from k3jax.model.transformer import K3Model  # noqa: PLC0415
   from tests.k3jax.model.helpers import F64, randomize, tiny_cfg  # noqa: PLC0415
   cfg = tiny_cfg(num_layers=5, mla_layers=(4,), attn_res_block_size=2)
-  assert any(r.scanned for r in schedule.plan(cfg, scan=True))
+  assert any(r.scanned for r in schedule.runs(cfg, scan=True))
   m = randomize(K3Model(cfg, F64, rngs=nnx.Rngs(1)))
   lora.adapt(m, lora.AdaptSpec(rank=3, alpha=6.0, targets=("*",)), nnx.Rngs(1))
   key = jax.random.key(3)

@@ -87,7 +87,7 @@ def test_deterministic_and_packed_sequences_do_not_interact(model64, x64):
                                   kimi_linear_cfg])
 def test_scanned_equals_unrolled(make, x64):
   cfg = make()
-  runs = schedule.plan(cfg, scan=True)
+  runs = schedule.runs(cfg, scan=True)
   assert any(r.scanned for r in runs)
   m = randomize(K3Model(cfg, F64, rngs=nnx.Rngs(1)))
   ids = _ids(cfg, (2, 9), 4)
@@ -135,7 +135,7 @@ def test_block_scan_gradients_equal_unrolled(x64):
   (layers 1-3), which a wrong rebuilt buffer or a lost block-gradient would show by >= 1e-3;
   float64, the tolerance as in test_remat_same_gradients."""
   cfg = tiny_cfg(num_layers=5, mla_layers=(4,), attn_res_block_size=2)
-  assert [(r.start, r.count, r.scanned) for r in schedule.plan(cfg, scan=True)] == [
+  assert [(r.start, r.count, r.scanned) for r in schedule.runs(cfg, scan=True)] == [
       (0, 1, False), (1, 3, True), (4, 1, False)]
   m = randomize(K3Model(cfg, F64, rngs=nnx.Rngs(1)))
   ids = _ids(cfg, (2, 9), 4)

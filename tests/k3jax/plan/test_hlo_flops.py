@@ -87,7 +87,6 @@ def test_megablox_compiles_for_tpu_and_counts_at_its_buffer_size():
   gradients): three Pallas kernels (gmm, the input gradient's gmm, the weight gradient's
   tgmm), each counted by its static cost estimate at the whole buffer, 2 m k f, and each
   under grouped_matmul's scope, where `k3jax plan` finds them to count the rows they skip."""
-  from k3jax import plan  # noqa: PLC0415
   sh = _tpu_device()
   e, m, k, f = 8, 4096, 1024, 384
   x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16, sharding=sh)
@@ -102,7 +101,7 @@ def test_megablox_compiles_for_tpu_and_counts_at_its_buffer_size():
   assert text.count('custom_call_target="tpu_custom_call"') == 3
   by = {}
   assert matmul_flops(text, by) == 3 * 2 * m * k * f
-  assert len(by) == 3 and all(plan._grouped_matmul_op(op) for op in by)
+  assert len(by) == 3 and all(hlo.is_grouped_matmul(op) for op in by)
   assert {op.split("/")[-2] for op in by} == {"jit(gmm)", "jit(tgmm)"}
 
 

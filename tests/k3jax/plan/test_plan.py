@@ -120,7 +120,7 @@ def test_plan_lora_holds_a_frozen_bf16_base_and_mxfp4_experts(config_file, capsy
 
 
 def test_analytic_counts_one_moe_layer_on_the_mesh():
-  """The analytic count's MoE term (plan_analytic.moe_layer_bytes) on K3 at 512 x 8192 tokens,
+  """The analytic count's MoE term (k3jax/plan/analytic.moe_layer_bytes) on K3 at 512 x 8192 tokens,
   from the expert-parallel layout: on fsdp=512 x tensor=2 (896 experts do not split over expert x fsdp)
   a layer all-gathers all 896 experts over fsdp (bf16, F split by tensor; x 2 with the
   backward's gradient): the term that brings the hand count of temporaries for this mesh
@@ -128,9 +128,10 @@ def test_analytic_counts_one_moe_layer_on_the_mesh():
   receive buffer holds every local pair (8192 tokens x 16); a capacity factor bounds the buffer
   on an expert-parallel mesh."""
   import jax  # noqa: PLC0415
-  from k3jax import plan  # noqa: PLC0415
+  from k3jax.plan import PlanRequest  # noqa: PLC0415
   from k3jax.plan import analytic as plan_analytic  # noqa: PLC0415
-  cfg, ex = k3.config(), plan.plan_config()
+  from k3jax.plan.train import train_execution  # noqa: PLC0415
+  cfg, ex = k3.config(), train_execution(PlanRequest(config="k3", topology="v5p:8x16x16"))
   l, f = cfg.latent_size, cfg.moe_intermediate_size
   fsdp = jax.sharding.AbstractMesh((1, 512, 1, 2), ("data", "fsdp", "expert", "tensor"))
   gathered = 2 * 896 * 3 * l * (f // 2) * 2
