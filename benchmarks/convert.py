@@ -38,10 +38,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from convert.name_map import DIALECTS, PACKED, SCALE, full_name, hf_shape, slots  # noqa: E402
-from convert.safetensors_io import DTYPES, ShardWriter, encode_header  # noqa: E402
-from convert.variables import param_shapes  # noqa: E402
-from k3jax.hf_config import from_hf_config  # noqa: E402
+from convert.name_map import DIALECTS, PACKED, SCALE, full_name, hf_shape, slots
+from convert.safetensors_io import DTYPES, ShardWriter, encode_header
+from convert.variables import param_shapes
+from k3jax.hf_config import from_hf_config
 
 GiB = 1 << 30
 # (bits dtype, sign+mantissa mask, exponent of 0.5) per float dtype

@@ -26,8 +26,8 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from k3jax import plan  # noqa: E402
-from k3jax.execution import Attention, Remat  # noqa: E402
+from k3jax import plan
+from k3jax.execution import Attention, Remat
 
 DEFAULT_TOPOLOGIES = ("v5p:8x8x8", "v5p:8x8x16", "v5p:8x16x16", "tpu7x:8x8x4", "tpu7x:8x8x8",
                       "tpu7x:8x8x16")

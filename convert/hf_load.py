@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from k3jax.errors import CheckpointError
 from convert.source import items_to_read, open_source, read_weight, to_k3jax
 from convert.variables import Path, abstract_variables
 from k3jax.config import ModelConfig
+from k3jax.errors import CheckpointError
 from k3jax.execution import Execution
 
 __all__ = ["CheckpointError", "build_model", "load_model"]

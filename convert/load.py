@@ -22,16 +22,16 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from pallas_kernels import mxfp4
 from convert import orbax_io
-from k3jax.errors import CheckpointError
 from convert.hf_load import build_model, load_model
 from convert.to_orbax import CONFIG, MANIFEST, packed_paths
 from convert.variables import abstract_variables
 from k3jax.config import ModelConfig
+from k3jax.errors import CheckpointError
 from k3jax.execution import Execution, recorded
 from k3jax.model import lora
 from k3jax.model.schedule import STACKS, stack_sizes
+from pallas_kernels import mxfp4
 
 
 def is_checkpoint(path: str) -> bool:

@@ -23,13 +23,13 @@ import os
 
 import numpy as np
 
-from pallas_kernels import mxfp4
 from convert import orbax_io
-from k3jax.errors import CheckpointError
 from convert.load import checkpoint_config
 from convert.outdir import staged
 from convert.safetensors_io import ShardWriter, encode_header
 from convert.to_orbax import packed_paths
+from k3jax.errors import CheckpointError
+from pallas_kernels import mxfp4
 
 ADAPTERS = "adapters.json"            # written by k3jax train (k3jax/train/checkpoint.py)
 ADAPTER_FILE = "adapter_model.safetensors"

@@ -24,7 +24,7 @@ import os
 import struct
 from typing import Any
 
-import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, which safe_open's numpy path needs)
+import ml_dtypes  # registers bfloat16 with numpy, which safe_open's numpy path needs
 import numpy as np
 from safetensors import SafetensorError, safe_open
 

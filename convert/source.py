@@ -18,15 +18,23 @@ from collections.abc import Callable
 
 import numpy as np
 
-from pallas_kernels import mxfp4
-from k3jax.errors import CheckpointError
-from convert.name_map import (DIALECTS, PACKED, SCALE, Dialect, Entry, Slot, full_name,
-                              hf_shape, slots)
+from convert.name_map import (
+  DIALECTS,
+  PACKED,
+  SCALE,
+  Dialect,
+  Entry,
+  Slot,
+  full_name,
+  hf_shape,
+  slots,
+)
 from convert.safetensors_io import Header, ShardReader, TensorInfo
 from convert.variables import param_shapes
-from k3jax.errors import ConfigError
 from k3jax.config import ModelConfig
+from k3jax.errors import CheckpointError, ConfigError
 from k3jax.hf_config import from_hf_config
+from pallas_kernels import mxfp4
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -109,7 +117,7 @@ def _read_index(folder: str, reader: ShardReader):
   if not os.path.exists(single):
     raise CheckpointError(f"{folder}: no {INDEX} and no {SINGLE}")
   names = reader.header(single).tensors
-  return {name: single for name in names}, None, (SINGLE,)
+  return dict.fromkeys(names, single), None, (SINGLE,)
 
 
 def open_source(folder: str, **overrides) -> Source:
@@ -134,8 +142,8 @@ def open_source(folder: str, **overrides) -> Source:
     if full_name("embed_tokens.weight", dialect) in index:
       break
   else:
-    raise CheckpointError(f"{folder}: no embedding tensor (looked for "
-                          f"{' or '.join(full_name('embed_tokens.weight', d) for d in DIALECTS.values())})")
+    names = " or ".join(full_name("embed_tokens.weight", d) for d in DIALECTS.values())
+    raise CheckpointError(f"{folder}: no embedding tensor (looked for {names})")
   return Source(os.path.abspath(folder), cfg, dialect, config_raw, index, metadata, files, reader)
 
 

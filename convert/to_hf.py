@@ -21,9 +21,7 @@ import shutil
 import ml_dtypes
 import numpy as np
 
-from pallas_kernels import mxfp4
 from convert import orbax_io
-from k3jax.errors import CheckpointError
 from convert.load import checkpoint_config, read_manifest
 from convert.name_map import DIALECTS, PACKED, SCALE, Slot, full_name, hf_shape, slots
 from convert.outdir import staged
@@ -33,7 +31,9 @@ from convert.source import INDEX, SINGLE
 from convert.to_orbax import HF_DIR, packed_paths
 from convert.variables import param_shapes
 from k3jax.config import ModelConfig
+from k3jax.errors import CheckpointError
 from k3jax.hf_config import to_hf_config
+from pallas_kernels import mxfp4
 
 SHARD_BYTES = 5 << 30  # default shard size when the source's sharding is unknown
 
@@ -114,7 +114,7 @@ def _fresh_layout(cfg: ModelConfig, shapes, num_shards: int | None):
       tensors.append((base + SCALE, "U8", (shape[0], shape[1] // mxfp4.GROUP), slot.layer))
     else:
       tensors.append((name, "F32" if e.hf_dtype == "f32" else "BF16", shape, slot.layer))
-  size = lambda t: math.prod(t[2]) * DTYPES[t[1]].itemsize  # noqa: E731
+  size = lambda t: math.prod(t[2]) * DTYPES[t[1]].itemsize
   total = sum(map(size, tensors))
   n = num_shards or max(1, math.ceil(total / SHARD_BYTES))
   n = max(1, min(n, cfg.num_layers))

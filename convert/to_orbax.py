@@ -32,14 +32,13 @@ import ml_dtypes
 import numpy as np
 
 from convert import orbax_io
-from k3jax.errors import CheckpointError
 from convert.name_map import ENTRIES
 from convert.outdir import resumable
 from convert.progress import Progress
 from convert.safetensors_io import DTYPES
-from convert.source import (Item, items_to_read, layer_range, open_source, read_weight,
-                            to_k3jax)
+from convert.source import Item, items_to_read, layer_range, open_source, read_weight, to_k3jax
 from convert.variables import abstract_variables
+from k3jax.errors import CheckpointError
 
 MANIFEST = "k3jax_convert.json"
 CONFIG = "k3jax_config.json"

@@ -9,7 +9,6 @@ layer. The router bias is a buffer, not a parameter.
 
 from __future__ import annotations
 
-import json
 import math
 from collections import defaultdict
 

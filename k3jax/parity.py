@@ -36,8 +36,6 @@ expert-parallel; the verdict is the same rule.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 
 import numpy as np

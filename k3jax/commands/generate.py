@@ -21,11 +21,17 @@ import os
 import sys
 import time
 
-from k3jax.commands._args import (Formatter, default_compile_cache, nonneg_float, nonneg_int,
-                                  positive_int, token_ids)
+from k3jax.commands._args import (
+  Formatter,
+  default_compile_cache,
+  nonneg_float,
+  nonneg_int,
+  positive_int,
+  token_ids,
+)
+from k3jax.engine import DEFAULT_MAX_MODEL_LEN, Engine, EngineConfig, SamplingParams
 from k3jax.errors import UserError
 from k3jax.execution import NUMERICS
-from k3jax.engine import DEFAULT_MAX_MODEL_LEN, Engine, EngineConfig, SamplingParams
 from k3jax.folders import TokenizerSource, max_model_len, model_folder
 
 DTYPES = ("auto", "float64", "float32", "bfloat16")
@@ -132,8 +138,8 @@ class _Printer:
 def run(args: argparse.Namespace) -> int:
   import jax  # noqa: PLC0415
 
-  from k3jax.errors import CheckpointError  # noqa: PLC0415
   from convert.load import load_any  # noqa: PLC0415
+  from k3jax.errors import CheckpointError  # noqa: PLC0415
   from k3jax.generate.chat import find_tokenizer_config  # noqa: PLC0415
   from sharding.mesh import make_mesh  # noqa: PLC0415
 

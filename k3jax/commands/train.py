@@ -21,8 +21,15 @@ from __future__ import annotations
 import argparse
 import json
 
-from k3jax.commands._args import (Formatter, add_lora, add_remat, default_compile_cache,
-                                  optional_float, positive_float, positive_int)
+from k3jax.commands._args import (
+  Formatter,
+  add_lora,
+  add_remat,
+  default_compile_cache,
+  optional_float,
+  positive_float,
+  positive_int,
+)
 from k3jax.errors import UserError
 
 

@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.model import schedule
 from k3jax.config import ModelConfig
 from k3jax.execution import Execution
+from k3jax.model import schedule
 from k3jax.model.cache import Cache, MLACache, constrain
 from k3jax.model.kda import KDA, KDAState
 from k3jax.model.mla import heads_major_kv_b
@@ -69,7 +69,7 @@ class _CachedMixer:
       return y, None
     c_new, rot_new = self.module.latent(x)
     zero = jnp.zeros((), jnp.int32)
-    write = lambda stack, new: jax.lax.dynamic_update_slice(  # noqa: E731
+    write = lambda stack, new: jax.lax.dynamic_update_slice(
         stack, new[None].astype(stack.dtype), (jnp.asarray(i, jnp.int32), zero, ctx.length, zero))
     mla = MLACache(write(self.layers.mla.c, c_new), write(self.layers.mla.k_rot, rot_new))
     self.layers = self.layers._replace(mla=mla)

@@ -72,14 +72,15 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from k3jax.execution import Dispatch, Execution
-from pallas_kernels.grouped_matmul import ALIGN as GROUPED_ROWS
-from pallas_kernels.mxfp4 import GROUP
 from k3jax.model import expert_weights
 from k3jax.model.expert_weights import ExpertWeights
 from k3jax.model.layers import wide_dtype
 from k3jax.model.mlp import glu
+from pallas_kernels.grouped_matmul import ALIGN as GROUPED_ROWS
+from pallas_kernels.mxfp4 import GROUP
 from sharding.activations import pin
 from sharding.rules import ACTIVATION_RULES, MESH_AXES, fit_spec, logical_to_spec
+
 
 def context_mesh() -> jax.sharding.AbstractMesh | None:
   """The mesh the caller traces under (`jax.set_mesh`) when it is a k3jax mesh (axes
@@ -129,7 +130,7 @@ def layout(cfg, n_tokens: int, in_name: str, mesh=None,
                              shape=(e, h, cfg.moe_intermediate_size))
     ep_axes, gather_axes, psum_axes = (_axes(s) for s in w_spec)
     token_axes = _axes(logical_to_spec(("batch",), ACTIVATION_RULES, mesh=mesh)[0])
-  size = lambda axes: math.prod(mesh.shape[a] for a in axes) if axes else 1  # noqa: E731
+  size = lambda axes: math.prod(mesh.shape[a] for a in axes) if axes else 1
   ep, shards = size(ep_axes), size(token_axes)
   if e % ep:
     raise ValueError(f"{e} experts do not split over the {ep} devices of mesh axes {ep_axes}")
@@ -316,7 +317,7 @@ def _local(plan: Layout, cfg, ex: Execution, z_nh, experts_nk, weights_nk, w1, w
     y_send = experts(x_send, a[0])
   else:
     args = (x_send, a, flat_e[pair], live, me)
-    run = lambda kind: functools.partial(_exchange, kind, plan, experts)  # noqa: E731
+    run = lambda kind: functools.partial(_exchange, kind, plan, experts)
     if ex.moe_dispatch is not None:
       y_send = run(ex.moe_dispatch)(*args)
     else:  # decided when lowered for a platform: XLA:CPU has no ragged_all_to_all

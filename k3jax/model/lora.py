@@ -35,8 +35,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels import mxfp4 as mx
 from k3jax.model.layers import Projection
+from pallas_kernels import mxfp4 as mx
 
 # attention (MLA and KDA projections), shared experts, dense MLP: what LoRA recipes adapt
 DEFAULT_TARGETS = ("mla.*", "kda.*", "moe.shared_experts.*", "dense_mlp.*")

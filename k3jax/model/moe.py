@@ -4,9 +4,10 @@ Dropless: every selected (token, expert) pair is computed. The pairs are sorted 
 run as grouped matmuls (`grouped_matmul`: megablox's Pallas kernels on TPU, `jax.lax.ragged_dot`
 on GPU, padded tiles on CPU), never as a loop over all experts. Experts held as MXFP4 codes
 (`lora.adapt(base_experts="mxfp4")`, `convert.load(keep_packed=True)`) stay packed: their
-grouped matmuls dequantise a tile at a time (k3jax/model/expert_weights.py). Traced under a k3jax device mesh (`jax.set_mesh`), the routed
-experts run expert-parallel inside `shard_map` (k3jax/model/expert_parallel.py); an optional
-capacity factor (`moe_capacity_factor`) drops and counts the pairs past each expert's cap.
+grouped matmuls dequantise a tile at a time (k3jax/model/expert_weights.py). Traced under a
+k3jax device mesh (`jax.set_mesh`), the routed experts run expert-parallel inside `shard_map`
+(k3jax/model/expert_parallel.py); an optional capacity factor (`moe_capacity_factor`) drops and
+counts the pairs past each expert's cap.
 
     s = sigmoid(x W_r)                           # fp32 [N, E]
     T = topk(s + b, k)                           # b: router bias, set by Quantile Balancing
@@ -26,14 +27,12 @@ from flax import nnx
 
 from k3jax.config import ModelConfig
 from k3jax.execution import Execution
-from pallas_kernels import mxfp4
-from k3jax.model import expert_weights
+from k3jax.model import expert_parallel, expert_weights
 from k3jax.model.expert_weights import ExpertWeights
-from k3jax.model.layers import (Projection, RMSNorm, annotated, fan_in_normal, make_param,
-                                wide_dtype)
+from k3jax.model.layers import Projection, RMSNorm, annotated, fan_in_normal, make_param, wide_dtype
 from k3jax.model.mlp import MLP, glu
 from k3jax.model.quantile_balancing import quantile_balancing_bias  # noqa: F401  (re-export)
-from k3jax.model import expert_parallel
+from pallas_kernels import mxfp4
 from sharding.activations import constrain
 
 
@@ -140,7 +139,7 @@ class RoutedExperts(nnx.Module):
     token = order // k
     group_sizes = jnp.bincount(flat_expert, length=e).astype(jnp.int32)
     z_mh = z_nh.astype(dt)[token]
-    gmm = lambda x, w: expert_weights.matmul(self.ex, x, self.operands(w),  # noqa: E731
+    gmm = lambda x, w: expert_weights.matmul(self.ex, x, self.operands(w),
                                              group_sizes)
     y_mh = gmm(glu(self.cfg, gmm(z_mh, "w1"), gmm(z_mh, "w3")), "w2")
     wide = wide_dtype(dt)

@@ -64,7 +64,8 @@ def _best_stretch(cfg: ModelConfig) -> tuple[int, int, int]:
   for p in range(1, 9):
     for s in range(cfg.num_layers - 2 * p + 1):
       n = 1
-      while s + (n + 1) * p <= cfg.num_layers and kinds[s + n * p: s + (n + 1) * p] == kinds[s: s + p]:
+      while (s + (n + 1) * p <= cfg.num_layers
+             and kinds[s + n * p: s + (n + 1) * p] == kinds[s: s + p]):
         n += 1
       if n >= 2 and n * p > best[1] * best[2]:
         best = (s, p, n)

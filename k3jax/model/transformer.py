@@ -224,7 +224,7 @@ def run_layers(cfg: ModelConfig, ex: Execution, run: schedule.Run, stacks, carry
 
     carry, (routings, max_logits) = jax.lax.scan(body, carry, (xs, layer_ids))
   # per-layer outputs come back stacked [count, ...]; unstack to one entry per layer
-  unstack = lambda items: [jax.tree.map(lambda a, u=u: a[u], r)  # noqa: E731
+  unstack = lambda items: [jax.tree.map(lambda a, u=u: a[u], r)
                            for u in range(run.count) for r in items]
   return carry, unstack(routings), unstack(max_logits)
 

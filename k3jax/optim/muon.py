@@ -42,8 +42,16 @@ import jax.numpy as jnp
 import optax
 from optax.contrib import MuonDimensionNumbers
 
-from k3jax.optim.groups import (ADAM, MUON, LogicalAxes, block_shape, dimension_numbers,
-                                is_names, param_labels, resolve_logical_axes)
+from k3jax.optim.groups import (
+  ADAM,
+  MUON,
+  LogicalAxes,
+  block_shape,
+  dimension_numbers,
+  is_names,
+  param_labels,
+  resolve_logical_axes,
+)
 from k3jax.optim.ns_layout import moves, ns_placement
 from sharding.rules import logical_to_spec
 
@@ -142,10 +150,10 @@ def _newton_schulz_split(x_mn: jax.Array, axes, *, steps: int, coeffs, eps: floa
   a X + b (A X) + c A (A X), 6 m^2 n/k FLOPs, rather than a X + (b A + c A A) X, whose A A
   costs every device of the split 2 m^3. Equal to newton_schulz up to summation order."""
   a, b, c = coeffs
-  psum = (lambda v: jax.lax.psum(v, axes)) if axes else (lambda v: v)  # noqa: E731
+  psum = (lambda v: jax.lax.psum(v, axes)) if axes else (lambda v: v)
   x = x_mn.astype(jnp.promote_types(x_mn.dtype, jnp.float32))
   x = x / (jnp.sqrt(psum(jnp.sum(x * x))) + eps)
-  mm = lambda p, q: jnp.matmul(p, q, precision=precision)  # noqa: E731
+  mm = lambda p, q: jnp.matmul(p, q, precision=precision)
   for _ in range(steps):
     gram = psum(mm(x, x.T))
     if x.shape[1] < x.shape[0]:

@@ -186,7 +186,7 @@ def moves(home: PartitionSpec, there: PartitionSpec, ndim: int) -> list[Partitio
     for ax in axes:
       if ax in cur[j]:
         continue
-      for i, e in enumerate(cur):
+      for e in cur:
         if ax in e:
           e.remove(ax)
       cur[j].append(ax)

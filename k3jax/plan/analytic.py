@@ -36,7 +36,7 @@ def moe_layer_bytes(cfg, ex, mesh, tokens: int) -> float:
   in_name = expert_parallel.expert_input_name(cfg)
   h = cfg.latent_size if in_name == "latent" else cfg.hidden_size
   layout = expert_parallel.layout(cfg, tokens, in_name, mesh, ex.moe_capacity_factor)
-  size = lambda axes: math.prod(mesh.shape[a] for a in axes)  # noqa: E731
+  size = lambda axes: math.prod(mesh.shape[a] for a in axes)
   gathered = 0.0
   if layout.gather_axes:
     gathered = 2 * cfg.num_experts / layout.ep * 3 * h * cfg.moe_intermediate_size / size(

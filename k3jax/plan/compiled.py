@@ -29,7 +29,7 @@ def compile_or_refusal(lowered):
     # (neither xla_tpu_max_hbm_size_mib above the chip's HBM nor xla_tpu_no_crash_on_oom
     # helps: the first is ignored, the second searches for a fitting schedule for > 10 min)
     return lowered.compile()
-  except Exception as e:  # noqa: BLE001  (XLA's compile-time HBM check: JaxRuntimeError)
+  except Exception as e:  # XLA's compile-time HBM check: JaxRuntimeError
     total = oom_temporaries(str(e))
     if total is None:
       raise

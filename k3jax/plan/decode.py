@@ -38,8 +38,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from k3jax.config import ModelConfig
 from k3jax.execution import Execution, GroupedMatmul, KdaBackend, Precision
-from k3jax.generate.static_batch import decode_block, extend_jit
 from k3jax.generate.sampling import Sampling
+from k3jax.generate.static_batch import decode_block, extend_jit
 from k3jax.model import cache as cache_lib
 from k3jax.model.transformer import K3Model
 from k3jax.plan import hlo, report

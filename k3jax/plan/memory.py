@@ -78,7 +78,7 @@ def budget(cfg: ModelConfig, *, lora_rank: int = 16, lora_targets: tuple[str, ..
 
 
 def markdown(b: dict) -> str:
-  tb = lambda x: f"{x / 1e12:.2f} TB" if x >= 1e11 else f"{x / 1e9:.1f} GB"  # noqa: E731
+  tb = lambda x: f"{x / 1e12:.2f} TB" if x >= 1e11 else f"{x / 1e9:.1f} GB"
   rows = [
       "| | full fine-tuning (Per-Head Muon) | LoRA r={} over a frozen base ({} experts) |".format(
           b["lora_rank"], b["base_experts"].upper() if b["base_experts"] == "mxfp4" else "bf16"),

@@ -49,8 +49,14 @@ from k3jax.execution import Execution, GroupedMatmul, KdaBackend, Remat
 from k3jax.model import lora
 from k3jax.model.transformer import K3Model
 from k3jax.plan import hlo, report
-from k3jax.plan.analytic import (bytes_per_device, dequantised_layer_bytes, grouped_rows_run,
-                                 moe_layer_bytes, routed_fill, train_temp)
+from k3jax.plan.analytic import (
+  bytes_per_device,
+  dequantised_layer_bytes,
+  grouped_rows_run,
+  moe_layer_bytes,
+  routed_fill,
+  train_temp,
+)
 from k3jax.plan.chips import chip_of
 from k3jax.plan.compiled import compile_or_refusal, cost_analysis, peak_bytes
 from k3jax.plan.request import Mode, PlanRequest
@@ -107,7 +113,7 @@ def abstract_inputs(steps, cfg, ex, batch: int, seq: int, accum: int, spec=None)
   state = step_lib.abstract_state(steps, params, bias)
   rows = batch // accum
   b_sh = steps.batch_sharding
-  mk = lambda dt: jax.ShapeDtypeStruct((accum, rows, seq), dt, sharding=b_sh)  # noqa: E731
+  mk = lambda dt: jax.ShapeDtypeStruct((accum, rows, seq), dt, sharding=b_sh)
   data = {"inputs": mk(jnp.int32), "targets": mk(jnp.int32), "segment_ids": mk(jnp.int32),
           "loss_mask": mk(jnp.bool_)}
   thr = jax.ShapeDtypeStruct((), np.float32, sharding=steps.shardings["step"])

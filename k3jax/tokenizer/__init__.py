@@ -15,7 +15,8 @@ One interface, used by `k3jax train`, `k3jax tokenize` and `k3jax generate`:
 `render_chat` / `encode_chat` equal transformers' `apply_chat_template(..., tokenize=False /
 True)` on the same folder (chat.py says exactly how). Pass add_generation_prompt explicitly:
 None means the folder's default, and K2's remote code defaults it to True. The byte
-tokenizer has no chat format and raises UserError. `chat.encode_with_mask` adds the per-token assistant mask for SFT.
+tokenizer has no chat format and raises UserError. `chat.encode_with_mask` adds the per-token
+assistant mask for SFT.
 Nothing is downloaded and no code from the folder runs.
 """
 

@@ -76,7 +76,7 @@ def _environment():
   class Namespace(jinja2.utils.Namespace):
     """jinja's namespace() without underscore-prefixed attributes (transformers' sandboxing)."""
 
-    def __init__(*args, **kwargs):  # noqa: N805  (jinja's own signature trick)
+    def __init__(*args, **kwargs):  # jinja's own signature trick
       self, args = args[0], args[1:]
       attrs = dict(*args, **kwargs)
       for name in attrs:

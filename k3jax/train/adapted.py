@@ -112,7 +112,7 @@ def split_for_training(model: nnx.Module, spec: AdaptSpec | None) -> tuple[dict,
   if spec is None or not spec.lora or ex.jnp_dtype == ex.jnp_param_dtype:
     return params, bias
   mask = trainable_mask(nnx.state(model, WEIGHTS), spec)
-  cast = lambda x, m: (x if m or not jnp.issubdtype(x.dtype, jnp.floating)  # noqa: E731
+  cast = lambda x, m: (x if m or not jnp.issubdtype(x.dtype, jnp.floating)
                        else x.astype(ex.jnp_dtype))
   return jax.tree.map(cast, params, mask), bias
 

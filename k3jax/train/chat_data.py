@@ -50,7 +50,7 @@ class ChatCorpus:
     held = [is_held_out(i) for i in range(len(self.tokens))]
     if not any(held):
       return (self.tokens, self.weights), (self.tokens, self.weights), False
-    pick = lambda xs, keep: [x for x, h in zip(xs, held) if h == keep]  # noqa: E731
+    pick = lambda xs, keep: [x for x, h in zip(xs, held) if h == keep]
     return ((pick(self.tokens, False), pick(self.weights, False)),
             (pick(self.tokens, True), pick(self.weights, True)), True)
 

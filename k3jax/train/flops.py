@@ -34,7 +34,6 @@ from k3jax.optim.groups import dimension_numbers, logical_axes_from_state
 from pallas_kernels.kda import flops_per_token as kda_flops_per_token
 
 
-
 @dataclasses.dataclass(frozen=True)
 class FlopCount:
   """Forward FLOPs per token by part (see module docstring)."""

@@ -34,17 +34,23 @@ from typing import Any
 import jax
 import numpy as np
 
-from k3jax.errors import UserError
 from k3jax.config import ModelConfig
+from k3jax.errors import UserError
 from k3jax.execution import Execution, recorded
-from k3jax.folders import (MODEL_DIR, RUN_FILE, absolute, absolute_tokenizer, model_folder,
-                           tokenizer_source)
+from k3jax.folders import (
+  MODEL_DIR,
+  RUN_FILE,
+  absolute,
+  absolute_tokenizer,
+  model_folder,
+  tokenizer_source,
+)
+from k3jax.tokenizer import load_tokenizer
 from k3jax.train import data as data_lib
 from k3jax.train import flops as flops_lib
 from k3jax.train import step as step_lib
 from k3jax.train.checkpoint import Checkpointer, save_model
 from k3jax.train.metrics import MetricsWriter, read_records
-from k3jax.tokenizer import load_tokenizer
 from sharding import distributed
 from sharding.mesh import describe, make_mesh
 from sharding.placement import check_batch

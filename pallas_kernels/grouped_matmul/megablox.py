@@ -41,7 +41,7 @@ def _tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
   a width of at most 512 whole (a block the size of its array dim is always legal), else the
   largest of 512 / 256 / 128 that divides it (megablox masks a ragged last tile otherwise)."""
   del m
-  tile = lambda d: d if d <= 512 else next((t for t in (512, 256, 128) if d % t == 0), 512)  # noqa: E731
+  tile = lambda d: d if d <= 512 else next((t for t in (512, 256, 128) if d % t == 0), 512)
   return TILE, tile(k), tile(n)
 
 
@@ -68,7 +68,7 @@ def _call(kernel, *args, **kw):
   from jax._src import config  # noqa: PLC0415
   varying = set().union(*(jax.typeof(a).mat.varying for a in args))
   interpret = kw.pop("interpret")
-  with config._check_vma(False):  # noqa: SLF001
+  with config._check_vma(False):
     if interpret is None:  # by the platform it is lowered for: TPU compiles it, CPU interprets
       out = jax.lax.platform_dependent(
           *args, cpu=functools.partial(kernel, **kw, interpret=True),

@@ -233,7 +233,7 @@ def _unchecked(fn, *args):
   way, and the call sits inside ops.py's custom_vjp: autodiff never transposes the cast."""
   # (grouped_matmul's megablox path does the same; the flag is the one shard_map sets)
   from jax._src import config  # noqa: PLC0415
-  with config._check_vma(False):  # noqa: SLF001
+  with config._check_vma(False):
     out = fn(*args)
   return jax.tree.map(lambda y: vary_like(y, *args), out)
 

@@ -13,14 +13,13 @@ import os
 import jax
 import numpy as np
 import pytest
-
-from k3jax.execution import Execution
 from flax import nnx
 
 import configs
 from convert import orbax_io
 from convert.load import load_any, load_checkpoint, named_shardings
 from k3jax.cli import main
+from k3jax.execution import Execution
 from sharding.rules import MESH_AXES
 
 F64 = Execution(dtype="float64", param_dtype="float64")

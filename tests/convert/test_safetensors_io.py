@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save
 
-from k3jax.errors import CheckpointError
 from convert.safetensors_io import ShardWriter, encode_header, read_header
+from k3jax.errors import CheckpointError
 
 
 def _tensors(seed=0):
@@ -103,5 +103,6 @@ def test_reader_reads_big_tensors_in_blocks(tmp_path):
     got = reader.read(path, name)
     assert got.dtype == value.dtype and got.shape == value.shape
     np.testing.assert_array_equal(got, value)
-  np.testing.assert_array_equal(reader.read(path, "b.weight", slice(1, 3)), tensors["b.weight"][1:3])
+  np.testing.assert_array_equal(reader.read(path, "b.weight", slice(1, 3)),
+                                tensors["b.weight"][1:3])
   reader.close()

@@ -216,7 +216,7 @@ def test_no_page_or_slot_leaks_after_random_traffic(m):
   rng = np.random.default_rng(9)
   eng = Engine(m, EngineConfig(**{**CONFIG.__dict__, "num_pages": 16}))
   live, n = set(), 0
-  for cycle in range(1000):
+  for _ in range(1000):
     action = rng.integers(3)
     if action == 0 or not live:
       rid = f"r{n}"

@@ -95,7 +95,7 @@ def test_sampling_by_seed_and_under_a_mesh(run_dir, capsys):
   of one device (float64: rounding cannot flip an argmax)."""
   base = [run_dir, "--prompt-ids", "1,2,3", "--prompt-ids", "7", "--max-new-tokens", "5",
           "--json", "--dtype", "float64"]
-  tokens = lambda out: [r["tokens"] for r in sorted(map(json.loads, out.splitlines()),  # noqa
+  tokens = lambda out: [r["tokens"] for r in sorted(map(json.loads, out.splitlines()),
                                                      key=lambda r: r["index"])]
   hot = ["--temperature", "1.5", "--seed", "4"]
   a, b = (tokens(generate(capsys, *base, *hot)[1]) for _ in range(2))

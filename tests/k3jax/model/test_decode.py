@@ -26,11 +26,11 @@ import pytest
 from flax import nnx
 
 from convert.hf_load import load_model
+from k3jax.execution import Execution
 from k3jax.generate.static_batch import StaticBatch, cache_len
 from k3jax.info import summary
 from k3jax.model.cache import bytes_per_request, init_cache, stack, unstack
 from k3jax.model.transformer import K3Model
-from k3jax.execution import Execution
 from k3jax.parity import NUMERICS
 from tests.k3jax.model.helpers import kimi_linear_cfg, randomize, tiny_cfg
 

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from convert.hf_load import load_model
 from k3jax.execution import Execution
@@ -232,7 +233,7 @@ def test_packed_expert_parallel_compiles_the_kernel_for_tpu():
   kernel both ways."""
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   pytest.importorskip("libtpu", reason="libtpu is needed to compile for TPU ahead of time")
-  from jax.experimental import topologies  # noqa: PLC0415
+  from jax.experimental import topologies
   topo = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2")
   mesh = make_mesh("expert=2,tensor=2", devices=topo.devices)
   cfg = tiny_cfg(latent_size=32, moe_intermediate_size=64)

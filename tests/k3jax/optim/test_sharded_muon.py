@@ -20,12 +20,11 @@ from flax import nnx
 import configs
 from k3jax.model.moe import RouterBias
 from k3jax.model.transformer import K3Model
-from k3jax.optim import logical_axes_from_state, per_head_muon
+from k3jax.optim import logical_axes_from_state, ns_layout, per_head_muon
 from k3jax.optim.groups import dimension_numbers
-from k3jax.optim import ns_layout
 from k3jax.optim.ns_layout import ns_flops, ns_placement
-from k3jax.train.step import plain
 from k3jax.plan.hlo import collectives, matmul_flops, summary
+from k3jax.train.step import plain
 from sharding.mesh import make_mesh
 from sharding.placement import like_params, variable_shardings
 
@@ -197,8 +196,8 @@ def test_k3_stacks_are_split_rather_than_padded():
   device made each device's Newton-Schulz 1.9x the hand count's share (MLA g/o padded 24 ->
   1024 layers, KDA g/o 69 -> 1024, the shared experts 92 -> 1024); with the long side split
   over tensor where that is cheaper (ns_cost), 1.1x. Placements only (no compile)."""
-  from sharding.rules import logical_to_spec  # noqa: PLC0415
-  from k3jax.train.flops import newton_schulz_flops  # noqa: PLC0415
+  from k3jax.train.flops import newton_schulz_flops
+  from sharding.rules import logical_to_spec
   cfg = configs.get("k3")
   mesh = jax.sharding.AbstractMesh((1, 128, 1, 8), ("data", "fsdp", "expert", "tensor"))
   model = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))

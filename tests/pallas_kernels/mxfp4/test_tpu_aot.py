@@ -15,15 +15,16 @@ import time
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 # libtpu takes a machine-wide lock file meant for real chips; compiling only, several processes
 # may hold it at once.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 pytest.importorskip("libtpu", reason="libtpu is needed to compile for TPU ahead of time")
-from jax.experimental import topologies  # noqa: E402
+from jax.experimental import topologies
 
-from pallas_kernels.mxfp4.ops import grouped_matmul_mxfp4  # noqa: E402
+from pallas_kernels.mxfp4.ops import grouped_matmul_mxfp4
 
 E, K, N, M = 8, 1024, 1536, 2048  # global: 4 devices x 512 rows, 2 x 4 experts
 
