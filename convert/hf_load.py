@@ -18,6 +18,7 @@ from convert.variables import Path, abstract_variables
 from k3jax.config import ModelConfig
 from k3jax.errors import CheckpointError
 from k3jax.execution import Execution
+from k3jax.model.transformer import K3Model
 
 __all__ = ["CheckpointError", "build_model", "load_model"]
 
@@ -26,7 +27,6 @@ def build_model(cfg: ModelConfig, ex: Execution, arrays: dict[Path, Any], abstra
   """A K3Model run as `ex` says holding `arrays` (k3jax path -> full stacked array), cast to
   each variable's dtype (ex.param_dtype, or the >= fp32 of the F32 exceptions). `abstract`:
   the (abstract) model to fill instead of K3Model(cfg, ex), e.g. one with packed experts."""
-  from k3jax.model.transformer import K3Model  # noqa: PLC0415
   model = abstract or nnx.eval_shape(lambda: K3Model(cfg, ex, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(model)
   for path, var in nnx.to_flat_state(state):

@@ -19,9 +19,11 @@ import json
 import os
 from typing import Any
 
+import jax
 import numpy as np
 from flax import nnx
 
+import configs
 from convert import orbax_io
 from convert.hf_load import build_model, load_model
 from convert.to_orbax import CONFIG, MANIFEST, packed_paths
@@ -31,7 +33,9 @@ from k3jax.errors import CheckpointError
 from k3jax.execution import Execution, recorded
 from k3jax.model import lora
 from k3jax.model.schedule import STACKS, stack_sizes
+from k3jax.model.transformer import K3Model
 from pallas_kernels import mxfp4
+from sharding.placement import path_shardings, place_model
 
 
 def is_checkpoint(path: str) -> bool:
@@ -52,7 +56,6 @@ def read_manifest(directory: str) -> dict | None:
 
 
 def checkpoint_config(directory: str, **overrides: Any) -> ModelConfig:
-  import configs  # noqa: PLC0415
   if not os.path.exists(os.path.join(directory, CONFIG)):
     raise CheckpointError(f"{directory}: no {CONFIG} (not a k3jax checkpoint)")
   return configs.resolve(directory, **overrides)
@@ -84,7 +87,6 @@ def named_shardings(cfg: ModelConfig, mesh, *, keep_packed: bool = False) -> dic
   the rules table (sharding/placement.py): the targets of a sharded `load_checkpoint`. Refuses
   (sharding.mesh.MeshError, one line) a mesh that cannot split the model. keep_packed: the
   packed experts' codes and scales too."""
-  from sharding.placement import path_shardings  # noqa: PLC0415
   out = path_shardings(abstract_variables(cfg), mesh)
   if keep_packed:
     out |= path_shardings(packed_variables(cfg, Execution()), mesh)
@@ -193,7 +195,6 @@ def _load_packed(directory: str, cfg: ModelConfig, ex: Execution, layers, shardi
 
 
 def _model(cfg, ex):
-  from k3jax.model.transformer import K3Model  # noqa: PLC0415  (model import is heavy)
   return K3Model(cfg, ex, rngs=nnx.Rngs(0))
 
 
@@ -201,7 +202,6 @@ def _dequantized_sharded(directory: str, variables: dict, shardings: dict) -> di
   """Each kept-MXFP4 expert stack as a jax.Array in its sharding: every device's block is
   made from the codes and scales of that block only (read through Orbax's read spec), so a
   process reads and holds nothing but its own shards."""
-  import jax  # noqa: PLC0415
   out = {}
   for path, var in variables.items():
     if path[:2] != ("moe", "experts"):
@@ -277,8 +277,6 @@ def load_any(path: str, ex: Execution | None = None, *, mesh=None, keep_packed: 
       return load_checkpoint(path, ex, allow_partial=True, keep_packed=keep_packed, **overrides)
     model, cfg = load_model(path, ex or Execution(), **overrides)
     return (_pack(model) if keep_packed else model), cfg
-  import configs  # noqa: PLC0415
-  from sharding.placement import place_model  # noqa: PLC0415
   shardings = named_shardings(configs.resolve(path, **overrides), mesh, keep_packed=keep_packed)
   if is_checkpoint(path):
     model, cfg = load_checkpoint(path, ex, allow_partial=True, shardings=shardings,

@@ -23,6 +23,7 @@ import numpy as np
 
 from convert import orbax_io
 from convert.load import checkpoint_config, read_manifest
+from convert.lora_export import Merger
 from convert.name_map import DIALECTS, PACKED, SCALE, Slot, full_name, hf_shape, slots
 from convert.outdir import staged
 from convert.progress import Progress
@@ -156,7 +157,6 @@ def export(ckpt_dir: str, out_dir: str, *, force: bool = False, progress: bool =
   codes = any(p[-1].endswith("_packed") for p in saved)
   merge = None
   if merge_lora:
-    from convert.lora_export import Merger  # noqa: PLC0415
     merge = Merger(ckpt_dir, saved)
     codes = codes and not merge.changes_experts  # changed experts are re-quantised
   elif any(p[-1].startswith("lora") or "_lora_" in p[-1] for p in saved):

@@ -27,6 +27,7 @@ import importlib.util
 import numpy as np
 
 from k3jax.errors import UserError
+from k3jax.tokenizer.bpe import load_folder
 from k3jax.tokenizer.folder import TIKTOKEN_FILE, find_tiktoken_file, read_pattern
 
 __all__ = ["ByteTokenizer", "TIKTOKEN_FILE", "find_tiktoken_file", "load_tokenizer",
@@ -82,5 +83,4 @@ def load_tokenizer(kind: str, folder: str | None = None):
   if importlib.util.find_spec("tiktoken") is None:
     raise UserError(f"{model_file}: the checkpoint's tokenizer needs the `tiktoken` package "
                     "(pip install tiktoken), or pass --tokenizer byte to train on bytes")
-  from k3jax.tokenizer.bpe import load_folder  # noqa: PLC0415
   return load_folder(model_file)

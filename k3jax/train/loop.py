@@ -33,7 +33,12 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
+from tqdm import tqdm
 
+import configs
+from convert import load as convert_load
+from convert.hf_load import load_model
 from k3jax.config import ModelConfig
 from k3jax.errors import UserError
 from k3jax.execution import Execution, recorded
@@ -45,6 +50,8 @@ from k3jax.folders import (
   model_folder,
   tokenizer_source,
 )
+from k3jax.model import lora
+from k3jax.model.transformer import K3Model
 from k3jax.tokenizer import load_tokenizer
 from k3jax.train import data as data_lib
 from k3jax.train import flops as flops_lib
@@ -138,9 +145,6 @@ def master_dtype(opts: RunOptions) -> str:
 
 def adapt_spec(opts: RunOptions, cfg: ModelConfig):
   """The AdaptSpec of the run (None: plain training), checked against the model."""
-  from flax import nnx  # noqa: PLC0415
-
-  from k3jax.model import lora  # noqa: PLC0415
   if opts.lora_rank is None and (opts.lora_alpha is not None or opts.lora_targets):
     raise UserError("--lora-alpha and --lora-targets need --lora RANK")
   if opts.lora_rank is None and opts.base_experts == "float" and not opts.experts_qat:
@@ -157,7 +161,6 @@ def adapt_spec(opts: RunOptions, cfg: ModelConfig):
                         targets=tuple(opts.lora_targets or lora.DEFAULT_TARGETS),
                         base_experts=opts.base_experts, qat=opts.experts_qat)
   if spec.lora:
-    from k3jax.model.transformer import K3Model  # noqa: PLC0415
     try:
       lora.matching(spec, nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0))))
     except ValueError as e:
@@ -177,24 +180,20 @@ def _load_init(path: str, ex: Execution, shardings: dict | None = None):
   `shardings` (k3jax path -> NamedSharding) makes Orbax restore a checkpoint's arrays into
   their shards; an official-layout folder is read into host memory (convert it first for big
   models)."""
-  from convert import load as convert_load  # noqa: PLC0415  (pulls in tensorstore etc.)
   if not os.path.isdir(path):
     raise UserError(f"--init-from {path}: no such folder")
   if convert_load.is_checkpoint(path):
     return convert_load.load_checkpoint(path, ex, shardings=shardings)
   if os.path.exists(os.path.join(path, "config.json")):
-    from convert.hf_load import load_model  # noqa: PLC0415
     return load_model(path, ex)
   raise UserError(f"--init-from {path}: neither a k3jax checkpoint (k3jax_config.json) nor an "
                   "official-layout model folder (config.json)")
 
 
 def _model_config(opts: RunOptions) -> ModelConfig:
-  import configs  # noqa: PLC0415
   if opts.init_from and not os.path.isdir(opts.init_from):
     raise UserError(f"--init-from {opts.init_from}: no such folder")
   if opts.init_from:
-    from convert import load as convert_load  # noqa: PLC0415
     weights = model_folder(opts.init_from).weights
     if convert_load.is_checkpoint(weights):
       cfg = convert_load.checkpoint_config(weights)
@@ -300,8 +299,6 @@ class _NoWriter:
 
 
 def _run(opts: RunOptions, on_step) -> dict[str, Any]:
-  from tqdm import tqdm  # noqa: PLC0415
-
   if opts.compile_cache:
     jax.config.update("jax_compilation_cache_dir", opts.compile_cache)
   if opts.steps < 1:
@@ -457,7 +454,7 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
                state["router_bias"], cfg, adapters=None if spec is None else spec.to_dict())
   plots = []
   if opts.plots and main_process:
-    from k3jax.train.plots import write_plots  # noqa: PLC0415  (matplotlib is slow to import)
+    from k3jax.train.plots import write_plots  # noqa: PLC0415 - matplotlib is slow to import; only the end of a run plots
     plots = write_plots(read_records(out), out)
   median = float(np.median(step_times)) if step_times else None
   summary = {

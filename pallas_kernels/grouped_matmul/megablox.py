@@ -19,6 +19,10 @@ import importlib
 import jax
 import jax.numpy as jnp
 
+# jax's private config for `_check_vma` (_call): no public switch turns the check off for one
+# call; the flag is the one shard_map itself sets, and pyproject pins the libtpu of one jax release
+from jax._src import config
+
 from pallas_kernels.grouped_matmul.common import TILE, filled_rows, pad_rows
 from pallas_kernels.vma import vary_like
 
@@ -63,9 +67,6 @@ def _call(kernel, *args, **kw):
   traced with the check off and its result given the operands' varying mesh axes (one set:
   grouped_matmul casts them alike); each device computes its own values either way, and the
   kernel sits inside custom_vjp, so autodiff never transposes the cast."""
-  # (no public switch for one call; the private flag is the one shard_map itself sets, and
-  # pyproject pins the libtpu of one jax release)
-  from jax._src import config  # noqa: PLC0415
   varying = set().union(*(jax.typeof(a).mat.varying for a in args))
   interpret = kw.pop("interpret")
   with config._check_vma(False):

@@ -39,6 +39,10 @@ import importlib
 
 import jax
 import jax.numpy as jnp
+
+# jax's private config for `_check_vma` (_unchecked), as grouped_matmul's megablox path does: the
+# flag is the one shard_map sets
+from jax._src import config
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -231,8 +235,6 @@ def _unchecked(fn, *args):
   which shard_map's check_vma refuses; traced with the check off, the result takes the
   operands' varying axes (ops.py makes them alike). Each device computes its own values either
   way, and the call sits inside ops.py's custom_vjp: autodiff never transposes the cast."""
-  # (grouped_matmul's megablox path does the same; the flag is the one shard_map sets)
-  from jax._src import config  # noqa: PLC0415
   with config._check_vma(False):
     out = fn(*args)
   return jax.tree.map(lambda y: vary_like(y, *args), out)
