@@ -66,7 +66,7 @@ def main() -> None:
     t0 = time.perf_counter()
     try:
       plans = plan.run(request)
-    except Exception as e:  # noqa: BLE001  (report and go on to the next topology)
+    except Exception as e:  # noqa: BLE001 - report and go on to the next topology
       print(f"{topology}: failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
       continue
     for pl in plans:

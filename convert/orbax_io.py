@@ -161,7 +161,7 @@ class Stream:
       if committing is not None:  # keep what was already on its way to disk
         try:
           await self._finish(committing)
-        except Exception:  # noqa: BLE001  (the first error is the one to report)
+        except Exception:  # noqa: BLE001 - the first error is the one to report
           pass
 
   @staticmethod
@@ -255,7 +255,7 @@ def write_checkpoint(directory: str, arrays: dict[Path, tuple[tuple[int, ...], A
       asyncio.run(ocp.type_handlers.merge_ocdbt_per_process_files(
           path, ts_context=ocp.type_handlers.get_ts_context(use_ocdbt=True), use_zarr3=False,
           enable_validation=every_array_written))
-    except BaseException as e:  # noqa: BLE001  (re-raised in the caller's thread)
+    except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
       errors.append(e)
     finally:
       done.set()

@@ -21,6 +21,9 @@ import os
 import sys
 import time
 
+import jax
+
+from convert.load import load_any
 from k3jax.commands._args import (
   Formatter,
   default_compile_cache,
@@ -30,16 +33,19 @@ from k3jax.commands._args import (
   token_ids,
 )
 from k3jax.engine import DEFAULT_MAX_MODEL_LEN, Engine, EngineConfig, SamplingParams
-from k3jax.errors import UserError
+from k3jax.errors import CheckpointError, UserError
 from k3jax.execution import NUMERICS
 from k3jax.folders import TokenizerSource, max_model_len, model_folder
+from k3jax.generate import chat
+from k3jax.generate.chat import find_tokenizer_config
+from k3jax.tokenizer import ByteTokenizer, load_tokenizer
+from sharding.mesh import make_mesh
 
 DTYPES = ("auto", "float64", "float32", "bfloat16")
 
 
 def load_text_tokenizer(source: TokenizerSource, vocab_size: int):
   """The folder's tokenizer, or None when text cannot be encoded for this model."""
-  from k3jax.tokenizer import ByteTokenizer, load_tokenizer  # noqa: PLC0415
   tok = load_tokenizer(source.kind, source.folder)
   if isinstance(tok, ByteTokenizer) and vocab_size != ByteTokenizer.vocab_size:
     return None  # no tokenizer file and not a byte-level model
@@ -64,7 +70,6 @@ def _prompts(args, tokenizer, chat_config) -> list[list[int]]:
   if tokenizer is None:
     raise UserError("this model folder has no tokenizer (tiktoken.model) and is not "
                     "byte-level: pass --prompt-ids")
-  from k3jax.generate import chat  # noqa: PLC0415
   if args.chat:
     return [chat.encode(tokenizer, chat.render(chat_config, [{"role": "user", "content": t}]))
             for t in texts]
@@ -76,7 +81,6 @@ def _prompts(args, tokenizer, chat_config) -> list[list[int]]:
 
 def _stop_ids(args, cfg, tokenizer) -> list[int]:
   stops = [] if args.ignore_eos or cfg.eos_token_id is None else [int(cfg.eos_token_id)]
-  from k3jax.generate import chat  # noqa: PLC0415
   for s in args.stop or ():
     if s.lstrip("-").isdigit():
       stops.append(int(s))
@@ -136,13 +140,6 @@ class _Printer:
 
 
 def run(args: argparse.Namespace) -> int:
-  import jax  # noqa: PLC0415
-
-  from convert.load import load_any  # noqa: PLC0415
-  from k3jax.errors import CheckpointError  # noqa: PLC0415
-  from k3jax.generate.chat import find_tokenizer_config  # noqa: PLC0415
-  from sharding.mesh import make_mesh  # noqa: PLC0415
-
   if not 0 < args.top_p <= 1:
     raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
   if args.compile_cache.lower() != "none":

@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 
+import jax
+
 from k3jax.commands._args import (
   Formatter,
   add_lora,
@@ -31,10 +33,11 @@ from k3jax.commands._args import (
   positive_int,
 )
 from k3jax.errors import UserError
+from k3jax.train.loop import RunOptions
+from k3jax.train.loop import run as run_training
 
 
 def options_from_args(args: argparse.Namespace):
-  from k3jax.train.loop import RunOptions  # noqa: PLC0415
   if args.config and args.init_from:
     raise UserError("--config and --init-from are exclusive: a checkpoint brings its config")
   cache = None if args.compile_cache.lower() == "none" else args.compile_cache
@@ -63,9 +66,7 @@ def _fine_tuning_options(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-  from k3jax.train.loop import run as run_training  # noqa: PLC0415  (jax, flax, grain)
   summary = run_training(options_from_args(args))
-  import jax  # noqa: PLC0415  (initialised by the run)
   if jax.process_index() != 0:  # one report per run, from process 0
     return 0
   if summary["first_loss"] is None:

@@ -31,7 +31,7 @@ from k3jax.model import expert_parallel, expert_weights
 from k3jax.model.expert_weights import ExpertWeights
 from k3jax.model.layers import Projection, RMSNorm, annotated, fan_in_normal, make_param, wide_dtype
 from k3jax.model.mlp import MLP, glu
-from k3jax.model.quantile_balancing import quantile_balancing_bias  # noqa: F401  (re-export)
+from k3jax.model.quantile_balancing import quantile_balancing_bias  # noqa: F401 - re-exported
 from pallas_kernels import mxfp4
 from sharding.activations import constrain
 

@@ -114,7 +114,7 @@ def _batch_placement(entries, shape, block, split, mesh_shape) -> NSPlacement:
     for ax in entries[i]:
       if ax in split:
         continue
-      multiple = lambda j: math.prod(mesh_shape[a] for a in target[j]) * mesh_shape[ax]  # noqa
+      multiple = lambda j: math.prod(mesh_shape[a] for a in target[j]) * mesh_shape[ax]  # noqa: B023 - called in this iteration only
       fits = [j for j in batch if shape[j] % multiple(j) == 0]
       if not fits and batch:  # pad the batch axis that grows least (zero blocks)
         j = min(batch, key=lambda j: (-(-shape[j] // multiple(j)) * multiple(j) - shape[j]))

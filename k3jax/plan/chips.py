@@ -54,11 +54,11 @@ def topology_devices(topology: str) -> list:
   """Devices of a TPU topology description (compile-only; libtpu, no TPU needed)."""
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   try:
-    import libtpu  # noqa: F401, PLC0415  (a test extra, not a core dependency)
+    import libtpu  # noqa: F401, PLC0415 - a test extra, not a core dependency
   except ImportError:
     raise UserError("--topology needs libtpu (pip install libtpu) to compile for TPU") from None
   try:
     topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
-  except Exception as e:  # noqa: BLE001  (libtpu raises XlaRuntimeError / ValueError)
+  except Exception as e:  # noqa: BLE001 - libtpu raises XlaRuntimeError / ValueError
     raise UserError(f"--topology {topology!r}: {str(e).splitlines()[0]}") from None
   return list(topo.devices)

@@ -228,7 +228,7 @@ def _normalised(model: dict | None) -> dict | None:
   in it too)."""
   try:
     return ModelConfig.from_dict(model).to_dict()
-  except Exception:  # noqa: BLE001  (not a config this version reads: a mismatch)
+  except Exception:  # noqa: BLE001 - not a config this version reads: a mismatch
     return model
 
 
@@ -237,7 +237,7 @@ def _saved_execution(saved: dict) -> Execution | None:
   as a bool)."""
   try:
     return recorded({"config": saved.get("model"), **saved})
-  except Exception:  # noqa: BLE001  (not one this version reads: a mismatch)
+  except Exception:  # noqa: BLE001 - not one this version reads: a mismatch
     return None
 
 

@@ -63,7 +63,7 @@ from k3jax.model.quantile_balancing import (
   quantile_balancing_bias,
 )
 from k3jax.optim import logical_axes_from_state, per_head_muon, qk_clip
-from k3jax.train.adapted import (  # noqa: F401
+from k3jax.train.adapted import (  # noqa: F401 - re-exported: the loop and tests use step's names
   WEIGHTS,
   adapt_params,
   combine,
@@ -75,7 +75,7 @@ from k3jax.train.adapted import (  # noqa: F401
   split_model,
   trainable_mask,
 )
-from k3jax.train.loss import model_nll, token_nll  # noqa: F401  (token_nll re-exported)
+from k3jax.train.loss import model_nll, token_nll  # noqa: F401 - token_nll re-exported
 from sharding.placement import (
   batch_sharding,
   check_model_fits,

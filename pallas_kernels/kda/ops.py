@@ -34,7 +34,7 @@ from typing import NamedTuple
 import jax
 
 # public here too (ops.GATES, ops.prepare_inputs), as before the bundle
-from pallas_kernels.kda.reference import GATES, RawInputs, prepare_inputs  # noqa: F401
+from pallas_kernels.kda.reference import GATES, RawInputs, prepare_inputs  # noqa: F401 - re-exported
 
 
 class _Backend(NamedTuple):
