@@ -26,6 +26,8 @@ from flax import nnx
 import configs
 from convert import orbax_io
 from convert.hf_load import build_model, load_model
+from convert.name_map import PACKED
+from convert.source import open_source
 from convert.to_orbax import CONFIG, MANIFEST, packed_paths
 from convert.variables import abstract_variables
 from k3jax.config import ModelConfig
@@ -261,6 +263,15 @@ def _load_prefix(directory, cfg, ex, n_layers, target, codes):
   if codes:
     _dequantize_experts(arrays, abstract_variables(small, ex))
   return build_model(small, ex, arrays), small
+
+
+def stores_packed_experts(path: str) -> bool:
+  """Whether the folder stores the routed experts as MXFP4 codes + scales: a checkpoint
+  converted with `--experts mxfp4`, or an official-layout folder with `.weight_packed` tensors
+  (the released K3). Only the manifest or the index is read."""
+  if is_checkpoint(path):
+    return (read_manifest(path) or {}).get("experts") == "mxfp4"
+  return any(name.endswith(PACKED) for name in open_source(path).index)
 
 
 def load_any(path: str, ex: Execution | None = None, *, mesh=None, keep_packed: bool = False,

@@ -23,7 +23,7 @@ import time
 
 import jax
 
-from convert.load import load_any
+from convert.load import load_any, stores_packed_experts
 from k3jax.commands._args import (
   Formatter,
   default_compile_cache,
@@ -155,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
   with jax.enable_x64(dtype == "float64"):
     t0 = time.perf_counter()
     try:  # placed on the mesh as loaded (a converted checkpoint straight into its shards)
-      model, cfg = load_any(weights, NUMERICS[dtype], mesh=mesh)
+      model, cfg = load_any(weights, NUMERICS[dtype], mesh=mesh,
+                            keep_packed=keep_packed(args.experts, weights))
     except CheckpointError as e:
       raise UserError(str(e)) from None
     tokenizer = load_text_tokenizer(source, cfg.vocab_size)
@@ -170,6 +171,15 @@ def run(args: argparse.Namespace) -> int:
     config = engine_config(args, prompts, max_model_len(folder))
     _generate(args, model, prompts, tokenizer, stops, config, mesh)
   return 0
+
+
+def keep_packed(experts: str | None, weights: str) -> bool:
+  """--experts: mxfp4 keeps the routed experts as codes + scales (dequantised a tile at a time
+  inside the grouped matmul), dequantized holds them in the run's dtype; by default, as the
+  folder stores them."""
+  if experts is None:
+    return stores_packed_experts(weights)
+  return experts == "mxfp4"
 
 
 def engine_config(args, prompts: list[list[int]], limit: int | None) -> EngineConfig:
@@ -229,6 +239,9 @@ def register(sub) -> None:
                  help="do not stop at the config's eos_token_id")
   p.add_argument("--dtype", choices=DTYPES, default="auto",
                  help="auto: float32 on CPU, bfloat16 on TPU/GPU")
+  p.add_argument("--experts", choices=("mxfp4", "dequantized"), default=None,
+                 help="routed experts at run time: packed MXFP4 codes + scales, or dequantized "
+                 "to --dtype (default: as the folder stores them)")
   p.add_argument("--mesh", metavar="MESH", help="device mesh, e.g. data=2,tensor=4")
   p.add_argument("--json", action="store_true", help="one JSON object per prompt")
   p.add_argument("--prefill-chunk", type=positive_int, default=512,
