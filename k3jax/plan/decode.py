@@ -52,13 +52,13 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from k3jax.config import ModelConfig
+from k3jax.engine.config import EngineConfig
+from k3jax.errors import UserError
 from k3jax.execution import Execution, GroupedMatmul, KdaBackend, Precision
 from k3jax.generate.sampling import Sampling
 from k3jax.generate.static_batch import decode_block, extend_jit
 from k3jax.model import cache as cache_lib
 from k3jax.model.transformer import K3Model
-from k3jax.engine.config import EngineConfig
-from k3jax.errors import UserError
 from k3jax.plan import engine_memory, hlo, report
 from k3jax.plan.analytic import bytes_per_device, decode_temp, engine_temp, moe_layer_bytes
 from k3jax.plan.chips import chip_of
