@@ -10,8 +10,11 @@ counts without compiling.
   --mode train   the full train step of `k3jax train` (fp32 master weights, bf16 compute,
                  Per-Head Muon);
   --mode lora    LoRA fine-tuning over a frozen base (`k3jax train --lora RANK`);
-  --mode decode  serving: the prefill and decode programs of `k3jax generate`, with a cache of
-                 --batch rows x --seq positions.
+  --mode decode  serving, --batch requests of --seq positions: with --analytic the serving
+                 engine `k3jax generate` runs on (paged MLA latent, per-slot KDA state, the
+                 prefix cache's snapshots, MXFP4 experts kept packed; --max-fit adds the
+                 largest batch that fits); compiled, the static batch's prefill and decode
+                 programs with bf16 experts (the engine's step is not compiled yet).
 
 --json prints one JSON object on the last line (with "candidates" when several meshes were
 tried). The planning itself is the library k3jax/plan (`k3jax.plan.run(PlanRequest(...))`).
@@ -24,9 +27,10 @@ import json
 import sys
 
 from k3jax import plan
-from k3jax.commands._args import Formatter, add_lora, add_remat, positive_int
+from k3jax.commands._args import Formatter, add_lora, add_remat, nonneg_int, positive_int
 from k3jax.execution import Attention
 from k3jax.plan import Mode, PlanRequest
+from k3jax.plan.request import Experts, Serving
 
 
 def request_from_args(args: argparse.Namespace) -> PlanRequest:
@@ -36,7 +40,9 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
       max_compiles=args.max_compiles, capacity_factor=args.capacity_factor, remat=args.remat,
       loss_chunk=args.loss_chunk, attention=args.attention, lora_rank=args.lora,
       lora_targets=tuple(args.lora_targets) if args.lora_targets else None,
-      base_experts=args.base_experts, prefill_chunk=args.prefill_chunk, block=args.block)
+      base_experts=args.base_experts, prefill_chunk=args.prefill_chunk, block=args.block,
+      serving=args.serving, experts=args.experts, page_size=args.page_size,
+      num_pages=args.num_pages, prefix_snapshots=args.prefix_snapshots, max_fit=args.max_fit)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -88,6 +94,26 @@ def register(sub) -> None:
                  help="--mode decode: prompt tokens per prefill call (as k3jax generate)")
   p.add_argument("--block", type=positive_int, default=8,
                  help="--mode decode: decode steps per jitted call (as k3jax generate)")
+  p.add_argument("--serving", choices=[v.value for v in Serving], default=None,
+                 help="--mode decode: engine (the serving engine: paged latent, per-slot KDA "
+                 "state; --analytic only) or static (the static left-padded batch); none "
+                 "given: engine with --analytic, static compiled")
+  p.add_argument("--experts", choices=[v.value for v in Experts], default=None,
+                 help="--mode decode: routed experts served packed (mxfp4: codes + E8M0 "
+                 "scales, 4.25 bits a weight; --analytic only) or dequantized to bf16; none "
+                 "given: mxfp4 for the engine, dequantized for the static batch")
+  p.add_argument("--page-size", type=positive_int, default=64,
+                 help="--serving engine: positions per MLA latent page")
+  p.add_argument("--num-pages", type=positive_int, default=None,
+                 help="--serving engine: latent pages in the pool (none given: every slot "
+                 "at --seq)")
+  p.add_argument("--prefix-snapshots", type=nonneg_int, default=None, metavar="N",
+                 help="--serving engine: the prefix cache's KDA state snapshots held (none "
+                 "given: the engine's default, 2 per slot; --prefix-state-every sets how "
+                 "often they are taken, not how many are held)")
+  p.add_argument("--max-fit", action="store_true",
+                 help="--serving engine --analytic: also the largest --batch that fits at "
+                 "--seq on each mesh")
   p.add_argument("--analytic", action="store_true", help="hand count, no compile")
   p.add_argument("--max-compiles", type=positive_int, default=3,
                  help="without --mesh: compile at most this many candidates")

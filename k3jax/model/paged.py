@@ -91,16 +91,21 @@ _KDA_NAMES = KDAState(*(("slots", None, "heads", "head_dim"),) * 3,
 _PAGE_NAMES = MLACache(("pages", "page", "kv_lora"), ("pages", "page", None))
 
 
+def specs(cache: PagedCache, mesh) -> PagedCache:
+  """The PartitionSpec of every array of `cache` (concrete or abstract) on `mesh`, by the rules
+  table (KDA heads over `tensor`, slots and pages whole on every device): where `place` puts
+  them, and what `k3jax plan --mode decode` counts per device."""
+  def spec(x, names):
+    return activation_spec(names, x.shape, mesh)
+  return PagedCache(tuple(KDAState(*map(spec, e, _KDA_NAMES)) for e in cache.kda),
+                    tuple(KDAState(*map(spec, e, _KDA_NAMES)) for e in cache.snapshots),
+                    tuple(MLACache(*map(spec, e, _PAGE_NAMES)) for e in cache.pages))
+
+
 def place(cache: PagedCache, mesh) -> PagedCache:
-  """`cache` on `mesh`, placed by the rules table (KDA heads over `tensor`, slots and pages
-  whole on every device)."""
-  def put(x, names):
-    spec = activation_spec(names, x.shape, mesh)
-    return jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
-  kda = tuple(KDAState(*map(put, e, _KDA_NAMES)) for e in cache.kda)
-  snaps = tuple(KDAState(*map(put, e, _KDA_NAMES)) for e in cache.snapshots)
-  pages = tuple(MLACache(*map(put, e, _PAGE_NAMES)) for e in cache.pages)
-  return PagedCache(kda, snaps, pages)
+  """`cache` on `mesh`, placed by the rules table (`specs`)."""
+  return jax.tree.map(lambda x, s: jax.device_put(x, jax.sharding.NamedSharding(mesh, s)),
+                      cache, specs(cache, mesh))
 
 
 def _start_state(entry: KDAState, snaps: KDAState, rows: Rows) -> KDAState:

@@ -120,6 +120,44 @@ def decode_temp(cfg, mesh, rows: int, tokens: int, seq: int, moe_bytes: float) -
   return logits + carry + 12 * btd * 4 + max(scores, kda) + latent + moe_bytes
 
 
+def engine_temp(cfg, mesh, *, decode_rows: int, prefill_rows: int, chunk: int, ctx: int,
+                moe_bytes: float) -> float:
+  """Per-device temporaries of one serving-engine step (k3jax/engine/runner.py `_step`) by
+  hand: `decode_rows` rows of one token and `prefill_rows` rows of `chunk` tokens (0 rows:
+  a decode-only step), every row attending over `ctx` gathered positions; the engine's arrays
+  are whole on every device but for the heads over `tensor`. n = the step's tokens, m = the
+  rows that draw; compute width c = 2:
+    logits          the head at the m drawing tokens [m, V / tensor] in c, the log-softmax
+                    and the sampler's [m, V] fp32 x 5;
+    the carry       AttnRes's sealed blocks and partial sum [n_seals + 1, n, d] x 2;
+    one layer       ~12 [n, d] fp32 tensors, and the widest mixer's:
+                      MLA  each row's context gathered from its pages [rows, ctx, kv_lora +
+                           rope] in c, and the absorbed scores [tokens, H / tensor, ctx]
+                           fp32 x 2;
+                      KDA  each row's start state picked from slot, snapshot or zeros, and
+                           the state after: [rows, H / tensor, K, K] fp32 x 4; in prefill the
+                           chunk tensors [rows, chunk, H / tensor, K] fp32 x 8;
+    one MoE layer   `moe_bytes` (moe_layer_bytes for the n tokens; no gradients: half).
+  The cache is donated and written in place."""
+  c, d = 2, cfg.hidden_size
+  tensor = dict(mesh.shape).get("tensor", 1)
+  n = decode_rows + prefill_rows * chunk
+  m = decode_rows + prefill_rows
+  logits = m * math.ceil(cfg.vocab_size / tensor) * c + m * cfg.vocab_size * 4 * 5
+  seals = schedule.num_seals(cfg) if cfg.attn_res_block_size is not None else 0
+  carry = (seals + 1) * n * d * c * 2
+  mla = 0
+  if cfg.mla_layers:
+    heads = max(1, cfg.mla_num_heads // tensor)
+    mla = (m * ctx * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * c
+           + n * heads * ctx * 4 * 2)
+  kda = 0
+  if cfg.kda_layers:
+    heads, k = max(1, cfg.kda_num_heads // tensor), cfg.kda_head_dim
+    kda = m * heads * k * k * 4 * 4 + prefill_rows * chunk * heads * k * 8 * 4
+  return logits + carry + 12 * n * d * 4 + max(mla, kda) + moe_bytes
+
+
 def routed_fill(cfg, ex, mesh, tokens: int) -> float:
   """Expected routed pairs over the rows of the experts' receive buffer on a device (1 with
   no exchange: the pairs are the rows)."""

@@ -1,6 +1,21 @@
 """`k3jax plan --mode decode`: will serving fit a TPU slice, on which mesh, how many tokens/s.
 
-What `k3jax generate` runs on TPU (k3jax/generate/static_batch.py, the stacked layout: layers
+Two serving models (`--serving`):
+
+  engine  the serving engine `k3jax generate` runs on (k3jax/engine, docs/serving.md):
+          `--batch` slots of up to `--seq` positions; counted by hand (`--analytic` only:
+          the engine's step is not compiled by the plan yet, a known gap). Per device: the
+          weights (routed experts packed as MXFP4 unless `--experts dequantized`), the KDA
+          slots, the latent page pool (`--page-size`, `--num-pages`), the prefix cache's KDA
+          snapshots (`--prefix-snapshots`): exactly from the shapes `paged.init_cache`
+          builds, placed as `paged.place` places them (k3jax/plan/engine_memory.py); the
+          step's temporaries by hand (analytic.engine_temp). `--max-fit` adds the largest
+          batch that fits at `--seq`.
+  static  the static left-padded batch (k3jax/generate/static_batch.py), compiled or counted
+          (below). Without `--serving` a compiled plan models this one, an analytic plan the
+          engine.
+
+The static batch on TPU (k3jax/generate/static_batch.py, the stacked layout: layers
 scanned, weights and cache stacked) is lowered with abstract sharded inputs and compiled ahead
 of time for the topology, like the train plan (k3jax/plan/train.py):
 
@@ -37,16 +52,18 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from k3jax.config import ModelConfig
+from k3jax.engine.config import EngineConfig
+from k3jax.errors import UserError
 from k3jax.execution import Execution, GroupedMatmul, KdaBackend, Precision
 from k3jax.generate.sampling import Sampling
 from k3jax.generate.static_batch import decode_block, extend_jit
 from k3jax.model import cache as cache_lib
 from k3jax.model.transformer import K3Model
-from k3jax.plan import hlo, report
-from k3jax.plan.analytic import bytes_per_device, decode_temp, moe_layer_bytes
+from k3jax.plan import engine_memory, hlo, report
+from k3jax.plan.analytic import bytes_per_device, decode_temp, engine_temp, moe_layer_bytes
 from k3jax.plan.chips import chip_of
 from k3jax.plan.compiled import compile_or_refusal, cost_analysis, peak_bytes
-from k3jax.plan.request import Mode, PlanRequest
+from k3jax.plan.request import Experts, Mode, PlanRequest, Serving
 from k3jax.plan.search import search
 from k3jax.train import flops as flops_lib
 from sharding.mesh import format_sizes, make_mesh
@@ -81,6 +98,17 @@ class DecodePlan:
   tokens_per_second_estimate: float
   param_count: int
   compile_oom: bool = False
+  serving: str = Serving.STATIC.value
+  experts: str = Experts.DEQUANTIZED.value
+  # the engine's cache (--serving engine; None for the static batch): its sizes, and one
+  # device's bytes by part (they sum to cache_bytes_per_device)
+  page_size: int | None = None
+  pool_pages: int | None = None               # pages that hold tokens (+ 1 scratch held)
+  snapshots: int | None = None
+  kda_slot_bytes_per_device: float | None = None
+  latent_page_bytes_per_device: float | None = None
+  snapshot_bytes_per_device: float | None = None
+  max_fit_batch: int | None = None             # --max-fit: the most slots at --seq that fit
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
@@ -88,16 +116,33 @@ class DecodePlan:
   def report(self) -> str:
     """The plan as text, a few lines."""
     p = self
-    lines = [
-        f"plan: {p.topology} ({p.devices} devices), mesh {p.mesh}, decode {p.batch} "
-        f"rows x {p.seq} positions (prefill chunk {p.prefill_chunk}, block {p.block}), "
-        f"bf16 weights: {report.method(p)}",
-        f"  parameters      {p.param_count / 1e9:10.3f} B",
-        f"  weights         {report.gib(p.weight_bytes_per_device)} per device",
-        f"  cache           {report.gib(p.cache_bytes_per_device)} per device",
-        f"  temporaries     {report.gib(p.prefill_temp_bytes_per_device)} prefill, "
-        f"{report.gib(p.decode_temp_bytes_per_device).strip()} decode, per device",
-        report.peak(p)]
+    engine = p.serving == Serving.ENGINE
+    if engine:
+      lines = [
+          f"plan: {p.topology} ({p.devices} devices), mesh {p.mesh}, serving engine: "
+          f"{p.batch} slots x {p.seq} positions (pages of {p.page_size}: {p.pool_pages}, "
+          f"{p.snapshots} snapshots, prefill chunk {p.prefill_chunk}), {p.experts} experts: "
+          f"{report.method(p)}",
+          f"  parameters      {p.param_count / 1e9:10.3f} B",
+          f"  weights         {report.gib(p.weight_bytes_per_device)} per device",
+          f"  KDA slots       {report.gib(p.kda_slot_bytes_per_device)} per device",
+          f"  latent pages    {report.gib(p.latent_page_bytes_per_device)} per device",
+          f"  snapshots       {report.gib(p.snapshot_bytes_per_device)} per device",
+          f"  temporaries     {report.gib(p.prefill_temp_bytes_per_device)} mixed step, "
+          f"{report.gib(p.decode_temp_bytes_per_device).strip()} decode step, per device",
+          report.peak(p)]
+    else:
+      weights = "bf16" if p.experts == Experts.DEQUANTIZED else "bf16 + MXFP4 expert"
+      lines = [
+          f"plan: {p.topology} ({p.devices} devices), mesh {p.mesh}, decode {p.batch} "
+          f"rows x {p.seq} positions (prefill chunk {p.prefill_chunk}, block {p.block}), "
+          f"{weights} weights: {report.method(p)}",
+          f"  parameters      {p.param_count / 1e9:10.3f} B",
+          f"  weights         {report.gib(p.weight_bytes_per_device)} per device",
+          f"  cache           {report.gib(p.cache_bytes_per_device)} per device",
+          f"  temporaries     {report.gib(p.prefill_temp_bytes_per_device)} prefill, "
+          f"{report.gib(p.decode_temp_bytes_per_device).strip()} decode, per device",
+          report.peak(p)]
     if p.compile_oom:
       lines.append(report.refused(p, "temporaries from its message"))
     elif p.compile_seconds is not None:
@@ -110,6 +155,8 @@ class DecodePlan:
     if not math.isnan(p.step_seconds_estimate):
       lines.append(f"  decode step     {p.step_seconds_estimate * 1e3:.2f} ms, "
                    f"{p.tokens_per_second_estimate:,.0f} tokens/s  {report.ESTIMATE}")
+    if p.max_fit_batch is not None:
+      lines.append(f"  max fit         {p.max_fit_batch} slots x {p.seq} positions")
     return "\n".join(lines)
 
 
@@ -142,9 +189,74 @@ def abstract_inputs(cfg, ex, mesh, batch: int, seq: int):
   return graphdef, params, cache
 
 
+def engine_config(request: PlanRequest, batch: int | None = None) -> EngineConfig:
+  """The engine `request` describes: `batch` (else the request's) slots of `--seq` positions."""
+  try:
+    return EngineConfig(max_num_seqs=batch or request.batch, max_model_len=request.seq,
+                        page_size=request.page_size, num_pages=request.num_pages,
+                        prefill_chunk=min(request.prefill_chunk, request.seq),
+                        prefix_snapshots=request.prefix_snapshots)
+  except ValueError as e:
+    raise UserError(f"--mode decode: {e}") from None
+
+
+def engine_figures(request: PlanRequest, cfg, ex, mesh, weights: int, batch: int):
+  """(engine config, cache bytes, [mixed, decode-only] step temporaries, peak) per device of
+  the engine with `batch` slots on `mesh`, beside `weights` bytes of weights."""
+  config = engine_config(request, batch)
+  cache = engine_memory.cache_bytes(cfg, ex, config, mesh)
+  ctx = config.pages_per_seq * config.page_size  # the longest context bucket
+  temps = []
+  for prefill_rows in (config.prefill_rows, 0):
+    tokens = config.max_num_seqs + prefill_rows * config.prefill_chunk
+    temps.append(engine_temp(cfg, mesh, decode_rows=config.max_num_seqs,
+                             prefill_rows=prefill_rows, chunk=config.prefill_chunk, ctx=ctx,
+                             moe_bytes=moe_layer_bytes(cfg, ex, mesh, tokens) / 2))
+  return config, cache, temps, weights + cache.total + max(temps)
+
+
+def plan_engine(request: PlanRequest, cfg, ex, devices, mesh_spec, variables) -> DecodePlan:
+  """The serving engine's plan on one mesh, by hand (`variables`: the served model's, from
+  engine_memory.weight_variables)."""
+  batch, seq = request.batch, request.seq
+  mesh = make_mesh(mesh_spec, devices)
+  chip = chip_of(request.topology, devices[0].device_kind)
+  weights = engine_memory.weight_bytes(variables, mesh)
+  config, cache, temps, peak = engine_figures(request, cfg, ex, mesh, weights, batch)
+  n = len(devices)
+  model_flops = batch * flops_lib.decode_per_token(cfg, seq)
+  # a decode step reads every weight once (at serving batches nearly every expert is routed
+  # to), the slots' KDA state and the rows' latent pages (whole on every device)
+  est = max(model_flops / n / chip.peak_flops,
+            (weights + cache.kda_slots + cache.latent_pages) / chip.hbm_bandwidth)
+  max_fit = None
+  if request.max_fit:
+    max_fit = engine_memory.largest(lambda b: engine_figures(
+        request, cfg, ex, mesh, weights, b)[3] <= chip.hbm_bytes)
+  return DecodePlan(
+      topology=request.topology, devices=n, mesh=format_sizes(dict(mesh.shape)), batch=batch,
+      seq=seq, prefill_chunk=config.prefill_chunk, block=request.block,
+      mode=Mode.DECODE.value, analytic=True, hbm_bytes_per_device=chip.hbm_bytes,
+      weight_bytes_per_device=weights, cache_bytes_per_device=cache.total,
+      prefill_temp_bytes_per_device=temps[0], decode_temp_bytes_per_device=temps[1],
+      peak_bytes_per_device=peak, fits=peak <= chip.hbm_bytes, compile_seconds=None,
+      compiled_flops=None, compiled_bytes_accessed=None, model_flops=model_flops,
+      flops_ratio=None, step_seconds_estimate=est, tokens_per_second_estimate=batch / est,
+      param_count=engine_memory.param_count(variables),
+      serving=Serving.ENGINE.value, experts=request.experts_resolved.value,
+      page_size=config.page_size, pool_pages=config.pool_pages, snapshots=config.snapshots,
+      kda_slot_bytes_per_device=cache.kda_slots,
+      latent_page_bytes_per_device=cache.latent_pages,
+      snapshot_bytes_per_device=cache.snapshots, max_fit_batch=max_fit)
+
+
 def plan_one(request: PlanRequest, cfg, ex, devices, mesh_spec, *,
-             analytic: bool) -> DecodePlan:
-  """The serving plan on one mesh (a spec string or axis sizes)."""
+             analytic: bool, variables=None) -> DecodePlan:
+  """The serving plan on one mesh (a spec string or axis sizes). `variables`: the served
+  model's (engine_memory.weight_variables), counted by hand for the engine and for packed
+  experts; None: the static batch's bf16 model."""
+  if request.serving_resolved == Serving.ENGINE:
+    return plan_engine(request, cfg, ex, devices, mesh_spec, variables)
   batch, seq, block = request.batch, request.seq, request.block
   prefill_chunk = min(request.prefill_chunk, seq)
   mesh = make_mesh(mesh_spec, devices)
@@ -152,15 +264,20 @@ def plan_one(request: PlanRequest, cfg, ex, devices, mesh_spec, *,
   graphdef, params, cache = abstract_inputs(cfg, ex, mesh, batch, seq)
   chip = chip_of(request.topology, devices[0].device_kind)
   n = len(devices)
-  weights = sum(bytes_per_device(x) for x in jax.tree.leaves(params))
+  if variables is not None:  # packed experts, counted by hand
+    weights = engine_memory.weight_bytes(variables, mesh)
+    n_params = engine_memory.param_count(variables)
+  else:
+    weights = sum(bytes_per_device(x) for x in jax.tree.leaves(params))
+    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
   cache_bytes = sum(bytes_per_device(x) for x in jax.tree.leaves(cache))
-  n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
   model_flops = batch * flops_lib.decode_per_token(cfg, seq)
   common = dict(topology=request.topology, devices=n, mesh=format_sizes(dict(mesh.shape)),
                 batch=batch, seq=seq, prefill_chunk=prefill_chunk, block=block,
                 mode=Mode.DECODE.value, hbm_bytes_per_device=chip.hbm_bytes,
                 weight_bytes_per_device=weights, cache_bytes_per_device=cache_bytes,
-                model_flops=model_flops, param_count=n_params)
+                model_flops=model_flops, param_count=n_params,
+                experts=request.experts_resolved.value)
   rows = batch // batch_rows_ways(mesh)
   if analytic:
     temps = [decode_temp(cfg, mesh, rows, t, seq, moe_layer_bytes(cfg, ex, mesh, batch * t) / 2)
@@ -223,10 +340,11 @@ def plan_one(request: PlanRequest, cfg, ex, devices, mesh_spec, *,
                     compile_oom=oom)
 
 
-def candidate_meshes(cfg, n: int, batch: int) -> list[dict]:
+def candidate_meshes(cfg, n: int, batch: int, *, rows_split: bool = True) -> list[dict]:
   """Serving splits of n devices: heads over tensor (up to 8, what divides the heads), the
   experts over as many of the rest as divide E, then data (rows; the weights replicated) or,
-  when nothing else is left, fsdp; only splits whose batch axes divide the rows."""
+  when nothing else is left, fsdp; with `rows_split` (the static batch, whose rows split over
+  the batch axes) only splits whose batch axes divide the rows."""
   out = []
   heads = math.gcd(cfg.mla_num_heads or 0, cfg.kda_num_heads or 0) or 1
   for tensor in (8, 4, 2, 1):
@@ -236,7 +354,8 @@ def candidate_meshes(cfg, n: int, batch: int) -> list[dict]:
     expert = math.gcd(rest, cfg.num_experts) if cfg.num_experts else 1
     for sizes in ({"data": rest // expert, "fsdp": 1, "expert": expert, "tensor": tensor},
                   {"data": 1, "fsdp": rest // expert, "expert": expert, "tensor": tensor}):
-      if batch % (sizes["data"] * sizes["fsdp"] * sizes["expert"]) == 0 and sizes not in out:
+      ways = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+      if (not rows_split or batch % ways == 0) and sizes not in out:
         out.append(sizes)
   return out
 
@@ -245,10 +364,22 @@ def run(request: PlanRequest, cfg: ModelConfig, devices: list) -> list[DecodePla
   """The serving plans of `request` (its batch given) for `cfg` on `devices`: the candidates
   ranked by what fits first, then by the estimated tokens/s."""
   ex = serve_execution(request)
+  engine = request.serving_resolved == Serving.ENGINE
+  packed = request.experts_resolved == Experts.MXFP4
+  if not request.analytic and (engine or packed or request.max_fit):
+    raise UserError("--mode decode: the serving engine, --experts mxfp4 and --max-fit are "
+                    "planned --analytic only (the plan compiles the static batch with bf16 "
+                    "experts: --serving static --experts dequantized)")
+  if request.max_fit and not engine:
+    raise UserError("--max-fit: plans the serving engine only (--serving engine)")
+  variables = None
+  if engine or packed:  # once for every mesh tried
+    variables = engine_memory.weight_variables(
+        cfg, ex, Experts.MXFP4 if packed else Experts.DEQUANTIZED)
   return search(
       request, lambda mesh, analytic: plan_one(request, cfg, ex, devices, mesh,
-                                               analytic=analytic),
-      candidate_meshes(cfg, len(devices), request.batch),
+                                               analytic=analytic, variables=variables),
+      candidate_meshes(cfg, len(devices), request.batch, rows_split=not engine),
       rank=lambda p: (not p.fits, -p.tokens_per_second_estimate),
       nothing_fits=f"no serving mesh of {len(devices)} devices splits this model and "
                    f"--batch {request.batch}")

@@ -16,6 +16,18 @@ class Mode(enum.StrEnum):
   DECODE = "decode"  # serving: the prefill and decode programs of `k3jax generate`
 
 
+class Serving(enum.StrEnum):
+  """What `--mode decode` models."""
+  ENGINE = "engine"  # the serving engine (k3jax/engine): paged latent, per-slot KDA state
+  STATIC = "static"  # the static left-padded batch (k3jax/generate/static_batch.py)
+
+
+class Experts(enum.StrEnum):
+  """How the served routed experts are held."""
+  MXFP4 = "mxfp4"              # packed codes + E8M0 scales (4.25 bits a weight)
+  DEQUANTIZED = "dequantized"  # in the compute dtype (bf16)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PlanRequest:
   """One plan's question. The defaults are the command's."""
@@ -39,7 +51,13 @@ class PlanRequest:
   base_experts: str = "mxfp4"          # float | mxfp4: the frozen routed experts' storage
   # decode
   prefill_chunk: int = 512             # prompt tokens per prefill call
-  block: int = 8                       # decode steps per jitted call
+  block: int = 8                       # decode steps per jitted call (static)
+  serving: Serving | None = None       # None: the engine with --analytic, else static
+  experts: Experts | None = None       # None: mxfp4 for the engine, dequantized for static
+  page_size: int = 64                  # engine: positions per latent page
+  num_pages: int | None = None         # engine: latent pages; None: every slot at --seq
+  prefix_snapshots: int | None = None  # engine: KDA state snapshots; None: 2 per slot
+  max_fit: bool = False                # decode --analytic: also the largest batch at --seq
 
   def __post_init__(self):
     # values read from flags or JSON arrive as strings
@@ -48,8 +66,25 @@ class PlanRequest:
       object.__setattr__(self, "remat", Remat(self.remat))
     if self.attention is not None:
       object.__setattr__(self, "attention", Attention(self.attention))
+    for name, kind in (("serving", Serving), ("experts", Experts)):
+      if getattr(self, name) is not None:
+        object.__setattr__(self, name, kind(getattr(self, name)))
     if self.lora_targets is not None:
       object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+
+  @property
+  def serving_resolved(self) -> Serving:
+    """The serving model planned: the engine is counted by hand only (its step is not compiled
+    yet: docs/plan.md), so a compiled plan models the static batch unless told otherwise."""
+    if self.serving is not None:
+      return self.serving
+    return Serving.ENGINE if self.analytic else Serving.STATIC
+
+  @property
+  def experts_resolved(self) -> Experts:
+    if self.experts is not None:
+      return self.experts
+    return Experts.MXFP4 if self.serving_resolved == Serving.ENGINE else Experts.DEQUANTIZED
 
   def replace(self, **changes) -> PlanRequest:
     return dataclasses.replace(self, **changes)

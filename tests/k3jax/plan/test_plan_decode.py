@@ -80,7 +80,7 @@ def test_decode_plan_compiled_and_analytic(config_file, capsys):
   assert got["tokens_per_second_estimate"] == pytest.approx(
       ROWS / got["step_seconds_estimate"], rel=1e-12)
 
-  ana = _plan(capsys, path, "--mesh", "tensor=4", "--analytic")
+  ana = _plan(capsys, path, "--mesh", "tensor=4", "--analytic", "--serving", "static")
   assert ana["analytic"] is True and ana["compile_seconds"] is None
   for key in ("weight_bytes_per_device", "cache_bytes_per_device", "model_flops"):
     assert ana[key] == got[key], key
@@ -107,6 +107,49 @@ def test_decode_mesh_search_and_bad_batch(config_file, capsys):
   assert by_tensor[4] < by_tensor[min(by_tensor)]
 
   assert main(["plan", "--config", path, *ARGS[:-1], "--mesh", "data=4", "--batch", "2",
-               "--analytic"]) == 2
+               "--analytic", "--serving", "static"]) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and "--batch rows = 2" in err[0], err
+
+
+# the keys of a decode plan's JSON before it modelled the serving engine: every one stays
+OLD_KEYS = {
+    "topology", "devices", "mesh", "batch", "seq", "prefill_chunk", "block", "mode", "analytic",
+    "hbm_bytes_per_device", "weight_bytes_per_device", "cache_bytes_per_device",
+    "prefill_temp_bytes_per_device", "decode_temp_bytes_per_device", "peak_bytes_per_device",
+    "fits", "compile_seconds", "compiled_flops", "compiled_bytes_accessed", "model_flops",
+    "flops_ratio", "step_seconds_estimate", "tokens_per_second_estimate", "param_count",
+    "compile_oom"}
+
+
+def test_engine_plan_keys_defaults_and_max_fit(config_file, capsys):
+  """--analytic plans the serving engine with packed experts by default; the JSON keeps every
+  old key and adds the cache's parts, which sum to the cache; --max-fit's batch fits and one
+  more slot does not; the engine, packed experts and --max-fit are refused without
+  --analytic (one line, exit 2)."""
+  path, _ = config_file
+  eng = _plan(capsys, path, "--mesh", "tensor=4", "--analytic", "--max-fit")
+  static = _plan(capsys, path, "--mesh", "tensor=4", "--analytic", "--serving", "static")
+  for plan in (eng, static):
+    assert OLD_KEYS <= set(plan), OLD_KEYS - set(plan)
+  assert (eng["serving"], eng["experts"]) == ("engine", "mxfp4")
+  assert (static["serving"], static["experts"]) == ("static", "dequantized")
+  assert eng["cache_bytes_per_device"] == (eng["kda_slot_bytes_per_device"]
+                                           + eng["latent_page_bytes_per_device"]
+                                           + eng["snapshot_bytes_per_device"])
+  assert eng["pool_pages"] == ROWS * SEQ // eng["page_size"] and eng["snapshots"] == 2 * ROWS
+  # packed experts: fewer weight bytes, the same parameters
+  assert eng["weight_bytes_per_device"] < static["weight_bytes_per_device"]
+  assert eng["param_count"] == static["param_count"]
+  best = eng["max_fit_batch"]
+  assert best > ROWS
+  for rows, fits in ((best, True), (best + 1, False)):
+    got = _plan(capsys, path, "--mesh", "tensor=4", "--analytic", "--batch", str(rows))
+    assert got["fits"] is fits and got["max_fit_batch"] is None
+
+  for extra in ((), ("--serving", "static", "--experts", "mxfp4"), ("--serving", "static",
+                                                                     "--max-fit")):
+    assert main(["plan", "--config", path, *ARGS, "--mesh", "tensor=4",
+                 *([] if extra else ["--serving", "engine"]), *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--analytic" in err[0], err
