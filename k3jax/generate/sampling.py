@@ -6,8 +6,10 @@ compiled program serves any setting and any mix of requests:
     top_k k > 0        keep the k largest logits (ties at the k-th value are kept too)
     top_p p < 1        keep the smallest set of most likely tokens whose probability reaches p
     min_p m > 0        keep the tokens whose probability is at least m times the largest one
-then sample softmax(logits / temperature) over what is kept. Filtering sorts the vocabulary
-once per step (negligible next to a decode step of the model).
+then sample softmax(logits / temperature) over what is kept. Filtering sorts the vocabulary;
+a step in which no row filters skips the sort, and a step of greedy rows only skips the draw
+too (both under `lax.cond`): with K3's 163,840-token vocabulary the sort and the noise cost more
+than a small model's decode step on a CPU.
 """
 
 from __future__ import annotations
@@ -40,6 +42,14 @@ def filtered_logits(logits_bv: jax.Array, s: Sampling) -> jax.Array:
   """logits / temperature with the tokens outside top-k / top-p / min-p set to -inf (fp32)."""
   v = logits_bv.shape[-1]
   x = logits_bv.astype(jnp.float32) / jnp.maximum(_column(s.temperature), 1e-6)
+  top_k = jnp.asarray(s.top_k)
+  filters = (jnp.any((top_k > 0) & (top_k < v)) | jnp.any(jnp.asarray(s.top_p) < 1)
+             | jnp.any(jnp.asarray(s.min_p) > 0))
+  return jax.lax.cond(filters, lambda x: _filter(x, s), lambda x: x, x)
+
+
+def _filter(x: jax.Array, s: Sampling) -> jax.Array:
+  v = x.shape[-1]
   desc = -jnp.sort(-x, axis=-1)                                   # [B, V] largest first
   top_k = _column(s.top_k)
   k = jnp.where((top_k > 0) & (top_k < v), top_k, v)
@@ -58,9 +68,14 @@ def sample(logits_bv: jax.Array, key: jax.Array, s: Sampling) -> jax.Array:
   """[B, V] logits -> [B] int32 tokens. `key`: one key for the batch, or [B] keys (one per
   row, so a row's draw does not depend on the other rows)."""
   greedy = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
-  filtered = filtered_logits(logits_bv, s)
-  if key.shape:  # one key per row
-    drawn = jax.vmap(lambda k, x: jax.random.categorical(k, x))(key, filtered)
-  else:
-    drawn = jax.random.categorical(key, filtered, axis=-1)
-  return jnp.where(jnp.asarray(s.temperature) > 0, drawn.astype(jnp.int32), greedy)
+  hot = jnp.asarray(s.temperature) > 0
+
+  def draw(logits_bv):
+    filtered = filtered_logits(logits_bv, s)
+    if key.shape:  # one key per row
+      drawn = jax.vmap(lambda k, x: jax.random.categorical(k, x))(key, filtered)
+    else:
+      drawn = jax.random.categorical(key, filtered, axis=-1)
+    return jnp.where(hot, drawn.astype(jnp.int32), greedy)
+
+  return jax.lax.cond(jnp.any(hot), draw, lambda _: greedy, logits_bv)
