@@ -12,10 +12,12 @@ max_tokens (no EOS), one process:
       static batch (`StaticBatch`: requests in arrival order in batches of the engine's slot
       count, each started when its last request has arrived and the previous batch has ended;
       a batch pads its prompts to the longest and decodes until its longest output is done).
-      The arrival rate is the engine's estimated capacity (from its measured step times: the
-      offered load is about what the engine can serve). Throughput: output tokens over the
-      time from the first arrival to the last token; per request, time to first token (from its
-      arrival) and time per output token after the first; p50 / p99 over the requests.
+      The arrival rate is --load times the engine's estimated capacity (from its measured
+      step times): above 1 both sides are saturated, so throughput measures what each can
+      serve (at or below 1 both keep up and their throughputs are the arrival rate's).
+      Throughput: output tokens over the time from the first arrival to the last token; per
+      request, time to first token (from its arrival) and time per output token after the
+      first; p50 / p99 over the requests.
   (b) shared prefix: every request is a long system prompt + a short question, all arriving at
       once, on the engine with and without the prefix cache (wall time).
   (c) the same model with its routed experts packed as MXFP4 codes + scales
@@ -107,11 +109,12 @@ def model_config(size: Size):
 
 
 def engine_config(size: Size, **kw) -> EngineConfig:
-  """Decode rows always the slot count (one decode bucket: few programs to compile)."""
+  """Decode rows always the slot count and the attention context always max_model_len (one
+  bucket each: two programs per engine, decode-only and mixed; on a 2-core CPU each compile
+  takes minutes)."""
   return EngineConfig(max_num_seqs=size.slots, max_model_len=size.max_model_len, page_size=64,
                       prefill_chunk=256, min_decode_rows=size.slots,
-                      min_context=1 << size.max_model_len.bit_length() - 1,
-                      max_top_logprobs=1, **kw)
+                      min_context=size.max_model_len, max_top_logprobs=1, **kw)
 
 
 def bf16_model(cfg, seed: int = 0) -> K3Model:
@@ -320,6 +323,8 @@ def main(argv=None) -> int:
   p.add_argument("--tiny", action="store_true", help="a smoke run of the script (no measurement)")
   p.add_argument("--json", action="store_true", help="end with one JSON line of the results")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--load", type=float, default=4.0,
+                 help="(a)'s arrival rate over the engine's estimated capacity")
   p.add_argument("--reps", type=int, default=7, help="repetitions of the weight-reading matmul")
   args = p.parse_args(argv)
   size = TINY if args.tiny else QUICK if args.quick else FULL
@@ -347,7 +352,7 @@ def main(argv=None) -> int:
   est = (sum(-(-len(r.prompt) // config.prefill_chunk) + 1 for r in probe)
          * bf16_steps["mixed_step_s"]
          + sum(r.out for r in probe) / size.slots * bf16_steps["decode_step_s"])
-  rate = size.requests / est
+  rate = args.load * size.requests / est
   work = mixed_workload(size, rate, vocab, args.seed)
   gen = static_batch.StaticBatch(model)
   compile_s["static"] = timed_warmup(lambda: warm_static(gen, work, size.slots, vocab))
@@ -355,8 +360,8 @@ def main(argv=None) -> int:
   reqs = {"engine": copies(work), "static": copies(work)}
   res = {"engine": latency(reqs["engine"], run_engine(engine(), reqs["engine"])),
          "static": latency(reqs["static"], run_static(gen, reqs["static"], size.slots))}
-  print(f"(a) mixed: {size.requests} requests, Poisson arrivals at {rate:.2f}/s (the engine's "
-        f"estimated capacity), prompts {size.prompt[0]}-{size.prompt[1]}, outputs "
+  print(f"(a) mixed: {size.requests} requests, Poisson arrivals at {rate:.2f}/s ({args.load:g}x "
+        f"the engine's estimated capacity), prompts {size.prompt[0]}-{size.prompt[1]}, outputs "
         f"{size.output[0]}-{size.output[1]}")
   print(f"  {'':<22} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
         f"{'TPOT p99':>9} {'wall s':>8}   (ms)")
