@@ -38,10 +38,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from convert.name_map import DIALECTS, PACKED, SCALE, full_name, hf_shape, slots  # noqa: E402
-from convert.safetensors_io import DTYPES, ShardWriter, plan_header  # noqa: E402
-from convert.variables import param_shapes  # noqa: E402
-from k3jax.hf_config import from_hf_config  # noqa: E402
+from convert.name_map import DIALECTS, PACKED, SCALE, full_name, hf_shape, slots
+from convert.safetensors_io import DTYPES, ShardWriter, encode_header
+from convert.variables import param_shapes
+from k3jax.hf_config import from_hf_config
 
 GiB = 1 << 30
 # (bits dtype, sign+mantissa mask, exponent of 0.5) per float dtype
@@ -94,7 +94,7 @@ def build(folder: str, num_experts: int, vocab: int) -> tuple[int, int]:
   weight_map, total, largest = {}, 0, 0
   for i, tensors in enumerate(shards):
     file = f"model-{i + 1:05d}-of-00002.safetensors"
-    writer = ShardWriter(os.path.join(folder, file), plan_header(tensors, {"format": "pt"}))
+    writer = ShardWriter(os.path.join(folder, file), encode_header(tensors, {"format": "pt"}))
     for name, dtype, shape in tensors:
       nbytes = math.prod(shape) * DTYPES[dtype].itemsize
       if name.endswith("A_log"):

@@ -33,14 +33,14 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
 
 def hybrid_config():
-  import configs  # noqa: PLC0415
+  import configs
   return configs.get("tiny").replace(
       vocab_size=8192, hidden_size=512, num_layers=12, mla_layers=(3, 7, 11),
       kda_num_heads=8, kda_head_dim=128, mla_num_heads=8, q_lora_rank=384, kv_lora_rank=512,
@@ -55,7 +55,7 @@ def twin_config(cfg):
 
 def random_model(cfg, seed=0):
   """The model (float32) with small random weights, built without running the initialisers."""
-  from k3jax.model.transformer import K3Model  # noqa: PLC0415
+  from k3jax.model.transformer import K3Model
   model = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
   rng = np.random.default_rng(seed)
   for _, var in nnx.to_flat_state(nnx.state(model)):
@@ -67,7 +67,7 @@ def random_model(cfg, seed=0):
 def active_weight_params(cfg) -> int:
   """Weights one decode step reads: all parameters but the embedding table (one row of it)
   and the routed experts a token does not use."""
-  from k3jax.info import summary  # noqa: PLC0415
+  from k3jax.info import summary
   return summary(cfg)["active_params"] - cfg.vocab_size * cfg.hidden_size
 
 
@@ -98,7 +98,7 @@ def matmul_bound(n_params: int, batch: int, reps: int) -> float:
 
 def filled_cache(gen, batch: int, context: int, seed: int = 0):
   """A cache holding `context` positions of random latents and states (room for 64 more)."""
-  from k3jax.generate.static_batch import cache_len  # noqa: PLC0415
+  from k3jax.generate.static_batch import cache_len
   cache = gen.new_cache(batch, cache_len(context + 64))
   leaves, treedef = jax.tree.flatten((cache.kda, cache.mla))
   keys = jax.random.split(jax.random.key(seed), len(leaves))
@@ -124,7 +124,7 @@ def decode_step(gen, batch: int, context: int):
 def prefill_run(gen, cfg, batch: int, tokens: int):
   ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (batch, tokens)).astype(np.int32)
   start = np.zeros(batch, np.int32)
-  run = lambda: gen.prefill(ids, start, gen.max_len(tokens, 1))[0]  # noqa: E731
+  run = lambda: gen.prefill(ids, start, gen.max_len(tokens, 1))[0]
   jax.block_until_ready(run())  # compile
   return run
 
@@ -141,8 +141,8 @@ def main(argv=None) -> int:
   if args.quick:
     args.contexts, args.reps, args.prefill = [1024, 4096], 3, 1024
 
-  from k3jax.generate.static_batch import StaticBatch  # noqa: PLC0415
-  from k3jax.info import summary  # noqa: PLC0415
+  from k3jax.generate.static_batch import StaticBatch
+  from k3jax.info import summary
   cfgs = {"hybrid": hybrid_config()}
   cfgs["all-MLA"] = twin_config(cfgs["hybrid"])
   gens = {name: StaticBatch(random_model(cfg), prefill_chunk=512) for name, cfg in cfgs.items()}

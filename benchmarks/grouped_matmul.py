@@ -17,12 +17,12 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from benchmarks._timing import timed  # noqa: E402
-from pallas_kernels.grouped_matmul import grouped_matmul  # noqa: E402
+from benchmarks._timing import timed
+from pallas_kernels.grouped_matmul import grouped_matmul
 
 
 def main(argv=None):
@@ -43,9 +43,9 @@ def main(argv=None):
   def loss(f):
     return jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, w) ** 2), (0, 1)))
 
-  ragged = lambda x, w: grouped_matmul(x, w, gs, impl="ragged_dot")  # noqa: E731
-  tiled = lambda x, w: grouped_matmul(x, w, gs, impl="tiled")  # noqa: E731
-  dense = lambda x, w: x @ w  # noqa: E731
+  ragged = lambda x, w: grouped_matmul(x, w, gs, impl="ragged_dot")
+  tiled = lambda x, w: grouped_matmul(x, w, gs, impl="tiled")
+  dense = lambda x, w: x @ w
   rows = []
   for name, f, wt in (("dense", dense, w_dense), ("tiled", tiled, w), ("ragged_dot", ragged, w)):
     fwd = timed(jax.jit(f), x, wt, reps=a.reps)

@@ -25,8 +25,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import jax
+import jax.numpy as jnp
 
 FULL_GRID = dict(B=[1, 2, 4, 8], T=[4096, 16384, 65536], H=[8, 32, 96])
 QUICK_GRID = dict(B=[1], T=[256], H=[2])
@@ -221,11 +221,12 @@ def main(argv=None):
         results[name] = Result(note=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
     ref = results.get(ref_name, Result())
     for name, r in results.items():
-      tps = lambda s: B * T / s if s else None
+      tps = lambda s: B * T / s if s else None  # noqa: B023 - called in this iteration only
       fmt = lambda x, w: f"{x:>{w}.3g}" if x else f"{'-':>{w}}"
       ratio = lambda s, rs: (rs / s) if (s and rs) else None
       print(f"{B:>2} {T:>6} {H:>3} {name:>16} {fmt(tps(r.fwd_s), 12)} {fmt(tps(r.fwdbwd_s), 14)} "
-            f"{fmt(ratio(r.fwd_s, ref.fwd_s), 7)} {fmt(ratio(r.fwdbwd_s, ref.fwdbwd_s), 7)}  {r.note}",
+            f"{fmt(ratio(r.fwd_s, ref.fwd_s), 7)} "
+            f"{fmt(ratio(r.fwdbwd_s, ref.fwdbwd_s), 7)}  {r.note}",
             flush=True)
 
 

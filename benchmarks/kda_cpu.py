@@ -4,13 +4,13 @@
     python benchmarks/kda_cpu.py --T 8192 --H 4
     python benchmarks/kda_cpu.py --quick      # T=512, H=2: a smoke run
 
-Every implementation computes the same thing: the K3 gate g = -5 sigmoid(exp(A) (x + dt_bias))
-and q/k l2norm fused into the op (tokamax: use_gate_in_kernel / use_qk_l2norm; ours: RawInputs(gate=,
-use_qk_l2norm=); transformers: written out in torch, with use_qk_l2norm_in_kernel), beta given
-after its sigmoid. "fwd+bwd" is the gradient of sum(o * w) w.r.t. q, k, v, the raw gate and
-beta. JAX functions are jitted and warmed up; each number is the median of --reps timed runs
-(block_until_ready), every implementation timed in its own block. tokamax gets its inputs
-already in its [H, B, T, K] layout (no transposes timed); ours take [B, T, H, K].
+Every implementation computes the same thing: the K3 gate g = -5 sigmoid(exp(A) (x + dt_bias)) and
+q/k l2norm fused into the op (tokamax: use_gate_in_kernel / use_qk_l2norm; ours: RawInputs(gate=,
+use_qk_l2norm=); transformers: written out in torch, with use_qk_l2norm_in_kernel), beta given after
+its sigmoid. "fwd+bwd" is the gradient of sum(o * w) w.r.t. q, k, v, the raw gate and beta. JAX
+functions are jitted and warmed up; each number is the median of --reps timed runs
+(block_until_ready), every implementation timed in its own block. tokamax gets its inputs already in
+its [H, B, T, K] layout (no transposes timed); ours take [B, T, H, K].
 
 The naive backend (a per-token scan) is timed forward at full T, but its backward only at
 --naive-T tokens (it is ~2 orders of magnitude slower): its fwd+bwd tokens/s is for that T.
@@ -171,7 +171,7 @@ def main(argv=None):
   print(header)
   for name, (f, fb, note) in rows.items():
     line = f"{name:26s} {f:10.0f} {fb:14.0f}"
-    for n, (rf, rfb, _) in ref.items():
+    for rf, rfb, _ in ref.values():
       line += f"   {f / rf:6.2f} / {fb / rfb:5.2f}{'':13s}"
     print(line + (f"   ({note})" if note else ""))
 

@@ -47,19 +47,19 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
                              + " --xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
 
-import configs  # noqa: E402
-from k3jax.execution import Execution  # noqa: E402
-from k3jax.model.moe import MoE  # noqa: E402
-from k3jax.model import expert_parallel  # noqa: E402
-from sharding.activations import activation_spec  # noqa: E402
-from sharding.mesh import make_mesh  # noqa: E402
-from sharding.placement import variable_spec  # noqa: E402
+import configs
+from k3jax.execution import Execution
+from k3jax.model import expert_parallel
+from k3jax.model.moe import MoE
+from sharding.activations import activation_spec
+from sharding.mesh import make_mesh
+from sharding.placement import variable_spec
 
 COLLECTIVE = re.compile(r"= (\S+|\(.*?\)) (all-to-all|ragged-all-to-all|all-gather|all-reduce|"
                         r"reduce-scatter|collective-permute)(?:-start)?\((.*)$")

@@ -29,7 +29,7 @@ def main() -> None:
                   help="comma-separated substrings of parameter paths to keep")
   args = ap.parse_args()
 
-  from sharding.mesh import parse_mesh_spec  # noqa: PLC0415
+  from sharding.mesh import parse_mesh_spec
   n = 1
   for size in parse_mesh_spec(args.mesh).values():
     if size < 1:
@@ -39,18 +39,18 @@ def main() -> None:
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + f" --xla_force_host_platform_device_count={n}")
 
-  import jax  # noqa: PLC0415
-  from flax import nnx  # noqa: PLC0415
+  import jax
+  from flax import nnx
 
-  import configs  # noqa: PLC0415
-  from k3jax.execution import Execution  # noqa: PLC0415
-  from k3jax.model.moe import RouterBias  # noqa: PLC0415
-  from k3jax.model.transformer import K3Model  # noqa: PLC0415
-  from k3jax.optim import dimension_numbers, per_head_muon  # noqa: PLC0415
-  from k3jax.optim.ns_layout import ns_plan  # noqa: PLC0415
-  from k3jax.plan.hlo import collectives, summary  # noqa: PLC0415
-  from sharding.mesh import make_mesh  # noqa: PLC0415
-  from sharding.placement import like_params, variable_spec  # noqa: PLC0415
+  import configs
+  from k3jax.execution import Execution
+  from k3jax.model.moe import RouterBias
+  from k3jax.model.transformer import K3Model
+  from k3jax.optim import dimension_numbers, per_head_muon
+  from k3jax.optim.ns_layout import ns_placement
+  from k3jax.plan.hlo import collectives, summary
+  from sharding.mesh import make_mesh
+  from sharding.placement import like_params, variable_spec
 
   cfg = configs.resolve(args.config)
   mesh = make_mesh(args.mesh)
@@ -88,7 +88,7 @@ def main() -> None:
       ops = "+".join(sorted(op.replace("all-", "a").replace("collective-permute", "cp")
                             for op in summary(found)))
       row[whole] = f"{count:3d} {size / 2**20:9.2f} MiB {ops:10s}"
-    there, padded, split = ns_plan(home, var.shape, dn, dict(mesh.shape))
+    there, padded, split = ns_placement(home, var.shape, dn, dict(mesh.shape))
     grown = [f"{a}->{b}" for a, b in zip(var.shape, padded) if a != b]  # zero blocks
     layout = (f"[pad {grown[0]}] " if grown else "") + f"{home}" + (
         "" if there == home else f" -> {there}") + (f" split {'x'.join(split)}" if split else "")

@@ -26,7 +26,8 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from k3jax.execution import Attention, Remat  # noqa: E402
+from k3jax import plan
+from k3jax.execution import Attention, Remat
 
 DEFAULT_TOPOLOGIES = ("v5p:8x8x8", "v5p:8x8x16", "v5p:8x16x16", "tpu7x:8x8x4", "tpu7x:8x8x8",
                       "tpu7x:8x8x16")
@@ -53,25 +54,23 @@ def main() -> None:
                  help="plan LoRA fine-tuning of this rank over an MXFP4 base (--mode lora)")
   a = p.parse_args()
 
-  from k3jax import plan  # noqa: PLC0415
   for topology in a.topologies.split(","):
     n = len(plan.topology_devices(topology))
-    args = argparse.Namespace(
+    request = plan.PlanRequest(
         config=a.config, topology=topology, mesh=a.mesh,
         batch=n * a.batch_per_device if a.batch_per_device else a.global_batch,
-        seq=a.seq, grad_accum=a.grad_accum, mode="lora" if a.lora else "train", remat=a.remat,
-        loss_chunk=a.loss_chunk, attention=a.attention, analytic=a.analytic,
-        capacity_factor=a.capacity_factor,
-        max_compiles=a.max_compiles, json=False, lora=a.lora, lora_targets=None,
-        base_experts="mxfp4")
+        seq=a.seq, grad_accum=a.grad_accum, remat=a.remat, loss_chunk=a.loss_chunk,
+        attention=a.attention, analytic=a.analytic, capacity_factor=a.capacity_factor,
+        max_compiles=a.max_compiles,
+        **({"mode": plan.Mode.LORA, "lora_rank": a.lora} if a.lora else {}))
     t0 = time.perf_counter()
     try:
-      plans = plan.run_plan(args)
-    except Exception as e:  # noqa: BLE001  (report and go on to the next topology)
+      plans = plan.run(request)
+    except Exception as e:  # noqa: BLE001 - report and go on to the next topology
       print(f"{topology}: failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
       continue
     for pl in plans:
-      print(plan.report(pl))
+      print(pl.report())
     chosen = plan.best(plans)
     print(f"{topology}: best mesh {chosen.mesh}, fits={chosen.fits} "
           f"({time.perf_counter() - t0:.0f} s)")

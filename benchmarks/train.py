@@ -35,13 +35,13 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from benchmarks._timing import median_seconds  # noqa: E402
-from k3jax import allocator  # noqa: E402
-from k3jax.execution import Execution  # noqa: E402
+from benchmarks._timing import median_seconds
+from k3jax import allocator
+from k3jax.execution import Execution
 
 
 def k3_100m():
@@ -50,7 +50,7 @@ def k3_100m():
   of 3, SiTU, KDA head_dim 128 as in K3. A 32k vocabulary keeps the head K3-like in proportion
   (byte-level would make the model all layers). Run with the loss in chunks of 512 positions
   (`model_config`), as K3's recipe runs it."""
-  import configs  # noqa: PLC0415
+  import configs
   return configs.get("tiny").replace(
       vocab_size=32768, hidden_size=512, num_layers=9, mla_layers=(3, 7, 8),
       kda_num_heads=4, kda_head_dim=128, mla_num_heads=4, q_lora_rank=192, kv_lora_rank=128,
@@ -62,7 +62,7 @@ def k3_100m():
 def model_config(name: str, dtype: str, remat: bool):
   """(config, execution): `dtype` compute over fp32 master weights; k3_100m's loss in chunks
   of 512 positions (k3jax/train/loss.py: its own backward, no [tokens, vocab] buffers)."""
-  import configs  # noqa: PLC0415
+  import configs
   big = name == "k3_100m"
   cfg = k3_100m() if big else configs.resolve(name)
   return cfg, Execution(dtype=dtype, param_dtype="float32", remat=remat,
@@ -78,8 +78,8 @@ def timed(fn, *args, iters: int) -> tuple[float, float]:
 
 
 def bench_step(cfg, ex, batch: int, seq: int, iters: int, peak: float, accum: int = 1) -> dict:
-  from k3jax.train import flops as flops_lib  # noqa: PLC0415
-  from k3jax.train import step as step_lib  # noqa: PLC0415
+  from k3jax.train import flops as flops_lib
+  from k3jax.train import step as step_lib
   steps = step_lib.build(cfg, ex, step_lib.StepConfig(decay_steps=1000))
   params, bias = step_lib.init_params(cfg, ex, 0)
   state = step_lib.place(steps.init(params, bias, step_lib.new_rng(0)))
@@ -116,18 +116,18 @@ def bench_step(cfg, ex, batch: int, seq: int, iters: int, peak: float, accum: in
 
 def breakdown(cfg, ex, batch: int, seq: int, iters: int) -> dict[str, float]:
   """Seconds of forward+backward of one layer of each kind, and of the optimizer update."""
-  from flax import nnx  # noqa: PLC0415
+  from flax import nnx
 
-  from k3jax.model.kda import KDA  # noqa: PLC0415
-  from k3jax.model.mla import MLA  # noqa: PLC0415
-  from k3jax.model.moe import MoE  # noqa: PLC0415
-  from k3jax.train import step as step_lib  # noqa: PLC0415
+  from k3jax.model.kda import KDA
+  from k3jax.model.mla import MLA
+  from k3jax.model.moe import MoE
+  from k3jax.train import step as step_lib
   x = jax.random.normal(jax.random.key(0), (batch, seq, cfg.hidden_size), ex.jnp_dtype)
   seg = jnp.ones((batch, seq), jnp.int32)
   out = {}
   # the whole model's loss, forward and forward+backward (no optimizer, no QB)
-  from k3jax.model.transformer import K3Model  # noqa: PLC0415
-  from k3jax.train.loss import model_nll  # noqa: PLC0415
+  from k3jax.model.transformer import K3Model
+  from k3jax.train.loss import model_nll
   graphdef, params, rest = nnx.split(K3Model(cfg, ex, rngs=nnx.Rngs(0)), nnx.Param, ...)
   ids = jax.random.randint(jax.random.key(3), (batch, seq + 1), 0, cfg.vocab_size)
   mask = jnp.ones((batch, seq), bool)
@@ -153,10 +153,10 @@ def breakdown(cfg, ex, batch: int, seq: int, iters: int) -> dict[str, float]:
   z = jax.random.normal(jax.random.key(1), (m, h), ex.jnp_dtype)
   w = jax.random.normal(jax.random.key(2), (e, h, f), ex.jnp_dtype)
   sizes = jnp.asarray(np.random.default_rng(0).multinomial(m, np.ones(e) / e), jnp.int32)
-  from pallas_kernels.grouped_matmul import grouped_matmul  # noqa: PLC0415
-  dense = lambda z, w: jnp.sum((z @ w[0]) ** 2)  # noqa: E731
+  from pallas_kernels.grouped_matmul import grouped_matmul
+  dense = lambda z, w: jnp.sum((z @ w[0]) ** 2)
   for impl in ("tiled", "ragged_dot"):  # the model runs "tiled" on a CPU (default_impl)
-    gmm = lambda z, w, impl=impl: jnp.sum(grouped_matmul(z, w, sizes, impl=impl) ** 2)  # noqa: E731
+    gmm = lambda z, w, impl=impl: jnp.sum(grouped_matmul(z, w, sizes, impl=impl) ** 2)
     out[f"expert_gmm_{impl}_fwd_bwd_s"] = timed(jax.grad(gmm, argnums=(0, 1)), z, w,
                                                 iters=iters)[1]
   out["same_flops_dense_matmul_fwd_bwd_s"] = timed(jax.grad(dense, argnums=(0, 1)), z, w,
@@ -166,7 +166,7 @@ def breakdown(cfg, ex, batch: int, seq: int, iters: int) -> dict[str, float]:
   opt_state = steps.tx.init(params)
 
   def update(grads, opt_state, params):
-    import optax  # noqa: PLC0415
+    import optax
     updates, _ = steps.tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates)
 
@@ -191,7 +191,7 @@ def main(argv=None) -> int:
   p.add_argument("--breakdown", action="store_true", help="also time the parts of the step")
   p.add_argument("--json", action="store_true", help="print one JSON object per config")
   a = p.parse_args(argv)
-  from k3jax.train.flops import measure_matmul_peak  # noqa: PLC0415
+  from k3jax.train.flops import measure_matmul_peak
   dtype = jnp.dtype(a.dtype)
   peak = max(measure_matmul_peak(dtype, n=2048), measure_matmul_peak(dtype, n=1024))
   print(f"platform {jax.default_backend()}, {os.cpu_count()} CPUs, {allocator.active()} "

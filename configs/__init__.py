@@ -11,10 +11,10 @@ import json
 import os
 from typing import Any
 
-from k3jax.errors import ConfigError
 from k3jax.config import ModelConfig
-from k3jax.hf_config import from_hf_config
+from k3jax.errors import ConfigError
 from k3jax.folders import model_folder
+from k3jax.hf_config import from_hf_config
 
 PRESETS = ("k3", "kimi_linear_48b", "tiny")
 

@@ -2,8 +2,8 @@
 dense first layer, LatentMoE with shared experts, SiTU. Trains byte-level on a CPU.
 
 8 experts, top 2: the routed experts' grouped matmuls dominate a CPU train step (padding and
-weight gathers, see pallas_kernels/grouped_matmul/ops.py); 8 / 2 keeps routing and Quantile Balancing
-meaningful at a fraction of the 16 / 4 cost (`k3jax train`'s embedded default)."""
+weight gathers, see pallas_kernels/grouped_matmul/ops.py); 8 / 2 keeps routing and Quantile
+Balancing meaningful at a fraction of the 16 / 4 cost (`k3jax train`'s embedded default)."""
 
 from configs import k3
 from k3jax.config import ModelConfig

@@ -9,7 +9,7 @@ Modules, in the order data flows through them:
   name_map        THE table: HF name <-> k3jax path(s), stack, dtype, layout transform + inverse
   safetensors_io  header validation before any read; streaming shard writer (safetensors' own
                   byte layout, or a recorded header reproduced exactly)
-  source          an HF folder checked against its config and planned as reads in file order
+  source          an HF folder checked against its config and listed as reads in file order
   mxfp4           exact dequantisation; OCP MX quantisation (E8M0 scales, round to nearest even)
   variables       the model's abstract variables (path -> shape, dtype, logical axes)
   orbax_io        the Orbax checkpoint (OCDBT) written tensor by tensor through Orbax's save

@@ -4,6 +4,10 @@ A converted checkpoint restores through the standard Orbax API into the abstract
 model its `k3jax_config.json` describes. Two cases need more than that:
 - `--experts mxfp4` checkpoints hold the routed experts as codes + scales: they are restored
   as uint8 and dequantised (exactly) into the model's expert weights, one expert at a time.
+  With `keep_packed=True` they stay codes + scales instead: the model's routed experts hold
+  them (`RoutedExperts.w1_packed`, `w1_scale`, as `lora.adapt(base_experts="mxfp4")` sets
+  them) and its grouped matmuls dequantise a tile at a time (pallas_kernels/mxfp4/ops.py);
+  a checkpoint of bf16 experts is packed after loading (exact for MXFP4 values).
 - `--layers A-B` checkpoints hold a slice of the model. Only a prefix (A = 0) can run: it is
   loaded as the truncated model of layers 0..B (`allow_partial=True`), whose per-layer outputs
   can be checked against a reference; its head is absent unless B is the last layer.
@@ -15,17 +19,25 @@ import json
 import os
 from typing import Any
 
+import jax
 import numpy as np
+from flax import nnx
 
-from pallas_kernels import mxfp4
+import configs
 from convert import orbax_io
-from k3jax.errors import CheckpointError
 from convert.hf_load import build_model, load_model
+from convert.name_map import PACKED
+from convert.source import open_source
 from convert.to_orbax import CONFIG, MANIFEST, packed_paths
 from convert.variables import abstract_variables
 from k3jax.config import ModelConfig
+from k3jax.errors import CheckpointError
 from k3jax.execution import Execution, recorded
+from k3jax.model import lora
 from k3jax.model.schedule import STACKS, stack_sizes
+from k3jax.model.transformer import K3Model
+from pallas_kernels import mxfp4
+from sharding.placement import path_shardings, place_model
 
 
 def is_checkpoint(path: str) -> bool:
@@ -46,7 +58,6 @@ def read_manifest(directory: str) -> dict | None:
 
 
 def checkpoint_config(directory: str, **overrides: Any) -> ModelConfig:
-  import configs  # noqa: PLC0415
   if not os.path.exists(os.path.join(directory, CONFIG)):
     raise CheckpointError(f"{directory}: no {CONFIG} (not a k3jax checkpoint)")
   return configs.resolve(directory, **overrides)
@@ -73,20 +84,35 @@ def prefix_config(cfg: ModelConfig, n_layers: int) -> ModelConfig:
                                                           if l < n_layers))
 
 
-def named_shardings(cfg: ModelConfig, mesh) -> dict:
+def named_shardings(cfg: ModelConfig, mesh, *, keep_packed: bool = False) -> dict:
   """k3jax path -> NamedSharding on `mesh` from each variable's logical axis names through
   the rules table (sharding/placement.py): the targets of a sharded `load_checkpoint`. Refuses
-  (sharding.mesh.MeshError, one line) a mesh that cannot split the model."""
-  from sharding.placement import path_shardings  # noqa: PLC0415
-  return path_shardings(abstract_variables(cfg), mesh)
+  (sharding.mesh.MeshError, one line) a mesh that cannot split the model. keep_packed: the
+  packed experts' codes and scales too."""
+  out = path_shardings(abstract_variables(cfg), mesh)
+  if keep_packed:
+    out |= path_shardings(packed_variables(cfg, Execution()), mesh)
+  return out
+
+
+def _pack(model):
+  """The model with its routed experts held as MXFP4 codes + scales (in place)."""
+  return lora.adapt(model, lora.AdaptSpec(base_experts="mxfp4"), nnx.Rngs(0))
+
+
+def packed_variables(cfg: ModelConfig, ex: Execution) -> dict:
+  """k3jax path -> abstract variable of the model (run as `ex`) with packed routed experts."""
+  abstract = nnx.eval_shape(lambda: _pack(_model(cfg, ex)))
+  return {tuple(str(p) for p in path): v for path, v in nnx.to_flat_state(nnx.state(abstract))}
 
 
 def load_checkpoint(directory: str, ex: Execution | None = None, *, allow_partial: bool = False,
-                    shardings=None, **overrides: Any):
+                    shardings=None, keep_packed: bool = False, **overrides: Any):
   """(model, cfg) from a converted checkpoint, run as `ex` says and held in ex.param_dtype
   (None: the execution the checkpoint records, `checkpoint_execution`). `shardings` (k3jax
   path -> jax.sharding.Sharding, e.g. `named_shardings(cfg, mesh)`) places each array as
-  Orbax restores it: each process reads only the chunks of its own shards."""
+  Orbax restores it: each process reads only the chunks of its own shards. keep_packed: the
+  routed experts held as MXFP4 codes + scales (see the module docstring)."""
   cfg = checkpoint_config(directory, **overrides)
   ex = checkpoint_execution(directory) if ex is None else ex
   manifest = read_manifest(directory) or {}
@@ -98,6 +124,12 @@ def load_checkpoint(directory: str, ex: Execution | None = None, *, allow_partia
     raise CheckpointError(f"{directory} holds layers {layers[0]}-{layers[1]}: only a prefix "
                           "(0-B) can be run")
   codes = manifest.get("experts") == "mxfp4"
+  if keep_packed and not codes:  # bf16 experts: loaded, then packed
+    model, cfg = load_checkpoint(directory, ex, allow_partial=allow_partial,
+                                 shardings=shardings, **overrides)
+    return _pack(model), cfg
+  if keep_packed:  # the codes and scales are the packed model's own variables
+    return _load_packed(directory, cfg, ex, layers, shardings)
   variables = abstract_variables(cfg, ex)
   saved = orbax_io.saved_paths(directory)
   target = {}
@@ -133,11 +165,45 @@ def load_checkpoint(directory: str, ex: Execution | None = None, *, allow_partia
   return build_model(cfg, ex, arrays), cfg
 
 
+def _load_packed(directory: str, cfg: ModelConfig, ex: Execution, layers, shardings):
+  """The model with packed experts from a `--experts mxfp4` checkpoint: every array restored
+  as saved (a prefix of the layers for `--layers 0-B`, see _load_prefix)."""
+  if layers is not None:
+    cfg = prefix_config(cfg, layers[1] + 1)
+  variables = packed_variables(cfg, ex)
+  saved = orbax_io.saved_paths(directory)
+  for path, var in variables.items():
+    if path not in saved:
+      raise CheckpointError(f"{directory}: no array {'.'.join(path)} (checkpoint of another "
+                            "config?)")
+    if layers is None and tuple(saved[path]) != tuple(var.shape):
+      raise CheckpointError(f"{directory}: array {'.'.join(path)} has shape "
+                            f"{list(saved[path])}, the config needs {list(var.shape)}")
+  if layers is not None:
+    counts = stack_sizes(cfg)
+    arrays = {}
+    for path in variables:
+      if path[0] in STACKS and counts[path[0]] == 0:
+        continue
+      store = orbax_io.open_array(directory, path)
+      arrays[path] = (store[: counts[path[0]]] if path[0] in STACKS else store).read().result()
+  else:
+    arrays = orbax_io.restore(directory, {
+        path: orbax_io.shape_dtype(var.shape, np.dtype(var.get_value().dtype),
+                                   (shardings or {}).get(path))
+        for path, var in variables.items()})
+  abstract = nnx.eval_shape(lambda: _pack(_model(cfg, ex)))
+  return build_model(cfg, ex, arrays, abstract=abstract), cfg
+
+
+def _model(cfg, ex):
+  return K3Model(cfg, ex, rngs=nnx.Rngs(0))
+
+
 def _dequantized_sharded(directory: str, variables: dict, shardings: dict) -> dict:
   """Each kept-MXFP4 expert stack as a jax.Array in its sharding: every device's block is
   made from the codes and scales of that block only (read through Orbax's read spec), so a
   process reads and holds nothing but its own shards."""
-  import jax  # noqa: PLC0415
   out = {}
   for path, var in variables.items():
     if path[:2] != ("moe", "experts"):
@@ -199,24 +265,36 @@ def _load_prefix(directory, cfg, ex, n_layers, target, codes):
   return build_model(small, ex, arrays), small
 
 
-def load_any(path: str, ex: Execution | None = None, *, mesh=None, **overrides: Any):
+def stores_packed_experts(path: str) -> bool:
+  """Whether the folder stores the routed experts as MXFP4 codes + scales: a checkpoint
+  converted with `--experts mxfp4`, or an official-layout folder with `.weight_packed` tensors
+  (the released K3). Only the manifest or the index is read."""
+  if is_checkpoint(path):
+    return (read_manifest(path) or {}).get("experts") == "mxfp4"
+  return any(name.endswith(PACKED) for name in open_source(path).index)
+
+
+def load_any(path: str, ex: Execution | None = None, *, mesh=None, keep_packed: bool = False,
+             **overrides: Any):
   """(model, cfg) from a converted checkpoint or an official-layout folder, run as `ex` says
   (None: what a checkpoint records, `checkpoint_execution`; the defaults for a folder). With
   `mesh`, every array in its sharding from the rules table (a mesh that cannot split the model
   is refused before anything is read): a checkpoint is restored by Orbax straight into its
   shards; an official-layout folder is read into host memory and then placed (convert it
-  first for a model that does not fit one host)."""
+  first for a model that does not fit one host). keep_packed: the routed experts held as MXFP4
+  codes + scales (an official-layout folder's are read dequantised, then packed again: exact)."""
   if mesh is None:
     if is_checkpoint(path):
-      return load_checkpoint(path, ex, allow_partial=True, **overrides)
-    return load_model(path, ex or Execution(), **overrides)
-  import configs  # noqa: PLC0415
-  from sharding.placement import place_model  # noqa: PLC0415
-  shardings = named_shardings(configs.resolve(path, **overrides), mesh)
+      return load_checkpoint(path, ex, allow_partial=True, keep_packed=keep_packed, **overrides)
+    model, cfg = load_model(path, ex or Execution(), **overrides)
+    return (_pack(model) if keep_packed else model), cfg
+  shardings = named_shardings(configs.resolve(path, **overrides), mesh, keep_packed=keep_packed)
   if is_checkpoint(path):
     model, cfg = load_checkpoint(path, ex, allow_partial=True, shardings=shardings,
-                                 **overrides)
+                                 keep_packed=keep_packed, **overrides)
   else:
     model, cfg = load_model(path, ex or Execution(), **overrides)
+    if keep_packed:
+      model = _pack(model)
   place_model(model, mesh)  # a no-op for arrays already in their shardings
   return model, cfg

@@ -23,13 +23,13 @@ import os
 
 import numpy as np
 
-from pallas_kernels import mxfp4
 from convert import orbax_io
-from k3jax.errors import CheckpointError
 from convert.load import checkpoint_config
 from convert.outdir import staged
-from convert.safetensors_io import ShardWriter, plan_header
+from convert.safetensors_io import ShardWriter, encode_header
 from convert.to_orbax import packed_paths
+from k3jax.errors import CheckpointError
+from pallas_kernels import mxfp4
 
 ADAPTERS = "adapters.json"            # written by k3jax train (k3jax/train/checkpoint.py)
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -112,7 +112,7 @@ def export_adapters(ckpt_dir: str, out_dir: str, *, force: bool = False) -> dict
             "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
             "tensors": {name: list(a.shape) for name, a in arrays.items()}}
   with staged(out_dir, force=force, inputs=(ckpt_dir,)) as tmp:
-    header = plan_header([(n, "F32", a.shape) for n, a in arrays.items()], {"format": "k3jax"})
+    header = encode_header([(n, "F32", a.shape) for n, a in arrays.items()], {"format": "k3jax"})
     writer = ShardWriter(os.path.join(tmp, ADAPTER_FILE), header)
     for name, a in arrays.items():
       writer.write(name, a)

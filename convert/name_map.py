@@ -154,8 +154,8 @@ def _mla_v_heads(c):
   return (c.mla_num_heads, c.v_head_dim)
 
 
-_attn_res = lambda c: c.attn_res_block_size is not None  # noqa: E731
-_latent = lambda c: c.latent_size is not None  # noqa: E731
+_attn_res = lambda c: c.attn_res_block_size is not None
+_latent = lambda c: c.latent_size is not None
 
 ENTRIES: tuple[Entry, ...] = (
     # global

@@ -57,6 +57,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import tensorstore as ts
 from etils import epath
 
@@ -160,7 +161,7 @@ class Stream:
       if committing is not None:  # keep what was already on its way to disk
         try:
           await self._finish(committing)
-        except Exception:  # noqa: BLE001  (the first error is the one to report)
+        except Exception:  # noqa: BLE001 - the first error is the one to report
           pass
 
   @staticmethod
@@ -190,8 +191,6 @@ class Stream:
 
 
 def _handler_class():
-  import orbax.checkpoint as ocp  # noqa: PLC0415  (slow import, only needed to write/read)
-
   class StreamingHandler(ocp.type_handlers.NumpyHandler):
     """Orbax's numpy TypeHandler, but the values arrive as a stream of slices."""
 
@@ -231,7 +230,6 @@ def write_checkpoint(directory: str, arrays: dict[Path, tuple[tuple[int, ...], A
 
   Orbax checks after the save that every array holds data; `every_array_written=False` (a
   `--layers` slice, whose other arrays stay at their fill value) skips that check."""
-  import orbax.checkpoint as ocp  # noqa: PLC0415
   tree: dict[str, Any] = {}
   for path, (shape, dtype, n_lead) in sorted(arrays.items()):
     node = tree
@@ -257,7 +255,7 @@ def write_checkpoint(directory: str, arrays: dict[Path, tuple[tuple[int, ...], A
       asyncio.run(ocp.type_handlers.merge_ocdbt_per_process_files(
           path, ts_context=ocp.type_handlers.get_ts_context(use_ocdbt=True), use_zarr3=False,
           enable_validation=every_array_written))
-    except BaseException as e:  # noqa: BLE001  (re-raised in the caller's thread)
+    except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
       errors.append(e)
     finally:
       done.set()
@@ -300,7 +298,6 @@ def sync_tree(directory: str) -> None:
 # ---- reading ---------------------------------------------------------------------------------
 
 def _tree_metadata(directory: str):
-  import orbax.checkpoint as ocp  # noqa: PLC0415
   if not os.path.exists(os.path.join(directory, METADATA)):
     raise CheckpointError(f"{directory}: not an Orbax checkpoint (no {METADATA})")
   try:
@@ -328,7 +325,6 @@ def saved_paths(directory: str) -> dict[Path, tuple[int, ...]]:
 @functools.cache
 def _read_context(use_ocdbt: bool) -> ts.Context:
   """One TensorStore context for every slice read, so the OCDBT caches are shared."""
-  import orbax.checkpoint as ocp  # noqa: PLC0415
   return ocp.type_handlers.get_ts_context(use_ocdbt=use_ocdbt)
 
 
@@ -336,7 +332,6 @@ def open_array(directory: str, path: Path) -> ts.TensorStore:
   """One array of a checkpoint, for slice reads, through Orbax's own read spec (OCDBT, or
   the one-folder-per-array layout of checkpoints converted before OCDBT). Chunks never
   written (the layers a `--layers` slice does not hold) read as zeros."""
-  import orbax.checkpoint as ocp  # noqa: PLC0415
   parent = _orbax_path(directory)
   use_ocdbt = ocp.type_handlers.is_ocdbt_checkpoint(parent)
   context = _read_context(use_ocdbt)
@@ -355,7 +350,6 @@ def restore(directory: str, target: dict[Path, Any]) -> dict[Path, Any]:
   """Restore the arrays of `target` (k3jax path -> jax.ShapeDtypeStruct, with a sharding if
   wanted), and only those, through Orbax's PyTree restore; returns path -> array (numpy, or a
   jax.Array where a sharding was given: each process reads the chunks of its shards)."""
-  import orbax.checkpoint as ocp  # noqa: PLC0415  (slow import, only needed here)
   tree: dict[str, Any] = {}
   for path, leaf in target.items():
     node = tree

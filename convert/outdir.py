@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 
-from k3jax.errors import CheckpointError
+from k3jax.errors import CheckpointError, UserError
 
 
 @contextlib.contextmanager
@@ -90,7 +90,6 @@ def resumable(out_dir: str, *, force: bool, resume: bool, key: dict,
   is being converted, and how): a resume with another key is refused, never mixed. Bad input
   (a UserError) still removes it: nothing half-written is left of a conversion that cannot
   succeed. The folder is renamed to `out_dir` only when the body returns."""
-  from k3jax.errors import UserError  # noqa: PLC0415
   out_dir = os.path.abspath(out_dir)
   _check_inputs(out_dir, inputs)
   if os.path.lexists(out_dir) and not force:

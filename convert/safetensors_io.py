@@ -24,7 +24,7 @@ import os
 import struct
 from typing import Any
 
-import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, which safe_open's numpy path needs)
+import ml_dtypes  # registers bfloat16 with numpy, which safe_open's numpy path needs
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
@@ -280,7 +280,7 @@ class ShardReader:
 
 # ---- writing ---------------------------------------------------------------------------------
 
-def plan_header(tensors: list[tuple[str, str, tuple[int, ...]]],
+def encode_header(tensors: list[tuple[str, str, tuple[int, ...]]],
                 metadata: dict[str, str] | None) -> bytes:
   """The header safetensors would write for these (name, dtype, shape) tensors."""
   order = sorted(tensors, key=lambda t: (-_RANK[t[1]], t[0]))
@@ -297,7 +297,7 @@ def plan_header(tensors: list[tuple[str, str, tuple[int, ...]]],
 
 
 def header_from_raw(path: str, raw: bytes) -> Header:
-  """A Header object for header bytes that are about to be written (recorded or planned)."""
+  """A Header object for header bytes that are about to be written (recorded or encoded)."""
   parsed = json.loads(raw)
   metadata = parsed.pop("__metadata__", None)
   tensors = {k: TensorInfo(k, v["dtype"], tuple(v["shape"]), *v["data_offsets"])
@@ -306,7 +306,7 @@ def header_from_raw(path: str, raw: bytes) -> Header:
 
 
 class ShardWriter:
-  """Writes one safetensors file tensor by tensor, in any order, at their planned offsets."""
+  """Writes one safetensors file tensor by tensor, in any order, at their header offsets."""
 
   def __init__(self, path: str, header_raw: bytes):
     self.header = header_from_raw(path, header_raw)

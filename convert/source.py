@@ -1,12 +1,12 @@
 """An official-layout folder (K3 or Kimi-Linear) checked against its config, before any weight
-is read, and planned as a list of reads in file order.
+is read, and listed as the reads of its tensors in file order.
 
 `open_source` reads config.json and the index (or the lone model.safetensors) and refuses shard
-paths that leave the folder. `plan` matches every tensor the config implies (through the name
-map, in every spelling it knows) against the index: missing, extra, misplaced (index vs. shard
-header), mistyped and misshapen tensors are refused here, by name, with the file. Vision tensors
-are skipped without opening their shards. The plan is sorted by (shard, offset), so a converter
-reads each shard front to back.
+paths that leave the folder. `items_to_read` matches every tensor the config implies (through the
+name map, in every spelling it knows) against the index: missing, extra, misplaced (index vs.
+shard header), mistyped and misshapen tensors are refused here, by name, with the file. Vision
+tensors are skipped without opening their shards. The list is sorted by (shard, offset), so a
+converter reads each shard front to back.
 """
 
 from __future__ import annotations
@@ -18,15 +18,23 @@ from collections.abc import Callable
 
 import numpy as np
 
-from pallas_kernels import mxfp4
-from k3jax.errors import CheckpointError
-from convert.name_map import (DIALECTS, PACKED, SCALE, Dialect, Entry, Slot, full_name,
-                              hf_shape, slots)
+from convert.name_map import (
+  DIALECTS,
+  PACKED,
+  SCALE,
+  Dialect,
+  Entry,
+  Slot,
+  full_name,
+  hf_shape,
+  slots,
+)
 from convert.safetensors_io import Header, ShardReader, TensorInfo
 from convert.variables import param_shapes
-from k3jax.errors import ConfigError
 from k3jax.config import ModelConfig
+from k3jax.errors import CheckpointError, ConfigError
 from k3jax.hf_config import from_hf_config
+from pallas_kernels import mxfp4
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -109,7 +117,7 @@ def _read_index(folder: str, reader: ShardReader):
   if not os.path.exists(single):
     raise CheckpointError(f"{folder}: no {INDEX} and no {SINGLE}")
   names = reader.header(single).tensors
-  return {name: single for name in names}, None, (SINGLE,)
+  return dict.fromkeys(names, single), None, (SINGLE,)
 
 
 def open_source(folder: str, **overrides) -> Source:
@@ -134,8 +142,8 @@ def open_source(folder: str, **overrides) -> Source:
     if full_name("embed_tokens.weight", dialect) in index:
       break
   else:
-    raise CheckpointError(f"{folder}: no embedding tensor (looked for "
-                          f"{' or '.join(full_name('embed_tokens.weight', d) for d in DIALECTS.values())})")
+    names = " or ".join(full_name("embed_tokens.weight", d) for d in DIALECTS.values())
+    raise CheckpointError(f"{folder}: no embedding tensor (looked for {names})")
   return Source(os.path.abspath(folder), cfg, dialect, config_raw, index, metadata, files, reader)
 
 
@@ -159,13 +167,13 @@ def _expected_dtypes(source: Source, item_slot: Slot) -> tuple[str, ...]:
   return _FLOAT_DTYPES
 
 
-def plan(source: Source, layers: range | None = None, shapes: dict | None = None,
-         keep: Callable[[Slot], bool] | None = None) -> list[Item]:
+def items_to_read(source: Source, layers: range | None = None, shapes: dict | None = None,
+                  keep: Callable[[Slot], bool] | None = None) -> list[Item]:
   """Every tensor to read for `layers` (and the global ones `keep` accepts), validated, in
   (shard, offset) order. Only the shards holding them need to exist (a partial download).
 
   Also checks the whole index for tensors the config does not explain (extra tensors), so a
-  partial plan still refuses a folder that is not the model its config describes.
+  partial list still refuses a folder that is not the model its config describes.
   """
   cfg, dialect = source.cfg, source.dialect
   if shapes is None:

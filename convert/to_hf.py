@@ -21,19 +21,20 @@ import shutil
 import ml_dtypes
 import numpy as np
 
-from pallas_kernels import mxfp4
 from convert import orbax_io
-from k3jax.errors import CheckpointError
 from convert.load import checkpoint_config, read_manifest
+from convert.lora_export import Merger
 from convert.name_map import DIALECTS, PACKED, SCALE, Slot, full_name, hf_shape, slots
 from convert.outdir import staged
 from convert.progress import Progress
-from convert.safetensors_io import DTYPES, ShardWriter, plan_header
+from convert.safetensors_io import DTYPES, ShardWriter, encode_header
 from convert.source import INDEX, SINGLE
 from convert.to_orbax import HF_DIR, packed_paths
 from convert.variables import param_shapes
 from k3jax.config import ModelConfig
+from k3jax.errors import CheckpointError
 from k3jax.hf_config import to_hf_config
+from pallas_kernels import mxfp4
 
 SHARD_BYTES = 5 << 30  # default shard size when the source's sharding is unknown
 
@@ -114,7 +115,7 @@ def _fresh_layout(cfg: ModelConfig, shapes, num_shards: int | None):
       tensors.append((base + SCALE, "U8", (shape[0], shape[1] // mxfp4.GROUP), slot.layer))
     else:
       tensors.append((name, "F32" if e.hf_dtype == "f32" else "BF16", shape, slot.layer))
-  size = lambda t: math.prod(t[2]) * DTYPES[t[1]].itemsize  # noqa: E731
+  size = lambda t: math.prod(t[2]) * DTYPES[t[1]].itemsize
   total = sum(map(size, tensors))
   n = num_shards or max(1, math.ceil(total / SHARD_BYTES))
   n = max(1, min(n, cfg.num_layers))
@@ -136,7 +137,7 @@ def _fresh_layout(cfg: ModelConfig, shapes, num_shards: int | None):
   files = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
   if len(groups) == 1:
     files = [SINGLE]
-  return dialect, [(f, plan_header([t[:3] for t in g], {"format": "pt"}))
+  return dialect, [(f, encode_header([t[:3] for t in g], {"format": "pt"}))
                    for f, g in zip(files, groups)], len(groups) == 1
 
 
@@ -156,7 +157,6 @@ def export(ckpt_dir: str, out_dir: str, *, force: bool = False, progress: bool =
   codes = any(p[-1].endswith("_packed") for p in saved)
   merge = None
   if merge_lora:
-    from convert.lora_export import Merger  # noqa: PLC0415
     merge = Merger(ckpt_dir, saved)
     codes = codes and not merge.changes_experts  # changed experts are re-quantised
   elif any(p[-1].startswith("lora") or "_lora_" in p[-1] for p in saved):
@@ -180,7 +180,7 @@ def export(ckpt_dir: str, out_dir: str, *, force: bool = False, progress: bool =
     unknown = [k for k in parsed if k not in names]
     if unknown:  # e.g. vision tensors sharing a shard: write the shard without them
       kept = [(k, v["dtype"], tuple(v["shape"])) for k, v in parsed.items() if k in names]
-      raw = plan_header(kept, meta)
+      raw = encode_header(kept, meta)
       parsed = {k: v for k, v in parsed.items() if k in names}
     headers.append((file, raw, parsed))
   covered = {n: file for file, _, parsed in headers for n in parsed}

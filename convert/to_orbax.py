@@ -32,13 +32,13 @@ import ml_dtypes
 import numpy as np
 
 from convert import orbax_io
-from k3jax.errors import CheckpointError
 from convert.name_map import ENTRIES
 from convert.outdir import resumable
 from convert.progress import Progress
 from convert.safetensors_io import DTYPES
-from convert.source import Item, layer_range, open_source, plan, read_weight, to_k3jax
+from convert.source import Item, items_to_read, layer_range, open_source, read_weight, to_k3jax
 from convert.variables import abstract_variables
+from k3jax.errors import CheckpointError
 
 MANIFEST = "k3jax_convert.json"
 CONFIG = "k3jax_config.json"
@@ -82,8 +82,9 @@ def convert(hf_dir: str, out_dir: str, *, layers: str | None = None, experts: st
   # converts what a partial download of the first shards holds).
   with_embed = selected is None or selected.start == 0
   with_head = selected is None or selected.stop == cfg.num_layers
-  items = plan(source, selected, shapes=shapes, keep=lambda s: s.layer is not None or (
-      with_embed if s.entry.hf == "embed_tokens.weight" else with_head))
+  items = items_to_read(
+      source, selected, shapes=shapes, keep=lambda s: s.layer is not None or (
+          with_embed if s.entry.hf == "embed_tokens.weight" else with_head))
   keep_codes = experts == "mxfp4"
   if keep_codes:
     dense = next((it for it in items if it.slot.entry.mxfp4 and not it.mxfp4), None)

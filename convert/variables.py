@@ -2,7 +2,7 @@
 abstract variable (shape, dtype) of the model a config describes, computed with
 `nnx.eval_shape` (nothing allocated).
 
-Every converter module (the folder plan, the Orbax writer, the loaders, export) takes its
+Every converter module (the folder's reads, the Orbax writer, the loaders, export) takes its
 shapes from here, so none of them needs another to know what the model holds.
 """
 
@@ -14,6 +14,7 @@ from flax import nnx
 
 from k3jax.config import ModelConfig
 from k3jax.execution import Execution
+from k3jax.model.transformer import K3Model
 
 Path = tuple[str, ...]
 
@@ -21,7 +22,6 @@ Path = tuple[str, ...]
 def abstract_variables(cfg: ModelConfig, ex: Execution = Execution()) -> dict[Path, Any]:
   """k3jax path -> abstract nnx Variable of the model `cfg` describes, in `ex`'s parameter
   dtype (the shapes and logical axes do not depend on it)."""
-  from k3jax.model.transformer import K3Model  # noqa: PLC0415  (model import is heavy)
   abstract = nnx.eval_shape(lambda: K3Model(cfg, ex, rngs=nnx.Rngs(0)))
   return {tuple(str(p) for p in path): v for path, v in nnx.to_flat_state(nnx.state(abstract))}
 

@@ -160,7 +160,7 @@ class ModelConfig:
   def shared_intermediate_size(self) -> int:
     return self.num_shared_experts * self.moe_intermediate_size
 
-  def replace(self, **changes: Any) -> "ModelConfig":
+  def replace(self, **changes: Any) -> ModelConfig:
     return dataclasses.replace(self, **changes)
 
   def to_dict(self) -> dict[str, Any]:
@@ -169,7 +169,7 @@ class ModelConfig:
     return d
 
   @classmethod
-  def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
+  def from_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
     """The config of a k3jax config dict. Files written before architecture and execution were
     separated hold both in one dict: the execution fields are dropped here (their reader is
     `k3jax.execution.recorded`)."""

@@ -9,7 +9,6 @@ layer. The router bias is a buffer, not a parameter.
 
 from __future__ import annotations
 
-import json
 import math
 from collections import defaultdict
 
@@ -17,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import ModelConfig
+from k3jax.model.transformer import K3Model
 
 # (top-level attribute, sub-path prefix) -> component label
 _COMPONENTS = (
@@ -36,7 +36,6 @@ _COMPONENTS = (
 
 
 def param_breakdown(cfg: ModelConfig) -> dict[str, int]:
-  from k3jax.model.transformer import K3Model  # noqa: PLC0415
   abstract = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
   counts: dict[str, int] = defaultdict(int)
   for path, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):

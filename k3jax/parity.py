@@ -36,14 +36,19 @@ expert-parallel; the verdict is the same rule.
 
 from __future__ import annotations
 
-import argparse
-import json
+import contextlib
 import os
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from convert.load import load_any, read_manifest
 from k3jax.errors import UserError
 from k3jax.execution import NUMERICS  # the numerics of each --dtype (also read from here)
+from k3jax.generate.static_batch import StaticBatch
+from sharding.mesh import make_mesh
 
 TOLERANCE = {"float64": 1e-5, "float32": 2e-3}
 FLOAT32_NOISE = 2e-3
@@ -70,17 +75,9 @@ def run_model(model_dir: str, ids: np.ndarray, dtype: str, layers: bool = False,
   """The model's outputs on `ids` in `dtype` (float64 arrays): logits, layer_out, hidden, and
   with `decode_prefill` P the decode logits (prefill P tokens, then one token per step).
   `mesh` (a spec such as "data=2,expert=2,tensor=2") runs it sharded."""
-  import contextlib  # noqa: PLC0415
-
-  import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
-
-  from convert.load import load_any, read_manifest  # noqa: PLC0415
-
   with jax.enable_x64(dtype == "float64"):
     device_mesh = None
     if mesh is not None:
-      from sharding.mesh import make_mesh  # noqa: PLC0415
       device_mesh = make_mesh(mesh)
     model, cfg = load_any(model_dir, NUMERICS[dtype], mesh=device_mesh)
     partial = (read_manifest(model_dir) or {}).get("layers") if os.path.isdir(model_dir) else None
@@ -107,7 +104,6 @@ def _forward(model, ids, layers: bool):
   """The jitted forward, compiled once per model structure and shapes (module-level cache)."""
   global _FORWARD
   if _FORWARD is None:
-    from flax import nnx  # noqa: PLC0415
     _FORWARD = nnx.jit(lambda m, x, layers: m(x, return_layer_out=layers), static_argnums=2)
   return _FORWARD(model, ids, layers)
 
@@ -117,9 +113,6 @@ _FORWARD = None
 
 def decode_logits(model, ids, prefill: int) -> np.ndarray:
   """Logits of every position through the cache: `prefill` tokens at once, then one by one."""
-  import jax.numpy as jnp  # noqa: PLC0415
-
-  from k3jax.generate.static_batch import StaticBatch  # noqa: PLC0415
   b, t = ids.shape
   if not 0 < prefill <= t:
     raise UserError(f"decode_prefill_len {prefill} outside [1, {t}]")

@@ -1,4 +1,5 @@
-"""Argument helpers shared by the commands: value parsers, the help formatter, error wrapping."""
+"""Argument helpers shared by the commands: value parsers, the help formatter, error wrapping,
+and the flags more than one command takes (`add_remat`, `add_lora`, `add_engine_flags`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import os
 import jax
 
 from k3jax.errors import CheckpointError
+from k3jax.execution import Remat
+from k3jax.model import lora
 from k3jax.server import Experts, ServeOptions
 
 
@@ -73,6 +76,38 @@ def io_errors_are_user_errors(fn):
   return run
 
 
+def add_remat(parser, *, default: str | None, bare: str | None = None) -> None:
+  """--remat POLICY (execution.Remat), as `k3jax train` runs it and `k3jax plan` plans it; the
+  default is the command's, and `bare` (if any) is what a bare --remat means."""
+  extra = {"nargs": "?", "const": bare} if bare else {}
+  parser.add_argument(
+      "--remat", default=default, choices=[r.value for r in Remat], **extra,
+      help="rematerialisation policy per layer: none keeps every activation, full recomputes "
+           "the layer from its input, save-dots keeps the projections' outputs, offload keeps "
+           "them in host memory" + (f" (bare --remat: {bare})" if bare else "")
+           + ("" if default else " (none given: none)"))
+
+
+def add_lora(parser, *, rank: int | None, base_experts: str, when: str = "") -> None:
+  """--lora RANK, --lora-targets PATTERN..., --base-experts float|mxfp4: LoRA fine-tuning over a
+  frozen base (k3jax/model/lora.py), as `k3jax train` runs it and `k3jax plan --mode lora`
+  plans it. The defaults are the command's; `when` prefixes each help ("--mode lora: ")."""
+  parser.add_argument(
+      "--lora", type=int, default=rank, metavar="RANK",
+      help=f"{when}LoRA adapters of this rank on the targets; the base stays frozen and holds "
+           "no optimizer state")
+  parser.add_argument(
+      "--lora-targets", nargs="+", default=None, metavar="PATTERN",
+      help=f"{when}fnmatch patterns over projection paths (none given: "
+           f"{' '.join(lora.DEFAULT_TARGETS)}; moe.experts.* adds one adapter per routed expert; "
+           "paths look like mla.q_b_proj, kda.o_proj, moe.shared_experts.up_proj, "
+           "moe.routed_down, moe.experts.w1)")
+  parser.add_argument(
+      "--base-experts", choices=("float", "mxfp4"), default=base_experts,
+      help=f"{when}the frozen routed experts in memory: float (bf16) or mxfp4 (MXFP4 codes, "
+           "dequantised per matmul)")
+
+
 DTYPES = ("auto", "float64", "float32", "bfloat16")
 
 
@@ -85,9 +120,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
   p.add_argument("--mesh", metavar="MESH", help="device mesh, e.g. data=2,tensor=4")
   p.add_argument("--dtype", choices=DTYPES, default="auto",
                  help="auto: float32 on CPU, bfloat16 on TPU/GPU")
-  p.add_argument("--experts", choices=("dequantized", "mxfp4"), default="dequantized",
-                 help="routed experts of an MXFP4 checkpoint: expanded to --dtype as they load, "
-                      "or kept packed")
+  p.add_argument("--experts", choices=[e.value for e in Experts], default=None,
+                 help="routed experts at run time: packed MXFP4 codes + scales, or dequantized "
+                      "to --dtype as they load (default: as the folder stores them)")
   p.add_argument("--max-num-seqs", type=positive_int, default=16,
                  help="requests computed at once (each holds a KDA state); the rest wait")
   p.add_argument("--max-model-len", type=positive_int, default=None,
@@ -107,7 +142,8 @@ def engine_options(args: argparse.Namespace, **fields):
   if args.compile_cache.lower() != "none":
     jax.config.update("jax_compilation_cache_dir", args.compile_cache)
   return ServeOptions(model=args.model, tokenizer=args.tokenizer, mesh=args.mesh,
-                      dtype=args.dtype, experts=Experts(args.experts),
+                      dtype=args.dtype,
+                      experts=Experts(args.experts) if args.experts else None,
                       max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                       prefill_chunk=args.prefill_chunk,
                       prefix_state_every=args.prefix_state_every, **fields)

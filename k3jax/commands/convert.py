@@ -7,6 +7,8 @@ import ctypes
 import os
 import sys
 
+from convert.outdir import partial_dir
+from convert.to_orbax import convert
 from k3jax.errors import CheckpointError
 
 
@@ -23,7 +25,6 @@ def _fixed_mmap_threshold() -> None:
 
 def _convert(args: argparse.Namespace) -> int:
   """An interruption or an I/O error keeps the part written so far: say how to continue."""
-  from convert.outdir import partial_dir  # noqa: PLC0415
   _fixed_mmap_threshold()
   try:
     return _convert_or_raise(args)
@@ -39,7 +40,6 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _convert_or_raise(args: argparse.Namespace) -> int:
-  from convert.to_orbax import convert  # noqa: PLC0415  (pulls in JAX)
   manifest = convert(args.hf_dir, args.out_dir, layers=args.layers, experts=args.experts,
                      force=args.force, resume=args.resume, progress=not args.quiet)
   held = "all layers" if manifest["layers"] is None else "layers {}-{}".format(*manifest["layers"])

@@ -44,7 +44,7 @@ def _relative_data_files(value, base: str):
 def resolve_tasks(items: list[str], work: str) -> tuple[list[str], list[str], bool]:
   """(task names, include paths, whether the harness's own tasks are needed). A task file is
   included through a wrapper in `work` that reads its relative data files next to it."""
-  import yaml  # noqa: PLC0415  (comes with the harness: the eval extra)
+  import yaml  # noqa: PLC0415 - comes with the harness (the eval extra), not a core dependency
 
   class Loader(yaml.SafeLoader):  # reads the plain keys; tags (!function) are the harness's
     pass
@@ -59,7 +59,7 @@ def resolve_tasks(items: list[str], work: str) -> tuple[list[str], list[str], bo
     path = os.path.abspath(item)
     try:
       with open(path) as f:
-        config = yaml.load(f, Loader=Loader)  # noqa: S506  (a SafeLoader)
+        config = yaml.load(f, Loader=Loader)  # a SafeLoader subclass
     except (OSError, yaml.YAMLError) as e:
       raise UserError(f"--tasks {item}: {e}") from None
     if not isinstance(config, dict) or not isinstance(config.get("task"), str):
@@ -89,9 +89,9 @@ def summary(results: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
   try:  # outside the core dependencies: pip install -e '.[eval]'
-    import lm_eval  # noqa: PLC0415
-    from lm_eval.tasks import TaskManager  # noqa: PLC0415
-    from lm_eval.utils import handle_non_serializable  # noqa: PLC0415
+    import lm_eval  # noqa: PLC0415 - the eval extra, not a core dependency
+    from lm_eval.tasks import TaskManager  # noqa: PLC0415 - the eval extra
+    from lm_eval.utils import handle_non_serializable  # noqa: PLC0415 - the eval extra
   except ImportError as e:
     raise UserError(f"k3jax eval needs lm-evaluation-harness ({e}): pip install -e '.[eval]'") \
         from None

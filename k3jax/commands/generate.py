@@ -21,13 +21,25 @@ import os
 import sys
 import time
 
-from k3jax.commands._args import (Formatter, default_compile_cache, nonneg_float, nonneg_int,
-                                  positive_int, token_ids)
-from k3jax.errors import UserError
-from k3jax.execution import NUMERICS
+import jax
+
+from convert.load import load_any, stores_packed_experts
+from k3jax.commands._args import (
+  Formatter,
+  default_compile_cache,
+  nonneg_float,
+  nonneg_int,
+  positive_int,
+  token_ids,
+)
 from k3jax.engine import DEFAULT_MAX_MODEL_LEN, Engine, EngineConfig, SamplingParams
+from k3jax.errors import CheckpointError, UserError
+from k3jax.execution import NUMERICS
 from k3jax.folders import max_model_len, model_folder
+from k3jax.generate import chat
+from k3jax.generate.chat import find_tokenizer_config
 from k3jax.tokenizer import text_tokenizer
+from sharding.mesh import make_mesh
 
 DTYPES = ("auto", "float64", "float32", "bfloat16")
 
@@ -50,7 +62,6 @@ def _prompts(args, tokenizer, chat_config) -> list[list[int]]:
   if tokenizer is None:
     raise UserError("this model folder has no tokenizer (tiktoken.model) and is not "
                     "byte-level: pass --prompt-ids")
-  from k3jax.generate import chat  # noqa: PLC0415
   if args.chat:
     return [chat.encode(tokenizer, chat.render(chat_config, [{"role": "user", "content": t}]))
             for t in texts]
@@ -62,7 +73,6 @@ def _prompts(args, tokenizer, chat_config) -> list[list[int]]:
 
 def _stop_ids(args, cfg, tokenizer) -> list[int]:
   stops = [] if args.ignore_eos or cfg.eos_token_id is None else [int(cfg.eos_token_id)]
-  from k3jax.generate import chat  # noqa: PLC0415
   for s in args.stop or ():
     if s.lstrip("-").isdigit():
       stops.append(int(s))
@@ -122,13 +132,6 @@ class _Printer:
 
 
 def run(args: argparse.Namespace) -> int:
-  import jax  # noqa: PLC0415
-
-  from k3jax.errors import CheckpointError  # noqa: PLC0415
-  from convert.load import load_any  # noqa: PLC0415
-  from k3jax.generate.chat import find_tokenizer_config  # noqa: PLC0415
-  from sharding.mesh import make_mesh  # noqa: PLC0415
-
   if not 0 < args.top_p <= 1:
     raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
   if args.compile_cache.lower() != "none":
@@ -144,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
   with jax.enable_x64(dtype == "float64"):
     t0 = time.perf_counter()
     try:  # placed on the mesh as loaded (a converted checkpoint straight into its shards)
-      model, cfg = load_any(weights, NUMERICS[dtype], mesh=mesh)
+      model, cfg = load_any(weights, NUMERICS[dtype], mesh=mesh,
+                            keep_packed=keep_packed(args.experts, weights))
     except CheckpointError as e:
       raise UserError(str(e)) from None
     tokenizer = text_tokenizer(source, cfg.vocab_size)
@@ -159,6 +163,15 @@ def run(args: argparse.Namespace) -> int:
     config = engine_config(args, prompts, max_model_len(folder))
     _generate(args, model, prompts, tokenizer, stops, config, mesh)
   return 0
+
+
+def keep_packed(experts: str | None, weights: str) -> bool:
+  """--experts: mxfp4 keeps the routed experts as codes + scales (dequantised a tile at a time
+  inside the grouped matmul), dequantized holds them in the run's dtype; by default, as the
+  folder stores them."""
+  if experts is None:
+    return stores_packed_experts(weights)
+  return experts == "mxfp4"
 
 
 def engine_config(args, prompts: list[list[int]], limit: int | None) -> EngineConfig:
@@ -218,6 +231,9 @@ def register(sub) -> None:
                  help="do not stop at the config's eos_token_id")
   p.add_argument("--dtype", choices=DTYPES, default="auto",
                  help="auto: float32 on CPU, bfloat16 on TPU/GPU")
+  p.add_argument("--experts", choices=("mxfp4", "dequantized"), default=None,
+                 help="routed experts at run time: packed MXFP4 codes + scales, or dequantized "
+                 "to --dtype (default: as the folder stores them)")
   p.add_argument("--mesh", metavar="MESH", help="device mesh, e.g. data=2,tensor=4")
   p.add_argument("--json", action="store_true", help="one JSON object per prompt")
   p.add_argument("--prefill-chunk", type=positive_int, default=512,

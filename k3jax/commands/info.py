@@ -18,7 +18,6 @@ from k3jax.model.transformer import K3Model
 
 
 def run(args: argparse.Namespace) -> int:
-  import configs  # noqa: PLC0415
   cfg = configs.resolve(args.config)
   ex = Execution(dtype=args.dtype) if args.dtype else Execution()  # refuses an unknown dtype
   s = info.summary(cfg, args.dtype or "bfloat16")
@@ -33,10 +32,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _tiny_forward(cfg: ModelConfig, ex: Execution) -> str:
   """Run the model once on a few random tokens: a smoke test that the config builds and runs."""
-  import time  # noqa: PLC0415
-
-  import jax  # noqa: PLC0415
-  from k3jax.model.transformer import K3Model  # noqa: PLC0415
   t0 = time.perf_counter()
   model = K3Model(cfg, ex, rngs=nnx.Rngs(0))
   ids = jax.random.randint(jax.random.key(1), (1, 16), 0, cfg.vocab_size)

@@ -1,4 +1,21 @@
-"""`k3jax plan` on the command line: flags, defaults and output (the planning is k3jax/plan/train.py)."""
+"""`k3jax plan`: will a step fit a TPU pod, on which mesh, how fast (docs/plan.md).
+
+The real jitted step is compiled ahead of time for the topology (libtpu on a CPU machine, no
+TPU needed) and XLA's own figures are read back: per device the argument / temporary / peak
+bytes against the chip's HBM, the compiled matmul FLOPs next to the model FLOPs, and a step
+time ESTIMATE (a roofline of peak FLOP/s and HBM bandwidth, no communication). Without --mesh
+a small set of meshes is ranked by a hand count and the best few are compiled; --analytic
+counts without compiling.
+
+  --mode train   the full train step of `k3jax train` (fp32 master weights, bf16 compute,
+                 Per-Head Muon);
+  --mode lora    LoRA fine-tuning over a frozen base (`k3jax train --lora RANK`);
+  --mode decode  serving: the prefill and decode programs of `k3jax generate`, with a cache of
+                 --batch rows x --seq positions.
+
+--json prints one JSON object on the last line (with "candidates" when several meshes were
+tried). The planning itself is the library k3jax/plan (`k3jax.plan.run(PlanRequest(...))`).
+"""
 
 from __future__ import annotations
 
@@ -7,14 +24,23 @@ import json
 import sys
 
 from k3jax import plan
-from k3jax.commands._args import positive_int
-from k3jax.execution import Attention, Remat
+from k3jax.commands._args import Formatter, add_lora, add_remat, positive_int
+from k3jax.execution import Attention
+from k3jax.plan import Mode, PlanRequest
+
+
+def request_from_args(args: argparse.Namespace) -> PlanRequest:
+  return PlanRequest(
+      config=args.config, topology=args.topology, mode=Mode(args.mode), mesh=args.mesh,
+      batch=args.batch, seq=args.seq, grad_accum=args.grad_accum, analytic=args.analytic,
+      max_compiles=args.max_compiles, capacity_factor=args.capacity_factor, remat=args.remat,
+      loss_chunk=args.loss_chunk, attention=args.attention, lora_rank=args.lora,
+      lora_targets=tuple(args.lora_targets) if args.lora_targets else None,
+      base_experts=args.base_experts, prefill_chunk=args.prefill_chunk, block=args.block)
 
 
 def run(args: argparse.Namespace) -> int:
-  from k3jax.plan import decode as plan_decode  # noqa: PLC0415
-  lib = plan_decode if args.mode == "decode" else plan
-  plans = lib.run_plan(args)
+  plans = plan.run(request_from_args(args))
   chosen = plan.best(plans)
   if args.json:
     out = chosen.to_json()
@@ -24,45 +50,39 @@ def run(args: argparse.Namespace) -> int:
     return 0
   if len(plans) > 1:
     for p in plans:
-      print(lib.report(p))
+      print(p.report())
     print(f"best: mesh {chosen.mesh} ({'fits' if chosen.fits else 'nothing fits'})")
   else:
-    print(lib.report(chosen))
+    print(chosen.report())
   sys.stdout.flush()
   return 0
 
 
 def register(sub) -> None:
-  p = sub.add_parser("plan", help="compile the train or decode step for a TPU topology: memory, FLOPs, "
-                     "time estimate", description=plan.__doc__,
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = sub.add_parser("plan", help="compile the train or decode step for a TPU topology: memory, "
+                     "FLOPs, time estimate", description=__doc__, formatter_class=Formatter)
   p.add_argument("--config", required=True, help="preset, HF config.json or k3jax config JSON")
   p.add_argument("--topology", required=True,
                  help="TPU topology as get_topology_desc takes it: v5e:2x2, v5p:8x8x16, "
                  "tpu7x:8x8x8, ...")
-  p.add_argument("--mesh", help="data=..,fsdp=..,expert=..,tensor=.. (default: search)")
+  p.add_argument("--mesh", help="data=..,fsdp=..,expert=..,tensor=.. (none given: search)")
   p.add_argument("--batch", type=positive_int, default=None,
-                 help="global rows per step (default: the batch-axis device count)")
-  p.add_argument("--seq", type=positive_int, default=8192, help="sequence length")
+                 help="global rows per step (none given: one per device)")
+  p.add_argument("--seq", type=positive_int, default=8192,
+                 help="sequence length (--mode decode: cache positions per row)")
   p.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per step")
-  p.add_argument("--mode", choices=("train", "lora", "decode"), default="train",
+  p.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.TRAIN.value,
                  help="train: the full train step; lora: LoRA fine-tuning over a frozen base "
                  "(k3jax train --lora); decode: serving (k3jax generate: prefill and decode "
                  "with a cache of --batch rows x --seq positions)")
-  p.add_argument("--lora", type=int, default=16, metavar="RANK",
-                 help="--mode lora: adapter rank (default 16)")
-  p.add_argument("--lora-targets", nargs="+", default=None, metavar="PATTERN",
-                 help="--mode lora: projection path patterns (default: as k3jax train)")
-  p.add_argument("--base-experts", choices=("float", "mxfp4"), default="mxfp4",
-                 help="--mode lora: routed experts held as bf16 or MXFP4 codes (default)")
-  p.add_argument("--remat", default=None, choices=[r.value for r in Remat],
-                 help="remat policy: none | full | save-dots | offload (default: none)")
+  add_lora(p, rank=16, base_experts="mxfp4", when="--mode lora: ")
+  add_remat(p, default=None)
   p.add_argument("--loss-chunk", type=int, default=None,
-                 help="positions per loss chunk (0 or unset: whole logits)")
+                 help="positions per loss chunk (0 or none given: whole logits)")
   p.add_argument("--attention", choices=[a.value for a in Attention], default=None,
-                 help="MLA attention (default: dense)")
+                 help="MLA attention (none given: dense)")
   p.add_argument("--capacity-factor", type=float, default=None, metavar="F",
-                 help="routed experts' capacity factor (default: none, dropless, whose receive "
+                 help="routed experts' capacity factor (none given: dropless, whose receive "
                       "buffers are sized for the worst case)")
   p.add_argument("--prefill-chunk", type=positive_int, default=512,
                  help="--mode decode: prompt tokens per prefill call (as k3jax generate)")
@@ -72,10 +92,4 @@ def register(sub) -> None:
   p.add_argument("--max-compiles", type=positive_int, default=3,
                  help="without --mesh: compile at most this many candidates")
   p.add_argument("--json", action="store_true", help="one JSON object")
-  p.set_defaults(func=_run_with_defaults)
-
-
-def _run_with_defaults(args) -> int:
-  if args.batch is None:  # one row per device: every mesh's batch axes divide it
-    args.batch = len(plan.topology_devices(args.topology))
-  return run(args)
+  p.set_defaults(func=run)

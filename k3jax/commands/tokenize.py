@@ -24,6 +24,7 @@ import sys
 
 from k3jax.errors import UserError
 from k3jax.folders import model_folder
+from k3jax.tokenizer import TIKTOKEN_FILE, chat, find_tiktoken_file, load_tokenizer
 
 
 def _token_texts(tok, ids) -> list[str]:
@@ -60,7 +61,6 @@ def _read_conversation(path: str, line: int | None):
 
 
 def run(args: argparse.Namespace) -> int:
-  from k3jax.tokenizer import TIKTOKEN_FILE, chat, find_tiktoken_file, load_tokenizer  # noqa: PLC0415
   folder = model_folder(args.model_dir).tokenizer.folder  # a run: the one it trained with
   if folder is None or find_tiktoken_file(folder) is None:
     raise UserError(f"{args.model_dir}: no {TIKTOKEN_FILE} (nor hf/{TIKTOKEN_FILE}): not a "

@@ -20,16 +20,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
-from k3jax.commands._args import (Formatter, default_compile_cache, optional_float,
-                                  positive_float, positive_int)
+import jax
+
+from k3jax.commands._args import (
+  Formatter,
+  add_lora,
+  add_remat,
+  default_compile_cache,
+  optional_float,
+  positive_float,
+  positive_int,
+)
 from k3jax.errors import UserError
-from k3jax.execution import Remat
+from k3jax.train.loop import RunOptions
+from k3jax.train.loop import run as run_training
 
 
 def options_from_args(args: argparse.Namespace):
-  from k3jax.train.loop import RunOptions  # noqa: PLC0415
   if args.config and args.init_from:
     raise UserError("--config and --init-from are exclusive: a checkpoint brings its config")
   cache = None if args.compile_cache.lower() == "none" else args.compile_cache
@@ -58,9 +66,7 @@ def _fine_tuning_options(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-  from k3jax.train.loop import run as run_training  # noqa: PLC0415  (jax, flax, grain)
   summary = run_training(options_from_args(args))
-  import jax  # noqa: PLC0415  (initialised by the run)
   if jax.process_index() != 0:  # one report per run, from process 0
     return 0
   if summary["first_loss"] is None:
@@ -113,7 +119,8 @@ def register(sub) -> None:
   g = p.add_argument_group("optimizer (Per-Head Muon + AdamW)")
   g.add_argument("--lr", type=positive_float, default=1e-2, help="Muon peak learning rate")
   g.add_argument("--adam-lr", type=positive_float, default=None,
-                 help="AdamW peak learning rate (none given: --lr)")
+                 help="AdamW peak learning rate (none given: --lr); under --lora the adapters' "
+                      "(LoRA recipes use ~1e-4 to 2e-4)")
   g.add_argument("--warmup", type=int, default=20, help="linear warm-up steps")
   g.add_argument("--decay-steps", type=positive_int, default=None,
                  help="cosine horizon (none given: --steps)")
@@ -131,20 +138,9 @@ def register(sub) -> None:
                  help="QB threshold: k3 (the K3 report's formula: the (k+1)-th biased score for "
                       "every pair) or per_expert (the exact per-pair threshold)")
   g = p.add_argument_group("fine-tuning (LoRA, MXFP4 experts)")
-  g.add_argument("--lora", type=int, default=None, metavar="RANK",
-                 help="train LoRA adapters of this rank on the targets; the base stays frozen "
-                      "and holds no optimizer state (AdamW on the adapters, at --adam-lr or "
-                      "--lr: LoRA recipes use ~1e-4 to 2e-4)")
+  add_lora(g, rank=None, base_experts="float")
   g.add_argument("--lora-alpha", type=float, default=None, metavar="A",
                  help="scale the adapter update by A / RANK (default: A = RANK)")
-  g.add_argument("--lora-targets", nargs="+", default=None, metavar="PATTERN",
-                 help="fnmatch patterns over projection paths (default: mla.* kda.* "
-                      "moe.shared_experts.* dense_mlp.*; moe.experts.* adds one adapter per "
-                      "routed expert; paths look like mla.q_b_proj, kda.o_proj, "
-                      "moe.shared_experts.up_proj, moe.routed_down, moe.experts.w1)")
-  g.add_argument("--base-experts", choices=("float", "mxfp4"), default="float",
-                 help="mxfp4: keep the routed experts as MXFP4 codes in memory (frozen), "
-                      "dequantised per matmul")
   g.add_argument("--experts-qat", action="store_true",
                  help="routed experts forward with their MXFP4-rounded weights "
                       "(straight-through gradients): the exported MXFP4 model computes "
@@ -153,10 +149,7 @@ def register(sub) -> None:
   g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float64"), default="auto",
                  help="compute dtype over fp32 master weights (auto: bf16 on TPU/GPU, fp32 "
                       "on CPU); float64: fp64 weights and compute, for exactness checks")
-  g.add_argument("--remat", nargs="?", const="full", default="none",
-                 choices=[r.value for r in Remat],
-                 help="rematerialisation policy per layer (bare --remat: full; save-dots keeps "
-                      "the projections' outputs; offload keeps them in host memory)")
+  add_remat(g, default="none", bare="full")
   g.add_argument("--peak-tflops", type=positive_float, default=None,
                  help="peak for MFU (none given: a dense matmul measured at start-up)")
   g.add_argument("--compile-cache", default=default_compile_cache(),

@@ -13,6 +13,9 @@ from __future__ import annotations
 import json
 import os
 
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 from k3jax.errors import UserError
 
 CONFIG = "tokenizer_config.json"
@@ -45,8 +48,6 @@ def render(config_path: str | None, messages: list[dict]) -> str:
     template = next((t["template"] for t in template if t.get("name") == "default"), None)
   if not template:
     raise UserError(f"--chat: {config_path} has no chat_template")
-  from jinja2 import TemplateError  # noqa: PLC0415
-  from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: PLC0415
 
   def raise_exception(message):
     raise TemplateError(message)

@@ -81,7 +81,7 @@ def _select(stacks: dict, pos: Position, u) -> tuple:
 
 
 def _unwrap(tree):
-  is_primal = lambda x: isinstance(x, CustomVJPPrimal)  # noqa: E731
+  is_primal = lambda x: isinstance(x, CustomVJPPrimal)
   return (jax.tree.map(lambda x: x.value, tree, is_leaf=is_primal),
           jax.tree.map(lambda x: x.perturbed, tree, is_leaf=is_primal))
 

@@ -6,8 +6,8 @@ chunks of any size (chunked KDA op); decoding is `extend` on one token per row (
 Two forms of one computation (same `layer_step`: AttnRes blocks, norms, MLPs; a mixer adapter
 reads and writes the layer's cache entry):
 
-  extend            the model's stacked parameters and a stacked cache, layers planned as the
-                    training forward plans them (`schedule.plan`: the longest run of identical
+  extend            the model's stacked parameters and a stacked cache, layers grouped as the
+                    training forward groups them (`schedule.runs`: the longest run of identical
                     units under one `lax.scan`). The cache stacks travel in the scan carry and
                     each layer updates its own entry in place. For TPU/GPU, where XLA fuses a
                     slice of a stacked weight into the matmul that reads it, and at K3 depth,
@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.model import schedule
 from k3jax.config import ModelConfig
 from k3jax.execution import Execution
+from k3jax.model import schedule
 from k3jax.model.cache import Cache, MLACache, constrain
 from k3jax.model.kda import KDA, KDAState
 from k3jax.model.mla import heads_major_kv_b
@@ -69,7 +69,7 @@ class _CachedMixer:
       return y, None
     c_new, rot_new = self.module.latent(x)
     zero = jnp.zeros((), jnp.int32)
-    write = lambda stack, new: jax.lax.dynamic_update_slice(  # noqa: E731
+    write = lambda stack, new: jax.lax.dynamic_update_slice(
         stack, new[None].astype(stack.dtype), (jnp.asarray(i, jnp.int32), zero, ctx.length, zero))
     mla = MLACache(write(self.layers.mla.c, c_new), write(self.layers.mla.k_rot, rot_new))
     self.layers = self.layers._replace(mla=mla)
@@ -93,7 +93,7 @@ def extend(model: K3Model, input_ids: jax.Array, cache: Cache) -> tuple[jax.Arra
             if getattr(model, name) is not None}
   carry = initial_carry(cfg, x)
   layers = _Layers(cache.kda, cache.mla)
-  for run in schedule.plan(cfg, scan=ex.scan_layers):
+  for run in schedule.runs(cfg, scan=ex.scan_layers):
     carry, layers = _run(cfg, run, stacks, carry, layers, ctx)
   if cfg.attn_res_block_size is not None:
     h = model.output_res(carry.blocks, carry.partial, _valid(carry))

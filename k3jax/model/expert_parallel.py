@@ -48,6 +48,12 @@ The axes of the expert weights [E, h, F] follow the one rules table:
     the same weight bytes per device, latent stays whole and no weight moves at all. This code
     follows whatever axes the table gives (see `layout`).
 
+MXFP4-packed experts (`ExpertWeights` with codes and scales) follow the same axes: the codes
+[E, out, in/2] as their weight, the scales [E, out, in/32] whole along h and split with F
+(w2's contraction: each tensor rank dequantises its own groups, so F / tensor must hold whole
+groups of 32); an FSDP gather moves the codes (4 bits a weight), never a float copy. LoRA
+adapters on packed experts enter as their A [E, in, r] and B [E, r, out] (`expert_weights`).
+
 Buffers are static. Dropless, a device may receive every pair of its group that can reach it:
 EP * n * min(k, E/EP) rows (K3, EP = 128, n = 4096: 3.7M rows of 3584, 26 GB bf16; the mean is
 n * k). A capacity factor c caps each expert at cap = ceil(c * k * EP * n / E) pairs of its
@@ -66,12 +72,15 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from k3jax.execution import Dispatch, Execution
-from pallas_kernels.grouped_matmul import ALIGN as GROUPED_ROWS
-from pallas_kernels.grouped_matmul import grouped_matmul
+from k3jax.model import expert_weights
+from k3jax.model.expert_weights import ExpertWeights
 from k3jax.model.layers import wide_dtype
 from k3jax.model.mlp import glu
+from pallas_kernels.grouped_matmul import ALIGN as GROUPED_ROWS
+from pallas_kernels.mxfp4 import GROUP
 from sharding.activations import pin
 from sharding.rules import ACTIVATION_RULES, MESH_AXES, fit_spec, logical_to_spec
+
 
 def context_mesh() -> jax.sharding.AbstractMesh | None:
   """The mesh the caller traces under (`jax.set_mesh`) when it is a k3jax mesh (axes
@@ -121,7 +130,7 @@ def layout(cfg, n_tokens: int, in_name: str, mesh=None,
                              shape=(e, h, cfg.moe_intermediate_size))
     ep_axes, gather_axes, psum_axes = (_axes(s) for s in w_spec)
     token_axes = _axes(logical_to_spec(("batch",), ACTIVATION_RULES, mesh=mesh)[0])
-  size = lambda axes: math.prod(mesh.shape[a] for a in axes) if axes else 1  # noqa: E731
+  size = lambda axes: math.prod(mesh.shape[a] for a in axes) if axes else 1
   ep, shards = size(ep_axes), size(token_axes)
   if e % ep:
     raise ValueError(f"{e} experts do not split over the {ep} devices of mesh axes {ep_axes}")
@@ -144,18 +153,20 @@ def layout(cfg, n_tokens: int, in_name: str, mesh=None,
 
 
 def routed_experts(cfg, ex: Execution, route, x_nd: jax.Array, z_nh: jax.Array,
-                   router_de: jax.Array, bias_e: jax.Array, w1: jax.Array, w3: jax.Array,
-                   w2: jax.Array, *, in_name: str):
+                   router_de: jax.Array, bias_e: jax.Array, w1, w3, w2, *, in_name: str):
   """Router, dispatch and routed experts, expert-parallel on the context mesh (or on one
   device without one). `route(x, router_de, bias_e)` -> (scores, experts, weights) is the
   router; it runs per device too (the partitioner gathers every token for a sharded top_k).
+  w1, w3, w2: `ExpertWeights` (dense [E, h, F] / [E, F, h] arrays, or MXFP4 codes and scales
+  with optional adapters), or bare dense arrays.
 
   Returns u = sum_k p_k E_{T_k}(z) [N, h] (fp32), the routing (scores [N, E], experts and
   weights [N, k]) and the dropped pairs (int32 [], summed over the mesh). On a mesh, x, z, u
   and the scores have their rows split as `split_rows` puts them (over tensor too: each
   tensor rank routes its share of the rows), experts and weights as the batch."""
   dt = ex.jnp_dtype
-  w1, w3, w2 = (w.astype(dt) for w in (w1, w3, w2))  # an FSDP gather moves compute dtype
+  # an FSDP gather moves compute dtype (or codes)
+  w1, w3, w2 = (expert_weights.cast(w, dt) for w in (w1, w3, w2))
   mesh = context_mesh()
   n_tokens = z_nh.shape[0]
   plan = layout(cfg, n_tokens, in_name, mesh, ex.moe_capacity_factor)
@@ -185,8 +196,8 @@ def routed_experts(cfg, ex: Execution, route, x_nd: jax.Array, z_nh: jax.Array,
                         for a in (x_nd, z_nh, live))
   tok = P(plan.token_axes or None)
   rows = P(plan.token_axes + split or None)
-  w13 = P(plan.ep_axes or None, plan.gather_axes or None, plan.psum_axes or None)
-  w2_spec = P(plan.ep_axes or None, plan.psum_axes or None, plan.gather_axes or None)
+  w13, w2_spec = (weight_specs(plan, w, *roles) for w, roles in ((w1, ("h", "f")),
+                                                                    (w2, ("f", "h"))))
   in_specs = (rows, rows, tok, r_spec, b_spec, w13, w13, w2_spec)
   args = (x_nd, z_nh, live, router_de, bias_e, w1, w3, w2)
   args = shard_map_operands(args, in_specs, mesh)
@@ -227,11 +238,55 @@ def _gather(w: jax.Array, spec: P) -> jax.Array:
   return w
 
 
+def _dims(part: str, in_role: str, out_role: str) -> tuple:
+  """What each dim of an `ExpertWeights` part is: "e" the experts, "h" the input width (l or
+  d), "f" moe_mlp, None neither (the adapters' rank). A packed weight's scales follow `in`
+  over the tensor ranks (w2's F: each rank contracts its own slice) and are whole along h
+  (lora.pack_experts never splits them along `in`)."""
+  return {"dense": ("e", in_role, out_role), "codes": ("e", out_role, in_role),
+          "scales": ("e", out_role, in_role if in_role == "f" else None),
+          "lora_a": ("e", in_role, None), "lora_b": ("e", None, out_role)}[part]
+
+
+def _role_axes(plan: Layout) -> dict:
+  return {"e": plan.ep_axes, "h": plan.gather_axes, "f": plan.psum_axes, None: ()}
+
+
+def weight_specs(plan: Layout, w: ExpertWeights, in_role: str, out_role: str) -> ExpertWeights:
+  """The shard_map specs of an expert weight's parts (None where a part is absent): the
+  experts over the exchange group, h over FSDP's gather axes, F over the tensor ranks."""
+  axes = _role_axes(plan)
+  if w.packed and plan.psum_axes and in_role == "f":  # w2: groups of F split over ranks
+    f = w.shape()[1]
+    tensor = math.prod(context_mesh().shape[a] for a in plan.psum_axes)
+    if f % (GROUP * tensor):
+      raise ValueError(f"MXFP4 experts: moe_intermediate_size {f} does not split into whole "
+                       f"groups of {GROUP} over the {tensor} devices of mesh axes "
+                       f"{plan.psum_axes}")
+  return ExpertWeights(**{
+      part: P(*(axes[r] or None for r in _dims(part, in_role, out_role)))
+      for part in ExpertWeights._fields if getattr(w, part) is not None})
+
+
+def _gathered(plan: Layout, w: ExpertWeights, in_role: str, out_role: str) -> ExpertWeights:
+  """FSDP: the local experts' full h, for this layer only (packed: the codes, 4 bits a
+  weight)."""
+  parts = {}
+  for part in ExpertWeights._fields:
+    x = getattr(w, part)
+    if x is not None:
+      for axis, role in enumerate(_dims(part, in_role, out_role)):
+        if role == "h":
+          x = jax.lax.all_gather(x, plan.gather_axes, axis=axis, tiled=True)
+    parts[part] = x
+  return ExpertWeights(**parts)
+
+
 def _local(plan: Layout, cfg, ex: Execution, z_nh, experts_nk, weights_nk, w1, w3, w2):
   """One device's part: its tokens, its experts (see the module docstring)."""
   if plan.gather_axes:  # FSDP: the local experts' full input width, for this layer only
-    w1, w3 = (jax.lax.all_gather(w, plan.gather_axes, axis=1, tiled=True) for w in (w1, w3))
-    w2 = jax.lax.all_gather(w2, plan.gather_axes, axis=2, tiled=True)
+    w1, w3 = (_gathered(plan, w, "h", "f") for w in (w1, w3))
+    w2 = _gathered(plan, w2, "f", "h")
   n, k = experts_nk.shape
   m, e, ep = n * k, cfg.num_experts, plan.ep
   flat_e = experts_nk.reshape(-1)                    # padding pairs carry e: sorted last
@@ -255,15 +310,14 @@ def _local(plan: Layout, cfg, ex: Execution, z_nh, experts_nk, weights_nk, w1, w
   x_send = z_nh[token]
 
   def experts(x, group_sizes):
-    gmm = functools.partial(grouped_matmul, group_sizes_e=group_sizes,
-                            impl=ex.moe_grouped_matmul, precision=ex.precision)
-    return gmm(glu(cfg, gmm(x, w1), gmm(x, w3)), w2)
+    gmm = functools.partial(expert_weights.matmul, ex, group_sizes_e=group_sizes)
+    return gmm(glu(cfg, gmm(x, w=w1), gmm(x, w=w3)), w=w2)
 
   if ep == 1:
     y_send = experts(x_send, a[0])
   else:
     args = (x_send, a, flat_e[pair], live, me)
-    run = lambda kind: functools.partial(_exchange, kind, plan, experts)  # noqa: E731
+    run = lambda kind: functools.partial(_exchange, kind, plan, experts)
     if ex.moe_dispatch is not None:
       y_send = run(ex.moe_dispatch)(*args)
     else:  # decided when lowered for a platform: XLA:CPU has no ragged_all_to_all

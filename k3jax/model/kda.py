@@ -13,8 +13,8 @@ them. The conv is causal and depthwise (weights [H, K, taps], the last tap on th
 token) and does not read across packed-sequence boundaries. `KDAState` carries what decoding
 needs: the last taps-1 projected inputs of q, k, v and the recurrent state [B, H, K, V] fp32.
 
-Decoding (docs/inference.md): with a state, a chunk of any length continues it through the chunked op;
-one token (T = 1) takes the fused single-step path `kda_step` instead (Pallas on TPU/GPU),
+Decoding (docs/inference.md): with a state, a chunk of any length continues it through the chunked
+op; one token (T = 1) takes the fused single-step path `kda_step` instead (Pallas on TPU/GPU),
 never the chunked op padded to 64. `token_mask` [B, T] marks positions that are not part of
 the row's sequence: left padding (a static batch's shorter prompts), right padding (a serving
 engine's prefill chunk shorter than its row, a decode row with no request). A masked token
@@ -35,11 +35,11 @@ from flax import nnx
 
 from k3jax.config import ModelConfig
 from k3jax.execution import Execution
+from k3jax.model import kda_parallel
 from k3jax.model.layers import Projection, make_param, ones_param, rms_normalize, wide_dtype
 from pallas_kernels.kda import ops as kda_ops
 from pallas_kernels.kda.ops import RawInputs, prepare_inputs
 from pallas_kernels.kda.reference import PREPARED
-from k3jax.model import kda_parallel
 
 
 class KDAState(NamedTuple):

@@ -26,8 +26,8 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec as P
 
-from sharding.activations import activation_spec
 from k3jax.model.expert_parallel import context_mesh, shard_map_operands
+from sharding.activations import activation_spec
 
 _ROWS = ("batch", "length", "heads", "head_dim")
 

@@ -35,8 +35,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3jax.model.layers import Projection, annotated
+from k3jax.model.moe import RoutedExperts
+from k3jax.model.transformer import stack
 from pallas_kernels import mxfp4 as mx
-from k3jax.model.layers import Projection
 
 # attention (MLA and KDA projections), shared experts, dense MLP: what LoRA recipes adapt
 DEFAULT_TARGETS = ("mla.*", "kda.*", "moe.shared_experts.*", "dense_mlp.*")
@@ -77,7 +79,6 @@ def projection_paths(model: nnx.Module) -> dict[str, Projection]:
 
 
 def expert_paths(model: nnx.Module) -> dict[str, nnx.Module]:
-  from k3jax.model.moe import RoutedExperts  # noqa: PLC0415  (moe imports this module)
   return {_dotted(p): m for p, m in nnx.iter_modules(model) if isinstance(m, RoutedExperts)}
 
 
@@ -128,7 +129,6 @@ def _attach_projection(proj: Projection, spec: AdaptSpec, rngs: nnx.Rngs, dtype)
                     b_metadata={"out_sharding": (None, out_name), "eager_sharding": False})
 
   if stacked:
-    from k3jax.model.transformer import stack  # noqa: PLC0415
     proj.lora = nnx.data(stack(proj.kernel.shape[0], make, rngs))
   else:
     proj.lora = nnx.data(make(rngs))
@@ -208,7 +208,6 @@ def merge(model: nnx.Module) -> nnx.Module:
   """A copy of an adapted model with every adapter folded into its weights (W + scale A B,
   in the weights' dtype) and the routed experts as the forward sees them (dequantised,
   MXFP4-rounded under QAT): the plain model that computes what the adapted one computes."""
-  from k3jax.model.layers import annotated  # noqa: PLC0415
   model = nnx.clone(model)
   dtype = model.ex.jnp_param_dtype
   for proj in projection_paths(model).values():

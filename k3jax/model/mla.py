@@ -30,8 +30,8 @@ from flax import nnx
 
 from k3jax.config import ModelConfig
 from k3jax.execution import Attention, Execution
-from pallas_kernels.flash_attention import flash_attention
 from k3jax.model.layers import Projection, RMSNorm, wide_dtype
+from pallas_kernels.flash_attention import flash_attention
 
 
 def attention_mask(segment_ids: jax.Array | None, b: int, t: int) -> jax.Array:

@@ -2,9 +2,12 @@
 
 Dropless: every selected (token, expert) pair is computed. The pairs are sorted by expert and
 run as grouped matmuls (`grouped_matmul`: megablox's Pallas kernels on TPU, `jax.lax.ragged_dot`
-on GPU, padded tiles on CPU), never as a loop over all experts. Traced under a k3jax device mesh (`jax.set_mesh`), the routed
-experts run expert-parallel inside `shard_map` (k3jax/model/expert_parallel.py); an optional
-capacity factor (`moe_capacity_factor`) drops and counts the pairs past each expert's cap.
+on GPU, padded tiles on CPU), never as a loop over all experts. Experts held as MXFP4 codes
+(`lora.adapt(base_experts="mxfp4")`, `convert.load(keep_packed=True)`) stay packed: their
+grouped matmuls dequantise a tile at a time (k3jax/model/expert_weights.py). Traced under a
+k3jax device mesh (`jax.set_mesh`), the routed experts run expert-parallel inside `shard_map`
+(k3jax/model/expert_parallel.py); an optional capacity factor (`moe_capacity_factor`) drops and
+counts the pairs past each expert's cap.
 
     s = sigmoid(x W_r)                           # fp32 [N, E]
     T = topk(s + b, k)                           # b: router bias, set by Quantile Balancing
@@ -24,13 +27,12 @@ from flax import nnx
 
 from k3jax.config import ModelConfig
 from k3jax.execution import Execution
-from pallas_kernels import mxfp4
-from pallas_kernels.grouped_matmul import grouped_matmul
-from k3jax.model.layers import (Projection, RMSNorm, annotated, fan_in_normal, make_param,
-                                wide_dtype)
+from k3jax.model import expert_parallel, expert_weights
+from k3jax.model.expert_weights import ExpertWeights
+from k3jax.model.layers import Projection, RMSNorm, annotated, fan_in_normal, make_param, wide_dtype
 from k3jax.model.mlp import MLP, glu
-from k3jax.model.quantile_balancing import quantile_balancing_bias  # noqa: F401  (re-export)
-from k3jax.model import expert_parallel
+from k3jax.model.quantile_balancing import quantile_balancing_bias  # noqa: F401 - re-exported
+from pallas_kernels import mxfp4
 from sharding.activations import constrain
 
 
@@ -95,8 +97,9 @@ class RoutedExperts(nnx.Module):
     self.lora_scale = None   # set by model/lora.adapt with per-expert adapters
 
   def weight(self, name: str) -> jax.Array:
-    """The expert weights [..., in, out] the forward uses: the stored ones (dequantised when
-    held as MXFP4 codes), plus the LoRA update scale * A B, MXFP4-rounded under QAT."""
+    """The expert weights [..., in, out] as one dense array: the stored ones (dequantised when
+    held as MXFP4 codes), plus the LoRA update scale * A B, MXFP4-rounded under QAT. What the
+    forward multiplies by, except over packed codes without QAT (`operands`)."""
     adapted = self.qat or hasattr(self, f"{name}_lora_a")
     dt = self.ex.jnp_param_dtype if adapted else self.ex.jnp_dtype
     if hasattr(self, name):
@@ -112,6 +115,20 @@ class RoutedExperts(nnx.Module):
       w = mxfp4.round_mxfp4(w)
     return w
 
+  def operands(self, name: str) -> ExpertWeights:
+    """Weight `name` as the grouped matmuls take it, in the compute dtype: held as MXFP4 codes
+    (and not under QAT, which rounds the whole W + scale A B), the codes and scales as they are,
+    with the adapters beside them; else the dense `weight(name)`."""
+    dt = self.ex.jnp_dtype
+    if hasattr(self, name) or self.qat:
+      return ExpertWeights(dense=self.weight(name).astype(dt))
+    w = ExpertWeights(codes=getattr(self, f"{name}_packed")[...],
+                      scales=getattr(self, f"{name}_scale")[...])
+    if hasattr(self, f"{name}_lora_a"):
+      a, b = getattr(self, f"{name}_lora_a")[...], getattr(self, f"{name}_lora_b")[...]
+      w = w._replace(lora_a=a.astype(dt), lora_b=(self.lora_scale * b).astype(dt))
+    return w
+
   def __call__(self, z_nh: jax.Array, routing: Routing) -> jax.Array:
     """sum_k p_k E_{T_k}(z), accumulated in fp32 [N, h] (one device, dropless)."""
     n, k = routing.experts_nk.shape
@@ -122,9 +139,8 @@ class RoutedExperts(nnx.Module):
     token = order // k
     group_sizes = jnp.bincount(flat_expert, length=e).astype(jnp.int32)
     z_mh = z_nh.astype(dt)[token]
-    gmm = lambda x, w: grouped_matmul(x, self.weight(w).astype(dt), group_sizes,  # noqa: E731
-                                      impl=self.ex.moe_grouped_matmul,
-                                      precision=self.ex.precision)
+    gmm = lambda x, w: expert_weights.matmul(self.ex, x, self.operands(w),
+                                             group_sizes)
     y_mh = gmm(glu(self.cfg, gmm(z_mh, "w1"), gmm(z_mh, "w3")), "w2")
     wide = wide_dtype(dt)
     p_m = routing.weights_nk.reshape(-1)[order].astype(wide)
@@ -172,8 +188,8 @@ class MoE(nnx.Module):
     else:  # router, dispatch and experts per device (or capped, on one device)
       u, routed, dropped = expert_parallel.routed_experts(
           self.cfg, self.ex, functools.partial(route, self.cfg), x_nd, z, self.gate.kernel[...],
-          self.gate.bias[...], experts.weight("w1"), experts.weight("w3"), experts.weight("w2"),
-          in_name=experts.in_name)
+          self.gate.bias[...], experts.operands("w1"), experts.operands("w3"),
+          experts.operands("w2"), in_name=experts.in_name)
       routing = Routing(*routed)
     u = u.astype(x_nd.dtype)  # official: fp32 sum, cast to x's dtype
     if latent:

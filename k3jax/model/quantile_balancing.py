@@ -155,8 +155,8 @@ def quantile_bias_targets(scores: jax.Array, bias: jax.Array, top_k: int, *,
       every token whose (k+1)-th choice is j puts r_ij = b_j exactly, an atom at the old bias,
       so an expert whose quantile falls in it keeps its bias for that step.
       "per_expert": threshold_ij = k-th largest of s_i + b over the experts other
-      than j, the exact bias j needs to be in token i's top-k when only b_j changes: #{r_ij < b_hat_j} is
-      then the number of tokens that pick j if j alone moves to b_hat_j.
+      than j, the exact bias j needs to be in token i's top-k when only b_j changes:
+      #{r_ij < b_hat_j} is then the number of tokens that pick j if j alone moves to b_hat_j.
   """
   n = scores.shape[0]
   valid_n = jnp.ones((n,), bool) if mask is None else mask.astype(bool)

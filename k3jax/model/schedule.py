@@ -1,7 +1,7 @@
 """The layer schedule: which stack entries a layer uses, and which layers run under a scan.
 
 K3's 93 layers are [KDA, KDA, KDA, MLA] x 23 + a trailing MLA, and layer 0 differs only by its
-dense MLP. `plan` finds the longest stretch of identical repeating units and runs it as one
+dense MLP. `runs` finds the longest stretch of identical repeating units and runs it as one
 `lax.scan` (compile time then no longer grows with depth); the rest is unrolled.
 Within a scanned stretch, consecutive units use stack entries a fixed stride apart, so a unit's
 parameters are strided slices of the stacks, with no re-layout of the parameter tree.
@@ -64,14 +64,15 @@ def _best_stretch(cfg: ModelConfig) -> tuple[int, int, int]:
   for p in range(1, 9):
     for s in range(cfg.num_layers - 2 * p + 1):
       n = 1
-      while s + (n + 1) * p <= cfg.num_layers and kinds[s + n * p: s + (n + 1) * p] == kinds[s: s + p]:
+      while (s + (n + 1) * p <= cfg.num_layers
+             and kinds[s + n * p: s + (n + 1) * p] == kinds[s: s + p]):
         n += 1
       if n >= 2 and n * p > best[1] * best[2]:
         best = (s, p, n)
   return best
 
 
-def plan(cfg: ModelConfig, scan: bool) -> list[Run]:
+def runs(cfg: ModelConfig, scan: bool) -> list[Run]:
   """Runs covering layers 0..L-1 in order."""
   if not scan:
     return [_single(cfg, l) for l in range(cfg.num_layers)]

@@ -127,7 +127,7 @@ class K3Model(nnx.Module):
     routings: list[Routing] = []
     max_logits: list[jax.Array] = []
     layer_out: list[jax.Array] = []
-    for run in schedule.plan(cfg, scan=ex.scan_layers and not return_layer_out):
+    for run in schedule.runs(cfg, scan=ex.scan_layers and not return_layer_out):
       carry, run_routing, run_logits = run_layers(cfg, ex, run, stacks, carry, segment_ids)
       routings.extend(run_routing)
       max_logits.extend(run_logits)
@@ -224,7 +224,7 @@ def run_layers(cfg: ModelConfig, ex: Execution, run: schedule.Run, stacks, carry
 
     carry, (routings, max_logits) = jax.lax.scan(body, carry, (xs, layer_ids))
   # per-layer outputs come back stacked [count, ...]; unstack to one entry per layer
-  unstack = lambda items: [jax.tree.map(lambda a, u=u: a[u], r)  # noqa: E731
+  unstack = lambda items: [jax.tree.map(lambda a, u=u: a[u], r)
                            for u in range(run.count) for r in items]
   return carry, unstack(routings), unstack(max_logits)
 

@@ -42,9 +42,17 @@ import jax.numpy as jnp
 import optax
 from optax.contrib import MuonDimensionNumbers
 
-from k3jax.optim.groups import (ADAM, MUON, LogicalAxes, block_shape, dimension_numbers,
-                                is_names, param_labels, resolve_logical_axes)
-from k3jax.optim.ns_layout import moves, ns_plan
+from k3jax.optim.groups import (
+  ADAM,
+  MUON,
+  LogicalAxes,
+  block_shape,
+  dimension_numbers,
+  is_names,
+  param_labels,
+  resolve_logical_axes,
+)
+from k3jax.optim.ns_layout import moves, ns_placement
 from sharding.rules import logical_to_spec
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
@@ -142,10 +150,10 @@ def _newton_schulz_split(x_mn: jax.Array, axes, *, steps: int, coeffs, eps: floa
   a X + b (A X) + c A (A X), 6 m^2 n/k FLOPs, rather than a X + (b A + c A A) X, whose A A
   costs every device of the split 2 m^3. Equal to newton_schulz up to summation order."""
   a, b, c = coeffs
-  psum = (lambda v: jax.lax.psum(v, axes)) if axes else (lambda v: v)  # noqa: E731
+  psum = (lambda v: jax.lax.psum(v, axes)) if axes else (lambda v: v)
   x = x_mn.astype(jnp.promote_types(x_mn.dtype, jnp.float32))
   x = x / (jnp.sqrt(psum(jnp.sum(x * x))) + eps)
-  mm = lambda p, q: jnp.matmul(p, q, precision=precision)  # noqa: E731
+  mm = lambda p, q: jnp.matmul(p, q, precision=precision)
   for _ in range(steps):
     gram = psum(mm(x, x.T))
     if x.shape[1] < x.shape[0]:
@@ -158,7 +166,7 @@ def _newton_schulz_split(x_mn: jax.Array, axes, *, steps: int, coeffs, eps: floa
 
 def _orthogonalize_split(x: jax.Array, there, split: tuple[str, ...], mesh,
                          dn: MuonDimensionNumbers, **ns) -> jax.Array:
-  """orthogonalize on x placed as `there` (ns_layout.NSPlan): blocks as [batch..., m, n]
+  """orthogonalize on x placed as `there` (ns_layout.NSPlacement): blocks as [batch..., m, n]
   (m <= n), the batch axes where `there` has them, each block's long side split over
   `split` (or whole: split = ()); each device runs its blocks one at a time (a loop, so
   Newton-Schulz holds one block's fp32 copies, not those of all its blocks: K3's experts on a
@@ -189,15 +197,15 @@ def _orthogonalize_split(x: jax.Array, there, split: tuple[str, ...], mesh,
 
 def _orthogonalize_placed(m_hat: jax.Array, names, dn: MuonDimensionNumbers,
                           whole_blocks: bool, **ns) -> jax.Array:
-  """orthogonalize on a context mesh, in the placement ns_layout.ns_plan picks (whole blocks
-  per device, or blocks split along their long side) and back to the parameter's placement
-  after."""
+  """orthogonalize on a context mesh, in the placement ns_layout.ns_placement picks (whole
+  blocks per device, or blocks split along their long side) and back to the parameter's
+  placement after."""
   mesh = _context_mesh() if whole_blocks else None
   if mesh is None:
     return orthogonalize(m_hat, dn, **ns)
   shape = m_hat.shape
   home = logical_to_spec(names, mesh=mesh, shape=shape)
-  there, padded, split = ns_plan(home, shape, dn, dict(mesh.shape))
+  there, padded, split = ns_placement(home, shape, dn, dict(mesh.shape))
   if there == home and not split:
     return orthogonalize(m_hat, dn, **ns)
   if padded != shape:  # zero blocks (a local pad where that axis is whole at home: layers)

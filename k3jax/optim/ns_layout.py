@@ -17,7 +17,7 @@ placement comes from the rules table, and Newton-Schulz costs what that placemen
 layer stack, the experts, the heads), so each device orthogonalises whole blocks of its own:
 one all-to-all of the momentum there and one back, no collective inside the iteration, and
 no redundant compute. An axis that no batch axis divides is taken by a batch axis padded with
-zero blocks to a multiple of it (`ns_plan`; Newton-Schulz of a zero block is zero, and the
+zero blocks to a multiple of it (`ns_placement`; Newton-Schulz of a zero block is zero, and the
 padding is cut off after): K3's 69 KDA layers do not divide fsdp = 2^k, and padded to 72 on
 fsdp = 4 their g_proj / o_proj blocks are orthogonalised whole instead of all-gathered every
 iteration (benchmarks/muon_sharded.py; the figures are in docs/benchmarks.md).
@@ -25,9 +25,9 @@ iteration (benchmarks/muon_sharded.py; the figures are in docs/benchmarks.md).
 Padding stops paying when a stack has far fewer blocks than devices: on K3's fsdp=128 x
 tensor=8 pod mesh the MLA g/o projections (24 layers) would be padded to 1024 blocks, KDA g/o
 (69) and the shared experts (92) too, and layer 0's dense MLP (one block) to 1024 zero-block
-copies of itself. So `ns_plan` also tries leaving mesh axes split along each block's long
+copies of itself. So `ns_placement` also tries leaving mesh axes split along each block's long
 side (k ways; the Gram matrix psummed every iteration, k3jax/optim/muon.py) and takes the
-plan of least `ns_cost`, matmul FLOPs plus the all-reduced bytes priced in FLOPs: K3's g/o
+placement of least `ns_cost`, matmul FLOPs plus the all-reduced bytes priced in FLOPs: K3's g/o
 and shared-expert stacks keep `tensor` on their long side and take `fsdp` on the layers
 (padded to 128), and the dense MLP splits over both.
 
@@ -59,7 +59,7 @@ def _entry(axes: Sequence[str]):
   return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
 
 
-class NSPlan(NamedTuple):
+class NSPlacement(NamedTuple):
   """Where Newton-Schulz runs. `there`: the placement (of the padded parameter) with every mesh
   axis not in `split` moved off the block axes onto a batch axis; `shape`: the parameter's
   shape with that batch axis padded with zero blocks (the parameter's own where no padding
@@ -72,13 +72,13 @@ class NSPlan(NamedTuple):
 
 def ns_layout(spec: PartitionSpec, shape: Sequence[int], dn: MuonDimensionNumbers,
               mesh_shape: Mapping[str, int]) -> PartitionSpec:
-  """The placement to orthogonalise a parameter of placement `spec` in (`ns_plan`'s)."""
-  return ns_plan(spec, shape, dn, mesh_shape).there
+  """The placement to orthogonalise a parameter of placement `spec` in (`ns_placement`'s)."""
+  return ns_placement(spec, shape, dn, mesh_shape).there
 
 
-def ns_plan(spec: PartitionSpec, shape: Sequence[int], dn: MuonDimensionNumbers,
-            mesh_shape: Mapping[str, int]) -> NSPlan:
-  """The cheapest `NSPlan` (by `ns_cost`) for a parameter of placement `spec` and `shape`:
+def ns_placement(spec: PartitionSpec, shape: Sequence[int], dn: MuonDimensionNumbers,
+                 mesh_shape: Mapping[str, int]) -> NSPlacement:
+  """The cheapest `NSPlacement` (by `ns_cost`) for a parameter of placement `spec` and `shape`:
   each subset of the mesh axes on the block axes that divides the long side is tried as the
   split; the other axes move onto the first batch axis whose size they still divide, or,
   where none does, onto the batch axis that needs the least zero-block padding to become a
@@ -87,24 +87,24 @@ def ns_plan(spec: PartitionSpec, shape: Sequence[int], dn: MuonDimensionNumbers,
   entries = [_axes(e) for e in tuple(spec) + (None,) * (ndim - len(spec))]
   entries = [tuple(a for a in e if mesh_shape.get(a, 1) > 1) for e in entries]
   if _thin_long_side_split(entries, list(shape), dn, mesh_shape):
-    return NSPlan(PartitionSpec(*(_entry(e) for e in entries)), tuple(shape))
+    return NSPlacement(PartitionSpec(*(_entry(e) for e in entries)), tuple(shape))
   block = sorted(set(dn.reduction_axis) | set(dn.output_axis))
   on_blocks = [a for i in block for a in entries[i]]
   long_side = max(math.prod(shape[i] for i in dn.reduction_axis),
                   math.prod(shape[i] for i in dn.output_axis))
-  plans = []
+  options = []
   for r in range(len(on_blocks) + 1):
     for split in itertools.combinations(on_blocks, r):
       if long_side % math.prod(mesh_shape[a] for a in split) == 0:
-        plan = _batch_plan(entries, shape, block, split, mesh_shape)
-        leftover = [a for i in block for a in _axes(plan.there[i]) if a not in split]
-        if not (split and leftover):  # a split plan holds its blocks whole but for `split`
-          plans.append(plan)
-  return min(plans, key=lambda p: ns_cost(p, dn, mesh_shape))  # ties: fewest split axes
+        option = _batch_placement(entries, shape, block, split, mesh_shape)
+        leftover = [a for i in block for a in _axes(option.there[i]) if a not in split]
+        if not (split and leftover):  # a split one holds its blocks whole but for `split`
+          options.append(option)
+  return min(options, key=lambda p: ns_cost(p, dn, mesh_shape))  # ties: fewest split axes
 
 
-def _batch_plan(entries, shape, block, split, mesh_shape) -> NSPlan:
-  """The NSPlan with `split` on the long side and the other block-axis mesh axes on batch
+def _batch_placement(entries, shape, block, split, mesh_shape) -> NSPlacement:
+  """The NSPlacement with `split` on the long side and the other block-axis mesh axes on batch
   axes (padded where they divide none)."""
   shape = list(shape)
   batch = [i for i in range(len(shape)) if i not in block]
@@ -114,7 +114,7 @@ def _batch_plan(entries, shape, block, split, mesh_shape) -> NSPlan:
     for ax in entries[i]:
       if ax in split:
         continue
-      multiple = lambda j: math.prod(mesh_shape[a] for a in target[j]) * mesh_shape[ax]  # noqa
+      multiple = lambda j: math.prod(mesh_shape[a] for a in target[j]) * mesh_shape[ax]  # noqa: B023 - called in this iteration only
       fits = [j for j in batch if shape[j] % multiple(j) == 0]
       if not fits and batch:  # pad the batch axis that grows least (zero blocks)
         j = min(batch, key=lambda j: (-(-shape[j] // multiple(j)) * multiple(j) - shape[j]))
@@ -124,7 +124,7 @@ def _batch_plan(entries, shape, block, split, mesh_shape) -> NSPlan:
         target[fits[0]].append(ax)
       else:  # a single block (no batch axis): it stays split there
         target[i].append(ax)
-  return NSPlan(PartitionSpec(*(_entry(t) for t in target)), tuple(shape), tuple(split))
+  return NSPlacement(PartitionSpec(*(_entry(t) for t in target)), tuple(shape), tuple(split))
 
 
 # Newton-Schulz runs at HIGHEST precision (fp32 matmuls, a fraction of a TPU's bf16 peak),
@@ -133,30 +133,34 @@ def _batch_plan(entries, shape, block, split, mesh_shape) -> NSPlan:
 FLOPS_PER_ALL_REDUCED_BYTE = 500.0
 
 
-def ns_cost(plan: NSPlan, dn: MuonDimensionNumbers, mesh_shape: Mapping[str, int]) -> float:
+def ns_cost(placement: NSPlacement, dn: MuonDimensionNumbers,
+            mesh_shape: Mapping[str, int]) -> float:
   """Per device and iteration, in FLOPs: `ns_flops` plus FLOPS_PER_ALL_REDUCED_BYTE times the
   bytes of the Gram all-reduces (2 (k-1)/k m^2 fp32 values per block on a ring of k). The
-  moves there and back cost about the same for every plan and are not counted."""
-  local, m, _, k = _local_blocks(plan, dn, mesh_shape)
+  moves there and back cost about the same for every placement and are not counted."""
+  local, m, _, k = _local_blocks(placement, dn, mesh_shape)
   comm = local * 2 * (k - 1) / k * m * m * 4 * FLOPS_PER_ALL_REDUCED_BYTE if k > 1 else 0.0
-  return ns_flops(plan, dn, mesh_shape) + comm
+  return ns_flops(placement, dn, mesh_shape) + comm
 
 
-def ns_flops(plan: NSPlan, dn: MuonDimensionNumbers, mesh_shape: Mapping[str, int]) -> float:
-  """Matmul FLOPs per device and Newton-Schulz iteration under `plan`: this device's blocks
+def ns_flops(placement: NSPlacement, dn: MuonDimensionNumbers,
+             mesh_shape: Mapping[str, int]) -> float:
+  """Matmul FLOPs per device and Newton-Schulz iteration under `placement`: this device's blocks
   (zero blocks included) of m x n (m <= n) with the long side split k ways, each
   min(4 m^2 n/k + 2 m^3, 6 m^2 n/k); the second computes A (A X) instead of (A A) X, which
   pays once n/k < m (k3jax/optim/muon.py)."""
-  local, m, n, k = _local_blocks(plan, dn, mesh_shape)
+  local, m, n, k = _local_blocks(placement, dn, mesh_shape)
   return local * min(4 * m * m * n / k + 2 * m**3, 6 * m * m * n / k)
 
 
-def _local_blocks(plan: NSPlan, dn: MuonDimensionNumbers, mesh_shape: Mapping[str, int]):
+def _local_blocks(placement: NSPlacement, dn: MuonDimensionNumbers,
+                  mesh_shape: Mapping[str, int]):
   """(blocks per device, m, n, k): blocks m x n (m <= n), the long side split k ways."""
-  blocks, fan_in, fan_out = block_shape(plan.shape, dn)
+  blocks, fan_in, fan_out = block_shape(placement.shape, dn)
   m, n = sorted((fan_in, fan_out))
-  ways = math.prod(mesh_shape[a] for e in plan.there for a in _axes(e) if a not in plan.split)
-  return blocks / ways, m, n, math.prod(mesh_shape[a] for a in plan.split)
+  ways = math.prod(mesh_shape[a] for e in placement.there for a in _axes(e)
+                   if a not in placement.split)
+  return blocks / ways, m, n, math.prod(mesh_shape[a] for a in placement.split)
 
 
 def _thin_long_side_split(entries, shape, dn: MuonDimensionNumbers,
@@ -182,7 +186,7 @@ def moves(home: PartitionSpec, there: PartitionSpec, ndim: int) -> list[Partitio
     for ax in axes:
       if ax in cur[j]:
         continue
-      for i, e in enumerate(cur):
+      for e in cur:
         if ax in e:
           e.remove(ax)
       cur[j].append(ax)

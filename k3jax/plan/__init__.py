@@ -1,7 +1,37 @@
-"""`k3jax plan`: will a step fit a TPU pod, on which mesh, how fast."""
+"""`k3jax plan`: will a step fit a TPU pod, on which mesh, how fast (docs/plan.md).
 
-from k3jax.plan.train import (CHIPS, Chip, Plan, best, candidate_meshes, chip_of, gib,
-                              plan_config, plan_one, report, run_plan, topology_devices)
+`run(PlanRequest(...))` plans any mode: the train step and LoRA fine-tuning (train.py), serving
+(decode.py); each returns one plan per mesh tried, with `to_json()` and `report()`; `best`
+picks the one to report. The modules beside them: chips.py (the chip table), analytic.py (the
+hand counts), hlo.py (matmul FLOPs and collectives of compiled HLO), compiled.py (XLA's memory
+and cost analysis), search.py (the mesh search), memory.py (fine-tuning state, LoRA vs full),
+xla_heap.py (the buffer assignment of a dump).
+"""
 
-__all__ = ["CHIPS", "Chip", "Plan", "best", "candidate_meshes", "chip_of", "gib", "plan_config",
-           "plan_one", "report", "run_plan", "topology_devices"]
+from __future__ import annotations
+
+import configs
+from k3jax.plan import decode, train
+from k3jax.plan.chips import CHIPS, Chip, chip_of, topology_devices
+from k3jax.plan.decode import DecodePlan
+from k3jax.plan.request import Mode, PlanRequest
+from k3jax.plan.search import best
+from k3jax.plan.train import TrainPlan
+
+Plan = TrainPlan | DecodePlan
+_RUN = {Mode.TRAIN: train.run, Mode.LORA: train.run, Mode.DECODE: decode.run}
+
+
+def run(request: PlanRequest) -> list[Plan]:
+  """The plans `request` asks for: its mesh's alone, or (without one) the candidates it
+  searched (analytic) or compiled. Without a batch, one row per device (every mesh's batch
+  axes divide it)."""
+  cfg = configs.resolve(request.config)
+  devices = topology_devices(request.topology)
+  if request.batch is None:
+    request = request.replace(batch=len(devices))
+  return _RUN[request.mode](request, cfg, devices)
+
+
+__all__ = ["CHIPS", "Chip", "DecodePlan", "Mode", "Plan", "PlanRequest", "TrainPlan", "best",
+           "chip_of", "run", "topology_devices"]

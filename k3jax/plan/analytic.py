@@ -1,16 +1,22 @@
-"""The hand counts behind `k3jax plan` (k3jax/plan/train.py): per-device bytes from sharded shapes,
-the temporaries of a train step by what it keeps (`analytic_temp`, `plan --analytic`), one MoE
-layer's transient bytes, and the routed pairs' share of the experts' receive buffer. Plain
-arithmetic on a config, a mesh and abstract shapes: no compile."""
+"""The hand counts behind `k3jax plan` (k3jax/plan/train.py, decode.py): per-device bytes from
+sharded shapes, the temporaries of a train step (`train_temp`) and of a serving call
+(`decode_temp`) by what they keep (`plan --analytic`), one MoE layer's transient bytes, and the
+routed pairs' share of the experts' receive buffer. Plain arithmetic on a config, a mesh and
+abstract shapes: no compile."""
 
 from __future__ import annotations
 
 import math
 
+import jax
+
 from k3jax.execution import Attention, Remat
+from k3jax.model import expert_parallel, schedule
+from pallas_kernels.grouped_matmul import TILE
 
 
-def _bytes_per_device(sds) -> int:
+def bytes_per_device(sds) -> int:
+  """One device's share of an abstract array (its sharding's shard shape) in bytes."""
   shape = sds.sharding.shard_shape(sds.shape) if sds.sharding is not None else sds.shape
   return math.prod(shape) * sds.dtype.itemsize
 
@@ -24,22 +30,21 @@ def moe_layer_bytes(cfg, ex, mesh, tokens: int) -> float:
     dispatch          the receive buffer (`recv` rows of width h, sized for the worst case
                       unless a capacity factor bounds it), the expert outputs, the return: x 3.
   0 without experts or on one device."""
-  from k3jax.model import expert_parallel  # noqa: PLC0415
   if not cfg.num_experts or cfg.moe_layers == () or mesh.size == 1:
     return 0.0
   c = 2 if ex.dtype == "bfloat16" else 4
   in_name = expert_parallel.expert_input_name(cfg)
   h = cfg.latent_size if in_name == "latent" else cfg.hidden_size
-  plan = expert_parallel.layout(cfg, tokens, in_name, mesh, ex.moe_capacity_factor)
-  size = lambda axes: math.prod(mesh.shape[a] for a in axes)  # noqa: E731
+  layout = expert_parallel.layout(cfg, tokens, in_name, mesh, ex.moe_capacity_factor)
+  size = lambda axes: math.prod(mesh.shape[a] for a in axes)
   gathered = 0.0
-  if plan.gather_axes:
-    gathered = 2 * cfg.num_experts / plan.ep * 3 * h * cfg.moe_intermediate_size / size(
-        plan.psum_axes) * c
-  return gathered + 3 * plan.recv * h * c
+  if layout.gather_axes:
+    gathered = 2 * cfg.num_experts / layout.ep * 3 * h * cfg.moe_intermediate_size / size(
+        layout.psum_axes) * c
+  return gathered + 3 * layout.recv * h * c
 
 
-def analytic_temp(cfg, ex, rows_per_device: int, seq: int, tensor: int,
+def train_temp(cfg, ex, rows_per_device: int, seq: int, tensor: int,
                   state_per_device: float, params_per_device: float, moe_bytes: float = 0.0,
                   accum: int = 1, largest_per_device: float = 0.0) -> float:
   """Per-device temporaries by hand count (bytes) of `cfg` run as `ex` says (remat,
@@ -63,8 +68,7 @@ def analytic_temp(cfg, ex, rows_per_device: int, seq: int, tensor: int,
                         attention runs, KDA's [b, T, H/tensor, 128] x 8 otherwise),
     the loss            logits [b, T, V/tensor] fp32 x 3 (logits, softmax, gradient);
     one MoE layer       `moe_bytes` (moe_layer_bytes: gathered experts, dispatch buffers).
-  A cross-check of the compiled figures (tests/k3jax/test_plan.py), not a replacement."""
-  from k3jax.model import schedule  # noqa: PLC0415
+  A cross-check of the compiled figures (tests/k3jax/plan/test_plan.py), not a replacement."""
   c = 2 if ex.dtype == "bfloat16" else 4
   d, b, t = cfg.hidden_size, rows_per_device, seq
   btd = b * t * d
@@ -89,10 +93,36 @@ def analytic_temp(cfg, ex, rows_per_device: int, seq: int, tensor: int,
   return grads + 3 * largest_per_device + saved + blocks + working + loss + moe_bytes
 
 
+def decode_temp(cfg, mesh, rows: int, tokens: int, seq: int, moe_bytes: float) -> float:
+  """Per-device temporaries of one serving `extend` of `tokens` new tokens on each of `rows`
+  rows (this device's rows) against a cache of `seq` positions, by hand, with the compute
+  dtype's width c = 2:
+    logits          [rows, tokens, V / tensor] in c, and the sampler's [rows, V] fp32 x 4
+                    (scaled, sorted, probabilities, their cumulative sum);
+    the carry       AttnRes's sealed blocks and partial sum [n_seals + 1, rows, tokens, d] x 2
+                    (the scan's carry in and out);
+    one layer       ~12 [rows, tokens, d] tensors, and the widest per-head tensor: MLA's
+                    absorbed scores [rows, H / tensor, tokens, seq] in fp32 x 2, or KDA's
+                    chunk tensors [rows, tokens, H / tensor, 128] fp32 x 8 in prefill;
+    the MLA cache   one layer's slice [rows, seq, kv_lora + rope] read out of the stack;
+    one MoE layer   `moe_bytes` (moe_layer_bytes for rows x tokens tokens)."""
+  c, d = 2, cfg.hidden_size
+  tensor = dict(mesh.shape).get("tensor", 1)
+  btd = rows * tokens * d
+  logits = rows * tokens * math.ceil(cfg.vocab_size / tensor) * c + rows * cfg.vocab_size * 4 * 4
+  seals = schedule.num_seals(cfg) if cfg.attn_res_block_size is not None else 0
+  carry = (seals + 1) * btd * c * 2
+  h = max(1, cfg.mla_num_heads // tensor)
+  scores = rows * h * tokens * seq * 4 * 2 if cfg.mla_layers else 0
+  kda = rows * tokens * max(1, cfg.kda_num_heads // tensor) * cfg.kda_head_dim * 8 * 4 if (
+      tokens > 1 and cfg.kda_layers) else 0
+  latent = rows * seq * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * c if cfg.mla_layers else 0
+  return logits + carry + 12 * btd * 4 + max(scores, kda) + latent + moe_bytes
+
+
 def routed_fill(cfg, ex, mesh, tokens: int) -> float:
   """Expected routed pairs over the rows of the experts' receive buffer on a device (1 with
   no exchange: the pairs are the rows)."""
-  from k3jax.model import expert_parallel  # noqa: PLC0415
   if not cfg.num_experts:
     return 1.0
   with_mesh = expert_parallel.layout(cfg, tokens, expert_parallel.expert_input_name(cfg), mesh,
@@ -107,8 +137,6 @@ def grouped_rows_run(cfg, ex, mesh, tokens: int) -> float:
   grid stops at the group sizes, pallas_kernels/grouped_matmul/ops.py): the expected routed pairs,
   plus the row tiles that group boundaries share, at most one per local expert and one more
   for the last group's end (an upper bound). 1 with no exchange (the rows are the pairs)."""
-  from pallas_kernels.grouped_matmul import TILE  # noqa: PLC0415
-  from k3jax.model import expert_parallel  # noqa: PLC0415
   if not cfg.num_experts:
     return 1.0
   with_mesh = expert_parallel.layout(cfg, tokens, expert_parallel.expert_input_name(cfg), mesh,
@@ -119,17 +147,16 @@ def grouped_rows_run(cfg, ex, mesh, tokens: int) -> float:
   return min(1.0, routed_fill(cfg, ex, mesh, tokens) + tiles * TILE / with_mesh.recv)
 
 
-def _dequantised_layer_bytes(params) -> int:
+def dequantised_layer_bytes(params) -> int:
   """One MoE layer's packed routed experts as bf16 (2 bytes per weight; codes hold 2 per
   byte), this device's share: what a layer's matmuls dequantise at a time."""
   total = 0
   for path, x in _flat(params):
     if path[-1].endswith("_packed"):
-      total += _bytes_per_device(x) * 2 * 2 // x.shape[0]  # per layer of the [L, ...] stack
+      total += bytes_per_device(x) * 2 * 2 // x.shape[0]  # per layer of the [L, ...] stack
   return total
 
 
 def _flat(tree):
-  import jax  # noqa: PLC0415
   return [(tuple(str(getattr(k, "key", k)) for k in p), x)
           for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]

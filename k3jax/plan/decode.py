@@ -22,7 +22,7 @@ cache), and the estimate has no communication: on fsdp meshes each step also gat
 weights over fsdp, which serving meshes avoid (weights split over expert and tensor only).
 
 `--analytic` counts instead: the weights and the cache exactly from their sharded shapes, the
-temporaries by hand (see `analytic_temp`).
+temporaries by hand (k3jax/plan/analytic.py's `decode_temp`).
 """
 
 from __future__ import annotations
@@ -31,11 +31,26 @@ import dataclasses
 import math
 import time
 
-from k3jax.errors import UserError
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from k3jax.config import ModelConfig
 from k3jax.execution import Execution, GroupedMatmul, KdaBackend, Precision
-from k3jax.plan.train import chip_of, gib, oom_temporaries, topology_devices
-from k3jax.plan.analytic import _bytes_per_device
-from k3jax.plan import hlo
+from k3jax.generate.sampling import Sampling
+from k3jax.generate.static_batch import decode_block, extend_jit
+from k3jax.model import cache as cache_lib
+from k3jax.model.transformer import K3Model
+from k3jax.plan import hlo, report
+from k3jax.plan.analytic import bytes_per_device, decode_temp, moe_layer_bytes
+from k3jax.plan.chips import chip_of
+from k3jax.plan.compiled import compile_or_refusal, cost_analysis, peak_bytes
+from k3jax.plan.request import Mode, PlanRequest
+from k3jax.plan.search import search
+from k3jax.train import flops as flops_lib
+from sharding.mesh import format_sizes, make_mesh
+from sharding.placement import batch_rows_ways, check_batch, check_model_fits, variable_spec
 
 
 @dataclasses.dataclass
@@ -70,27 +85,46 @@ class DecodePlan:
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
 
+  def report(self) -> str:
+    """The plan as text, a few lines."""
+    p = self
+    lines = [
+        f"plan: {p.topology} ({p.devices} devices), mesh {p.mesh}, decode {p.batch} "
+        f"rows x {p.seq} positions (prefill chunk {p.prefill_chunk}, block {p.block}), "
+        f"bf16 weights: {report.method(p)}",
+        f"  parameters      {p.param_count / 1e9:10.3f} B",
+        f"  weights         {report.gib(p.weight_bytes_per_device)} per device",
+        f"  cache           {report.gib(p.cache_bytes_per_device)} per device",
+        f"  temporaries     {report.gib(p.prefill_temp_bytes_per_device)} prefill, "
+        f"{report.gib(p.decode_temp_bytes_per_device).strip()} decode, per device",
+        report.peak(p)]
+    if p.compile_oom:
+      lines.append(report.refused(p, "temporaries from its message"))
+    elif p.compile_seconds is not None:
+      lines += [f"  compile         {p.compile_seconds:8.1f} s (prefill + decode)",
+                f"  FLOPs / step    compiled {p.compiled_flops:.3e} / model "
+                f"{p.model_flops:.3e} = {p.flops_ratio:.3f}",
+                f"  bytes / step    {p.compiled_bytes_accessed:.3e} (all devices)"]
+    else:
+      lines.append(f"  FLOPs / step    model {p.model_flops:.3e}")
+    if not math.isnan(p.step_seconds_estimate):
+      lines.append(f"  decode step     {p.step_seconds_estimate * 1e3:.2f} ms, "
+                   f"{p.tokens_per_second_estimate:,.0f} tokens/s  {report.ESTIMATE}")
+    return "\n".join(lines)
 
-def serve_config(capacity_factor: float | None = None) -> Execution:
+
+def serve_execution(request: PlanRequest) -> Execution:
   """The execution `k3jax generate --dtype bfloat16` runs on TPU: bf16 weights and compute,
   megablox experts, KDA's Pallas TPU kernel for prefill (decode runs its fused step); the
-  routed experts dropless unless a capacity factor is given."""
+  routed experts dropless unless the request gives a capacity factor."""
   return Execution(dtype="bfloat16", param_dtype="bfloat16", matmul_precision=Precision.DEFAULT,
                    moe_grouped_matmul=GroupedMatmul.MEGABLOX, kda_backend=KdaBackend.PALLAS_TPU,
-                   moe_capacity_factor=capacity_factor)
+                   moe_capacity_factor=request.capacity_factor)
 
 
 def abstract_inputs(cfg, ex, mesh, batch: int, seq: int):
   """(graphdef, params, cache): the model's arrays and an empty cache as ShapeDtypeStructs in
   their shardings on `mesh` (nothing allocated)."""
-  import jax  # noqa: PLC0415
-  from flax import nnx  # noqa: PLC0415
-  from jax.sharding import NamedSharding  # noqa: PLC0415
-
-  from k3jax.model import cache as cache_lib  # noqa: PLC0415
-  from k3jax.model.transformer import K3Model  # noqa: PLC0415
-  from sharding.placement import check_model_fits, variable_spec  # noqa: PLC0415
-
   graphdef, state = nnx.split(nnx.eval_shape(lambda: K3Model(cfg, ex, rngs=nnx.Rngs(0))))
   check_model_fits(state, mesh)
 
@@ -104,68 +138,33 @@ def abstract_inputs(cfg, ex, mesh, batch: int, seq: int):
   specs = cache_lib.specs(cache, mesh)
   cache = jax.tree.map(
       lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
-      cache, specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+      cache, specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
   return graphdef, params, cache
 
 
-def analytic_temp(cfg, mesh, rows: int, tokens: int, seq: int, moe_bytes: float) -> float:
-  """Per-device temporaries of one `extend` of `tokens` new tokens on each of `rows` rows
-  (this device's rows), by hand, with the compute dtype's width c = 2:
-    logits          [rows, tokens, V / tensor] in c, and the sampler's [rows, V] fp32 x 4
-                    (scaled, sorted, probabilities, their cumulative sum);
-    the carry       AttnRes's sealed blocks and partial sum [n_seals + 1, rows, tokens, d] x 2
-                    (the scan's carry in and out);
-    one layer       ~12 [rows, tokens, d] tensors, and the widest per-head tensor: MLA's
-                    absorbed scores [rows, H / tensor, tokens, seq] in fp32 x 2, or KDA's
-                    chunk tensors [rows, tokens, H / tensor, 128] fp32 x 8 in prefill;
-    the MLA cache   one layer's slice [rows, seq, kv_lora + rope] read out of the stack;
-    one MoE layer   `moe_bytes` (k3jax/plan.moe_layer_bytes for rows x tokens tokens)."""
-  from k3jax.model import schedule  # noqa: PLC0415
-  c, d = 2, cfg.hidden_size
-  tensor = dict(mesh.shape).get("tensor", 1)
-  btd = rows * tokens * d
-  logits = rows * tokens * math.ceil(cfg.vocab_size / tensor) * c + rows * cfg.vocab_size * 4 * 4
-  seals = schedule.num_seals(cfg) if cfg.attn_res_block_size is not None else 0
-  carry = (seals + 1) * btd * c * 2
-  h = max(1, cfg.mla_num_heads // tensor)
-  scores = rows * h * tokens * seq * 4 * 2 if cfg.mla_layers else 0
-  kda = rows * tokens * max(1, cfg.kda_num_heads // tensor) * cfg.kda_head_dim * 8 * 4 if (
-      tokens > 1 and cfg.kda_layers) else 0
-  latent = rows * seq * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * c if cfg.mla_layers else 0
-  return logits + carry + 12 * btd * 4 + max(scores, kda) + latent + moe_bytes
-
-
-def plan_one(cfg, ex, devices, topology: str, mesh_spec, *, batch: int, seq: int,
-             prefill_chunk: int, block: int, analytic: bool) -> DecodePlan:
-  import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
-
-  from k3jax.generate.static_batch import decode_block, extend_jit  # noqa: PLC0415
-  from k3jax.generate.sampling import Sampling  # noqa: PLC0415
-  from k3jax.plan.analytic import moe_layer_bytes  # noqa: PLC0415
-  from k3jax.train import flops as flops_lib  # noqa: PLC0415
-  from sharding.mesh import format_sizes, make_mesh  # noqa: PLC0415
-  from sharding.placement import batch_rows_ways, check_batch  # noqa: PLC0415
-
+def plan_one(request: PlanRequest, cfg, ex, devices, mesh_spec, *,
+             analytic: bool) -> DecodePlan:
+  """The serving plan on one mesh (a spec string or axis sizes)."""
+  batch, seq, block = request.batch, request.seq, request.block
+  prefill_chunk = min(request.prefill_chunk, seq)
   mesh = make_mesh(mesh_spec, devices)
   check_batch(batch, mesh, "--batch rows")
   graphdef, params, cache = abstract_inputs(cfg, ex, mesh, batch, seq)
-  chip = chip_of(topology, devices[0].device_kind)
+  chip = chip_of(request.topology, devices[0].device_kind)
   n = len(devices)
-  weights = sum(_bytes_per_device(x) for x in jax.tree.leaves(params))
-  cache_bytes = sum(_bytes_per_device(x) for x in jax.tree.leaves(cache))
+  weights = sum(bytes_per_device(x) for x in jax.tree.leaves(params))
+  cache_bytes = sum(bytes_per_device(x) for x in jax.tree.leaves(cache))
   n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
   model_flops = batch * flops_lib.decode_per_token(cfg, seq)
-  common = dict(topology=topology, devices=n, mesh=format_sizes(dict(mesh.shape)), batch=batch,
-                seq=seq, prefill_chunk=prefill_chunk, block=block, mode="decode",
-                hbm_bytes_per_device=chip.hbm_bytes, weight_bytes_per_device=weights,
-                cache_bytes_per_device=cache_bytes, model_flops=model_flops,
-                param_count=n_params)
+  common = dict(topology=request.topology, devices=n, mesh=format_sizes(dict(mesh.shape)),
+                batch=batch, seq=seq, prefill_chunk=prefill_chunk, block=block,
+                mode=Mode.DECODE.value, hbm_bytes_per_device=chip.hbm_bytes,
+                weight_bytes_per_device=weights, cache_bytes_per_device=cache_bytes,
+                model_flops=model_flops, param_count=n_params)
   rows = batch // batch_rows_ways(mesh)
   if analytic:
-    temps = [analytic_temp(cfg, mesh, rows, t, seq,
-                           moe_layer_bytes(cfg, ex, mesh, batch * t) / 2)
-             for t in (prefill_chunk, 1)]  # no gradients: half plan.moe_layer_bytes' gather
+    temps = [decode_temp(cfg, mesh, rows, t, seq, moe_layer_bytes(cfg, ex, mesh, batch * t) / 2)
+             for t in (prefill_chunk, 1)]  # no gradients: half moe_layer_bytes' gather
     peak = weights + cache_bytes + max(temps)
     # a step reads every weight once (at serving batches nearly every expert is routed to)
     # and the cache; its FLOPs are the model's
@@ -179,14 +178,13 @@ def plan_one(cfg, ex, devices, topology: str, mesh_spec, *, batch: int, seq: int
   static = ("stacked", graphdef)
   sd = jax.ShapeDtypeStruct
   row_axes = cache.start.sharding.spec[0]  # the rows' mesh axes, as the cache splits them
-  rows_sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(row_axes))
-  rows2 = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(row_axes, None))
+  rows_sh = NamedSharding(mesh, PartitionSpec(row_axes))
+  rows2 = NamedSharding(mesh, PartitionSpec(row_axes, None))
   ids = sd((batch, prefill_chunk), jnp.int32, sharding=rows2)
   logits = sd((batch, cfg.vocab_size), ex.jnp_dtype, sharding=rows2)
   key = jax.eval_shape(lambda: jax.random.key(0))
   sampling = jax.eval_shape(lambda: Sampling.make(0.0, 0, 1.0))
   t0 = time.perf_counter()
-  results = []
   with jax.set_mesh(mesh):
     lowered = [
         extend_jit.trace(static, params, ids, cache).lower(lowering_platforms=("tpu",)),
@@ -194,37 +192,25 @@ def plan_one(cfg, ex, devices, topology: str, mesh_spec, *, batch: int, seq: int
                            sd((batch,), jnp.bool_, sharding=rows_sh),
                            sd((batch,), jnp.int32, sharding=rows_sh), sd((), jnp.int32),
                            sd((1,), jnp.int32), sampling).lower(lowering_platforms=("tpu",))]
-  oom = False
-  for low in lowered:
-    try:
-      results.append(low.compile())
-    except Exception as e:  # noqa: BLE001  (XLA's compile-time HBM check)
-      temp = oom_temporaries(str(e))
-      if temp is None:
-        raise
-      results.append(temp)
-      oom = True
+  results = [compile_or_refusal(low) for low in lowered]  # prefill, decode
+  oom = any(isinstance(r, float) for r in results)
   seconds = time.perf_counter() - t0
   temps, peaks = [], []
   for r in results:
-    if isinstance(r, float):  # the OOM message's total, the arguments included
+    if isinstance(r, float):  # the refusal's total, the arguments included
       temps.append(max(0.0, r - weights - cache_bytes))
       peaks.append(r)
       continue
     mem = r.memory_analysis()
     temps.append(mem.temp_size_in_bytes)
-    peaks.append(getattr(mem, "peak_memory_in_bytes", 0) or (
-        mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-        + mem.temp_size_in_bytes))
+    peaks.append(peak_bytes(mem))
   flops = bytes_ = None
   est = math.nan
   if not isinstance(results[1], float):
     # FLOPs: the matmuls with the loops by their trip counts (the block's `block` steps, the
     # layer scan inside each), per step; bytes: cost_analysis (the loop bodies once: a step)
     flops = hlo.matmul_flops(results[1].as_text()) / block
-    cost = results[1].cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    bytes_ = float(cost.get("bytes accessed", 0.0))
+    bytes_ = float(cost_analysis(results[1]).get("bytes accessed", 0.0))
     est = max(flops / chip.peak_flops, bytes_ / chip.hbm_bandwidth)
     flops, bytes_ = flops * n, bytes_ * n
   peak = max(peaks)
@@ -255,62 +241,14 @@ def candidate_meshes(cfg, n: int, batch: int) -> list[dict]:
   return out
 
 
-def run_plan(args) -> list[DecodePlan]:
-  import configs  # noqa: PLC0415
-  from sharding.mesh import MeshError  # noqa: PLC0415
-
-  cfg, ex = configs.resolve(args.config), serve_config(args.capacity_factor)
-  devices = topology_devices(args.topology)
-  chunk = min(args.prefill_chunk, args.seq)
-  kw = dict(batch=args.batch, seq=args.seq, prefill_chunk=chunk, block=args.block)
-  try:
-    if args.mesh:
-      return [plan_one(cfg, ex, devices, args.topology, args.mesh, analytic=args.analytic,
-                       **kw)]
-    ranked = []
-    for sizes in candidate_meshes(cfg, len(devices), args.batch):
-      try:
-        ranked.append(plan_one(cfg, ex, devices, args.topology, sizes, analytic=True, **kw))
-      except MeshError:
-        continue
-  except MeshError as e:
-    raise UserError(str(e)) from None
-  if not ranked:
-    raise UserError(f"no serving mesh of {len(devices)} devices splits this model and "
-                    f"--batch {args.batch}")
-  ranked.sort(key=lambda p: (not p.fits, -p.tokens_per_second_estimate))
-  if args.analytic:
-    return ranked
-  return [plan_one(cfg, ex, devices, args.topology, p.mesh, analytic=False, **kw)
-          for p in ranked[:args.max_compiles]]
-
-
-def report(plan: DecodePlan) -> str:
-  kind = "analytic (no compile)" if plan.analytic else "compiled (XLA memory/cost analysis)"
-  lines = [
-      f"plan: {plan.topology} ({plan.devices} devices), mesh {plan.mesh}, decode {plan.batch} "
-      f"rows x {plan.seq} positions (prefill chunk {plan.prefill_chunk}, block {plan.block}), "
-      f"bf16 weights: {kind}",
-      f"  parameters      {plan.param_count / 1e9:10.3f} B",
-      f"  weights         {gib(plan.weight_bytes_per_device)} per device",
-      f"  cache           {gib(plan.cache_bytes_per_device)} per device",
-      f"  temporaries     {gib(plan.prefill_temp_bytes_per_device)} prefill, "
-      f"{gib(plan.decode_temp_bytes_per_device).strip()} decode, per device",
-      f"  peak            {gib(plan.peak_bytes_per_device)} of {gib(plan.hbm_bytes_per_device)}"
-      f" HBM: {'FITS' if plan.fits else 'does NOT fit'} "
-      f"({plan.peak_bytes_per_device / plan.hbm_bytes_per_device:.0%})"]
-  if plan.compile_oom:
-    lines.append(f"  compile         {plan.compile_seconds:8.1f} s: refused by the TPU compiler "
-                 "(HBM); temporaries from its message")
-  elif plan.compile_seconds is not None:
-    lines += [f"  compile         {plan.compile_seconds:8.1f} s (prefill + decode)",
-              f"  FLOPs / step    compiled {plan.compiled_flops:.3e} / model "
-              f"{plan.model_flops:.3e} = {plan.flops_ratio:.3f}",
-              f"  bytes / step    {plan.compiled_bytes_accessed:.3e} (all devices)"]
-  else:
-    lines.append(f"  FLOPs / step    model {plan.model_flops:.3e}")
-  if not math.isnan(plan.step_seconds_estimate):
-    lines.append(f"  decode step     {plan.step_seconds_estimate * 1e3:.2f} ms, "
-                 f"{plan.tokens_per_second_estimate:,.0f} tokens/s  (ESTIMATE: roofline of "
-                 "peak FLOP/s and HBM bandwidth, no communication)")
-  return "\n".join(lines)
+def run(request: PlanRequest, cfg: ModelConfig, devices: list) -> list[DecodePlan]:
+  """The serving plans of `request` (its batch given) for `cfg` on `devices`: the candidates
+  ranked by what fits first, then by the estimated tokens/s."""
+  ex = serve_execution(request)
+  return search(
+      request, lambda mesh, analytic: plan_one(request, cfg, ex, devices, mesh,
+                                               analytic=analytic),
+      candidate_meshes(cfg, len(devices), request.batch),
+      rank=lambda p: (not p.fits, -p.tokens_per_second_estimate),
+      nothing_fits=f"no serving mesh of {len(devices)} devices splits this model and "
+                   f"--batch {request.batch}")

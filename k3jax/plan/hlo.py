@@ -1,9 +1,9 @@
 """Collectives of a compiled program, read from its HLO text (for tests and benchmarks).
 
 `collectives(compiled.as_text())` lists every all-gather / all-reduce / all-to-all /
-ragged-all-to-all / collective-permute / reduce-scatter (async `-start` forms included) with the bytes of its
-result on one device: the buffer the collective fills, a per-device measure that does not
-depend on how the runtime routes it.
+ragged-all-to-all / collective-permute / reduce-scatter (async `-start` forms included) with the
+bytes of its result on one device: the buffer the collective fills, a per-device measure that does
+not depend on how the runtime routes it.
 """
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ from typing import NamedTuple
 
 import numpy as np
 
+from pallas_kernels.grouped_matmul import SCOPE
+
 OPS = ("all-gather", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute",
        "reduce-scatter")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
           "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
-_LINE = re.compile(r"=\s*(.*?)\s+(%s)(-start)?\(" % "|".join(OPS))
-_ARRAY = re.compile(r"\b(%s)\[([\d,]*)\]" % "|".join(_BYTES))
+_LINE = re.compile(r"=\s*(.*?)\s+(" + "|".join(OPS) + r")(-start)?\(")
+_ARRAY = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([\d,]*)\]")
 
 
 class Collective(NamedTuple):
@@ -69,7 +71,7 @@ def _split_type(rest: str) -> tuple[str, str, str]:
   """'TYPE opcode(args), attrs' -> (TYPE, opcode, the rest after 'opcode(')."""
   if rest.startswith("("):
     depth = 0
-    for i, ch in enumerate(rest):
+    for i, ch in enumerate(rest):  # noqa: B007 - i is read after the loop (where it broke)
       depth += ch == "("
       depth -= ch == ")"
       if depth == 0:
@@ -95,10 +97,12 @@ def _window_taps(window: str, out_sizes: list[int], in_sizes: list[int]) -> floa
   spatial dimension, multiplied (base and window dilation, padding, stride)."""
   fields = dict(re.findall(r"(\w+)=([\dx_\-]+)", window))
   n = len(out_sizes)
-  get = lambda key, default: [int(v) for v in fields[key].split("x")] if key in fields else [default] * n  # noqa: E731
+  get = lambda key, default: ([int(v) for v in fields[key].split("x")] if key in fields
+                              else [default] * n)
   size, stride = get("size", 1), get("stride", 1)
   lhs, rhs = get("lhs_dilate", 1), get("rhs_dilate", 1)
-  pads = [tuple(int(v) for v in p.split("_")) for p in fields["pad"].split("x")] if "pad" in fields else [(0, 0)] * n
+  pads = ([tuple(int(v) for v in p.split("_")) for p in fields["pad"].split("x")]
+          if "pad" in fields else [(0, 0)] * n)
   total = 1.0
   for d in range(n):
     span = (in_sizes[d] - 1) * lhs[d]
@@ -205,3 +209,9 @@ def matmul_flops(hlo_text: str, by_op: dict | None = None) -> float:
     return total
 
   return cost(entry) if entry else 0.0
+
+
+def is_grouped_matmul(op_name: str) -> bool:
+  """Whether a name in `matmul_flops`'s `by_op` is one of the routed experts' grouped matmuls:
+  ragged_dot, or megablox's kernels (gmm, tgmm) under grouped_matmul's named scope."""
+  return "ragged_dot" in op_name or (SCOPE in op_name and "pallas_call" in op_name)

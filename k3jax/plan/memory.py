@@ -12,8 +12,10 @@ remat; `k3jax plan` sizes those):
                      E8M0 scales 0.5 + 1/32 = 0.53125 (`--base-experts mxfp4`; 2 with
                      `float`), no gradient, no optimizer state; adapters: fp32 master 4 +
                      gradient 4 + AdamW 8 = 16
-                     + transient: one MoE layer's experts dequantised to bf16 for its matmuls
-                     (divided over the devices of the expert axis)
+                     + transient, under expert QAT only (`qat=True`): one MoE layer's experts
+                     dequantised to bf16 to be rounded with their adapters (divided over the
+                     devices of the expert axis); without it the grouped matmuls dequantise
+                     packed experts a tile at a time (pallas_kernels/mxfp4/ops.py)
 """
 
 from __future__ import annotations
@@ -21,8 +23,14 @@ from __future__ import annotations
 import argparse
 import math
 
+from flax import nnx
+
+import configs
 from k3jax.config import ModelConfig
 from k3jax.execution import Execution
+from k3jax.model import lora
+from k3jax.optim.groups import dimension_numbers
+from k3jax.train.step import make_model
 
 FULL_MUON, FULL_ADAM = 4 + 4 + 4 + 2, 4 + 4 + 8 + 2
 BASE_BF16, BASE_MXFP4, ADAPTER = 2.0, 0.5 + 1 / 32, 4 + 4 + 8
@@ -30,10 +38,6 @@ HBM = {"H200 (141 GB)": 141e9, "TPU v5p (95 GB)": 95e9}
 
 
 def _counts(cfg: ModelConfig, spec) -> dict[str, int]:
-  from flax import nnx  # noqa: PLC0415
-
-  from k3jax.optim.groups import dimension_numbers  # noqa: PLC0415
-  from k3jax.train.step import make_model  # noqa: PLC0415
   abstract = nnx.eval_shape(lambda: make_model(cfg, Execution(), 0, spec))  # shapes only
   out = {"muon": 0, "adam": 0, "experts": 0, "adapters": 0}
   for path, v in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
@@ -51,9 +55,8 @@ def _counts(cfg: ModelConfig, spec) -> dict[str, int]:
 
 
 def budget(cfg: ModelConfig, *, lora_rank: int = 16, lora_targets: tuple[str, ...] | None = None,
-           base_experts: str = "mxfp4") -> dict:
+           base_experts: str = "mxfp4", qat: bool = False) -> dict:
   """Parameter counts and bytes of full fine-tuning and of LoRA for `cfg`."""
-  from k3jax.model import lora  # noqa: PLC0415
   base = _counts(cfg, None)
   spec = lora.AdaptSpec(rank=lora_rank, targets=tuple(lora_targets or lora.DEFAULT_TARGETS))
   adapters = _counts(cfg, spec)["adapters"]
@@ -62,7 +65,7 @@ def budget(cfg: ModelConfig, *, lora_rank: int = 16, lora_targets: tuple[str, ..
   full = (base["muon"] + base["experts"]) * FULL_MUON + base["adam"] * FULL_ADAM
   per_expert = BASE_MXFP4 if base_experts == "mxfp4" else BASE_BF16
   frozen = (base["muon"] + base["adam"]) * BASE_BF16 + base["experts"] * per_expert
-  transient = expert_param * BASE_BF16 if base_experts == "mxfp4" else 0
+  transient = expert_param * BASE_BF16 if base_experts == "mxfp4" and qat else 0
   lora_total = frozen + adapters * ADAPTER + transient
   return {
       "total_params": sum(base.values()), "expert_params": base["experts"],
@@ -75,7 +78,7 @@ def budget(cfg: ModelConfig, *, lora_rank: int = 16, lora_targets: tuple[str, ..
 
 
 def markdown(b: dict) -> str:
-  tb = lambda x: f"{x / 1e12:.2f} TB" if x >= 1e11 else f"{x / 1e9:.1f} GB"  # noqa: E731
+  tb = lambda x: f"{x / 1e12:.2f} TB" if x >= 1e11 else f"{x / 1e9:.1f} GB"
   rows = [
       "| | full fine-tuning (Per-Head Muon) | LoRA r={} over a frozen base ({} experts) |".format(
           b["lora_rank"], b["base_experts"].upper() if b["base_experts"] == "mxfp4" else "bf16"),
@@ -93,7 +96,6 @@ def markdown(b: dict) -> str:
 
 
 def main(argv=None) -> None:
-  import configs  # noqa: PLC0415
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--config", default="k3")
   p.add_argument("--lora", type=int, default=16)

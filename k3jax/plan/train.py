@@ -27,7 +27,7 @@ gradient for a frozen base).
 
 The plan compiles for TPU what TPU runs: bf16 compute over fp32 master weights, the
 megablox grouped matmul for the experts (its work counted at the group sizes, not at the
-receive buffer: `Plan.skipped_row_flops`), the ragged all-to-all dispatch, and KDA's Pallas
+receive buffer: `TrainPlan.skipped_row_flops`), the ragged all-to-all dispatch, and KDA's Pallas
 TPU kernels (forward and backward, per shard inside a shard_map: k3jax/model/kda_parallel.py),
 whose FLOPs reach the cost analysis through their cost estimates.
 """
@@ -36,99 +36,84 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import re
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from k3jax.config import ModelConfig
 from k3jax.errors import UserError
 from k3jax.execution import Execution, GroupedMatmul, KdaBackend, Remat
-from k3jax.plan.analytic import _bytes_per_device, _dequantised_layer_bytes, analytic_temp, grouped_rows_run, moe_layer_bytes, routed_fill
-from k3jax.plan import hlo
+from k3jax.model import lora
+from k3jax.model.transformer import K3Model
+from k3jax.plan import hlo, report
+from k3jax.plan.analytic import (
+  bytes_per_device,
+  dequantised_layer_bytes,
+  grouped_rows_run,
+  moe_layer_bytes,
+  routed_fill,
+  train_temp,
+)
+from k3jax.plan.chips import chip_of
+from k3jax.plan.compiled import compile_or_refusal, cost_analysis, peak_bytes
+from k3jax.plan.request import Mode, PlanRequest
+from k3jax.plan.search import search
+from k3jax.train import flops as flops_lib
+from k3jax.train import step as step_lib
+from sharding.mesh import format_sizes, make_mesh
+from sharding.placement import check_batch
 
-GIB = 1024**3
-
-# Per device (a tpu7x chip shows as 2 devices): HBM bytes, peak bf16 FLOP/s, HBM bytes/s.
-# Public spec-sheet figures; the step-time estimate is only as good as these.
-CHIPS: dict[str, tuple[float, float, float]] = {
-    "v4": (32 * GIB, 275e12, 1.2e12),
-    "v5e": (16 * GIB, 197e12, 0.82e12),
-    "v5 lite": (16 * GIB, 197e12, 0.82e12),
-    "v5p": (95 * GIB, 459e12, 2.76e12),
-    "v5": (95 * GIB, 459e12, 2.76e12),
-    "v6e": (32 * GIB, 918e12, 1.64e12),
-    "v6 lite": (32 * GIB, 918e12, 1.64e12),
-    "tpu7x": (96e9, 1153e12, 3.69e12),
-    "7x": (96e9, 1153e12, 3.69e12),
-}
-
-
-
-
-@dataclasses.dataclass(frozen=True)
-class Chip:
-  kind: str
-  hbm_bytes: float
-  peak_flops: float
-  hbm_bandwidth: float
+STEP = step_lib.StepConfig(qb_method="histogram")  # the histogram QB scales to pods
 
 
-def chip_of(topology: str, device_kind: str) -> Chip:
-  """The chip figures for a topology name ('v5p:8x8x16') or the devices' kind string."""
-  for key in (topology.split(":")[0].lower(), device_kind.lower().removeprefix("tpu ")):
-    if key in CHIPS:
-      return Chip(key, *CHIPS[key])
-  raise UserError(f"no HBM / FLOP/s figures for TPU {device_kind!r} ({topology}); known: "
-                  f"{', '.join(sorted(CHIPS))}")
-
-
-def topology_devices(topology: str):
-  """Devices of a TPU topology description (compile-only; libtpu, no TPU needed)."""
-  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-  try:
-    import libtpu  # noqa: F401, PLC0415
-  except ImportError:
-    raise UserError("--topology needs libtpu (pip install libtpu) to compile for TPU") from None
-  from jax.experimental import topologies  # noqa: PLC0415
-  try:
-    topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
-  except Exception as e:  # noqa: BLE001  (libtpu raises XlaRuntimeError / ValueError)
-    raise UserError(f"--topology {topology!r}: {str(e).splitlines()[0]}") from None
-  return list(topo.devices)
-
-
-def plan_config(remat: str | None = None, attention: str | None = None,
-                loss_chunk: int | None = None, capacity_factor: float | None = None
-                ) -> Execution:
+def train_execution(request: PlanRequest) -> Execution:
   """The execution `k3jax train` runs on TPU: bf16 compute, fp32 master weights, megablox,
-  KDA's Pallas TPU kernels; remat / attention / loss_chunk (0: whole) / the experts' capacity
-  factor as given (None: the defaults, no remat, dense attention, whole logits, dropless)."""
+  KDA's Pallas TPU kernels; the request's remat / attention / loss chunk (0: whole) / the
+  experts' capacity factor (None: the defaults, no remat, dense attention, whole logits,
+  dropless)."""
   ex = Execution(dtype="bfloat16", param_dtype="float32",
                  moe_grouped_matmul=GroupedMatmul.MEGABLOX, kda_backend=KdaBackend.PALLAS_TPU)
   changes = {}
-  if remat is not None:
-    changes["remat"] = remat
-  if attention is not None:
-    changes["attention"] = attention
-  if loss_chunk is not None:
-    changes["loss_chunk"] = loss_chunk or None
-  if capacity_factor is not None:
-    changes["moe_capacity_factor"] = capacity_factor
+  if request.remat is not None:
+    changes["remat"] = request.remat
+  if request.attention is not None:
+    changes["attention"] = request.attention
+  if request.loss_chunk is not None:
+    changes["loss_chunk"] = request.loss_chunk or None
+  if request.capacity_factor is not None:
+    changes["moe_capacity_factor"] = request.capacity_factor
   return ex.replace(**changes)
+
+
+def lora_spec(request: PlanRequest, cfg: ModelConfig) -> lora.AdaptSpec | None:
+  """The AdaptSpec a LoRA plan trains (None for a train plan), checked against the model."""
+  if request.mode != Mode.LORA:
+    return None
+  if request.lora_rank <= 0:
+    raise UserError(f"--lora RANK must be > 0, got {request.lora_rank}")
+  if request.base_experts == "mxfp4" and not cfg.moe_layers:
+    raise UserError("--base-experts mxfp4: the model has no routed experts")
+  spec = lora.AdaptSpec(rank=request.lora_rank,
+                        targets=request.lora_targets or lora.DEFAULT_TARGETS,
+                        base_experts=request.base_experts)
+  try:
+    lora.matching(spec, nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0))))
+  except ValueError as e:
+    raise UserError(str(e)) from None
+  return spec
 
 
 def abstract_inputs(steps, cfg, ex, batch: int, seq: int, accum: int, spec=None):
   """(state, batch, threshold) as ShapeDtypeStructs in the step's shardings."""
-  import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
-  import numpy as np  # noqa: PLC0415
-
-  from k3jax.train import step as step_lib  # noqa: PLC0415
   # what the run initialises (under LoRA: adapters, packed experts, a bf16 frozen base)
   params, bias = jax.eval_shape(lambda: step_lib.init_params(cfg, ex, 0, spec))
   state = step_lib.abstract_state(steps, params, bias)
   rows = batch // accum
   b_sh = steps.batch_sharding
-  mk = lambda dt: jax.ShapeDtypeStruct((accum, rows, seq), dt, sharding=b_sh)  # noqa: E731
+  mk = lambda dt: jax.ShapeDtypeStruct((accum, rows, seq), dt, sharding=b_sh)
   data = {"inputs": mk(jnp.int32), "targets": mk(jnp.int32), "segment_ids": mk(jnp.int32),
           "loss_mask": mk(jnp.bool_)}
   thr = jax.ShapeDtypeStruct((), np.float32, sharding=steps.shardings["step"])
@@ -136,7 +121,7 @@ def abstract_inputs(steps, cfg, ex, batch: int, seq: int, accum: int, spec=None)
 
 
 @dataclasses.dataclass
-class Plan:
+class TrainPlan:
   """One mesh's figures (bytes per device; FLOPs of the whole step unless said)."""
   topology: str
   devices: int
@@ -186,108 +171,128 @@ class Plan:
   lora_rank: int | None = None         # --mode lora: the adapters' rank
   trainable_param_count: int | None = None  # --mode lora: the adapters' parameters
 
-
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
 
+  def report(self) -> str:
+    """The plan as text, a few lines."""
+    p = self
+    lora_on = p.mode == Mode.LORA
+    lines = [
+        f"plan: {p.topology} ({p.devices} devices), mesh {p.mesh}, batch {p.batch} x "
+        f"seq {p.seq} (grad accum {p.grad_accum}), remat {p.remat}, loss chunk "
+        f"{p.loss_chunk or 'none'}, attention {p.attention}"
+        + (f", LoRA r={p.lora_rank} over a frozen base" if lora_on else "")
+        + f": {report.method(p)}",
+        f"  parameters      {p.param_count / 1e9:10.3f} B"
+        + (f" ({p.trainable_param_count / 1e9:.3f} B trainable)" if lora_on else "")
+        + f"; train state per device {report.gib(p.state_bytes_per_device)}",
+        f"  arguments       {report.gib(p.argument_bytes_per_device)} per device",
+        f"  temporaries     {report.gib(p.temp_bytes_per_device)} per device",
+        report.peak(p),
+    ]
+    if p.compile_oom:
+      lines += [report.refused(p, "the peak from its message, no cost analysis"),
+                "                  (where it goes: XLA_FLAGS=--xla_dump_to=DIR, then "
+                "benchmarks/xla_heap.py DIR)"]
+    elif p.compile_seconds is not None:
+      lines += [
+          f"  compile         {p.compile_seconds:8.1f} s",
+          f"  FLOPs           compiled matmuls {p.work_flops:.3e} / model "
+          f"{p.model_flops:.3e} = {p.flops_ratio:.3f} (loops by trip count; XLA's "
+          f"cost_analysis, each of {p.loops} loop bodies once: {p.compiled_flops:.3e})",
+          *([f"                  (counted {p.compiled_matmul_flops:.3e}, less "
+             f"{p.skipped_row_flops:.3e} of expert buffer rows past the group sizes that "
+             "the megablox kernels' grid never runs)"] if p.skipped_row_flops else []),
+          f"    split         model 1.000, remat recompute "
+          f"{p.remat_flops / p.model_flops:.3f}, optimizer (Newton-Schulz) "
+          f"{p.optimizer_flops / p.model_flops:.3f}, expert buffer rows past the "
+          f"routed pairs {p.buffer_row_flops / p.model_flops:.3f}, other (waste) "
+          f"{p.other_flops / p.model_flops:.3f} (of the model FLOPs)",
+          f"  bytes accessed  {p.compiled_bytes_accessed:.3e} (all devices; cost_analysis: "
+          "loop bodies once)"]
+    else:
+      lines.append(f"  FLOPs           model {p.model_flops:.3e}; by hand, remat recompute "
+                   f"{p.remat_flops / p.model_flops:.3f} and optimizer "
+                   f"{p.optimizer_flops / p.model_flops:.3f} of that on top")
+    lines.append(f"  step time       {p.step_seconds_estimate:.3f} s  {report.ESTIMATE}")
+    return "\n".join(lines)
 
-def _grouped_matmul_op(op_name: str) -> bool:
-  """The routed experts' grouped matmuls in `hlo.matmul_flops`'s by-op names: ragged_dot, or
-  megablox's kernels (gmm, tgmm) under grouped_matmul's named scope."""
-  from pallas_kernels.grouped_matmul import SCOPE  # noqa: PLC0415
-  return "ragged_dot" in op_name or (SCOPE in op_name and "pallas_call" in op_name)
 
-
-def _mesh_size(mesh) -> dict:
-  return dict(mesh.shape)
-
-
-def plan_one(cfg, ex, sc, devices, topology: str, mesh_spec, *, batch: int, seq: int,
-             accum: int, analytic: bool, spec=None) -> Plan:
-  import jax  # noqa: PLC0415
-  from k3jax.train import flops as flops_lib  # noqa: PLC0415
-  from k3jax.train import step as step_lib  # noqa: PLC0415
-  from sharding.mesh import format_sizes, make_mesh  # noqa: PLC0415
-  from sharding.placement import check_batch  # noqa: PLC0415
-
+def plan_one(request: PlanRequest, cfg, ex, devices, mesh_spec, *, analytic: bool,
+             spec=None) -> TrainPlan:
+  """The plan of the step on one mesh (a spec string or axis sizes)."""
+  batch, seq, accum, topology = request.batch, request.seq, request.grad_accum, request.topology
   mesh = make_mesh(mesh_spec, devices)
   check_batch(batch // accum, mesh)
-  steps = step_lib.build(cfg, ex, sc, mesh, spec)
+  steps = step_lib.build(cfg, ex, STEP, mesh, spec)
   state, data, thr = abstract_inputs(steps, cfg, ex, batch, seq, accum, spec)
   chip = chip_of(topology, devices[0].device_kind)
   n = len(devices)
   count = flops_lib.count(cfg, seq)
-  lora = spec is not None and spec.lora
+  lora_on = spec is not None and spec.lora
   # the FLOPs split: remat recomputes the forward (a third of the training FLOPs; save-dots
   # keeps the matmul outputs, so this is its upper bound); Muon's Newton-Schulz once per step
   remat_flops = count.forward_per_token * batch * seq if ex.remat != Remat.NONE else 0.0
-  optimizer_flops = 0.0 if lora else flops_lib.newton_schulz_flops(cfg)
+  optimizer_flops = 0.0 if lora_on else flops_lib.newton_schulz_flops(cfg)
   # LoRA: forward 2N + activation gradient 2N per token, no weight gradient for the base
-  model_flops = count.train_per_token * batch * seq * (2 / 3 if lora else 1)
-  state_bytes = sum(_bytes_per_device(x) for x in jax.tree.leaves(state))
-  batch_bytes = sum(_bytes_per_device(x) for x in jax.tree.leaves(data)) + 4
-  params_bytes = sum(_bytes_per_device(x) for x in jax.tree.leaves(state["params"]))
-  largest = max(_bytes_per_device(x) for x in jax.tree.leaves(state["params"]))
+  model_flops = count.train_per_token * batch * seq * (2 / 3 if lora_on else 1)
+  state_bytes = sum(bytes_per_device(x) for x in jax.tree.leaves(state))
+  batch_bytes = sum(bytes_per_device(x) for x in jax.tree.leaves(data)) + 4
+  params_bytes = sum(bytes_per_device(x) for x in jax.tree.leaves(state["params"]))
+  largest = max(bytes_per_device(x) for x in jax.tree.leaves(state["params"]))
   n_params = step_lib.count_params(state["params"])
   trainable = step_lib.partition(state["params"], steps.trainable)[0]
-  if lora:  # the temporaries' gradients are the adapters'; the experts are dequantised per
-    # MoE layer (bf16, this device's share)
-    params_bytes = (sum(_bytes_per_device(x) for x in jax.tree.leaves(trainable))
-                    + _dequantised_layer_bytes(state["params"]))
-  sizes = _mesh_size(mesh)
+  if lora_on:  # the temporaries' gradients are the adapters'; packed experts are dequantised
+    # a tile at a time in the grouped matmuls, except under QAT, which rounds each MoE layer's
+    # whole W + s A B (bf16, this device's share)
+    params_bytes = (sum(bytes_per_device(x) for x in jax.tree.leaves(trainable))
+                    + (dequantised_layer_bytes(state["params"]) if spec.qat else 0))
+  sizes = dict(mesh.shape)
   rows_dev = (batch // accum) // (sizes["data"] * sizes["fsdp"] * sizes["expert"])
   common = dict(topology=topology, devices=n, mesh=format_sizes(sizes), batch=batch, seq=seq,
                 grad_accum=accum, remat=ex.remat.value, loss_chunk=ex.loss_chunk,
                 attention=ex.attention.value,
                 hbm_bytes_per_device=chip.hbm_bytes, model_flops=model_flops,
                 state_bytes_per_device=state_bytes, param_count=n_params,
-                mode="lora" if lora else "train", lora_rank=spec.rank if lora else None,
-                trainable_param_count=step_lib.count_params(trainable) if lora else None,
+                mode=(Mode.LORA if lora_on else Mode.TRAIN).value,
+                lora_rank=spec.rank if lora_on else None,
+                trainable_param_count=step_lib.count_params(trainable) if lora_on else None,
                 remat_flops=remat_flops, optimizer_flops=optimizer_flops)
   if analytic:
     arg = state_bytes + batch_bytes
-    temp = analytic_temp(cfg, ex, rows_dev, seq, sizes["tensor"], state_bytes, params_bytes,
-                         moe_layer_bytes(cfg, ex, mesh, batch // accum * seq),
-                         accum=accum, largest_per_device=0.0 if lora else largest)
+    temp = train_temp(cfg, ex, rows_dev, seq, sizes["tensor"], state_bytes, params_bytes,
+                      moe_layer_bytes(cfg, ex, mesh, batch // accum * seq),
+                      accum=accum, largest_per_device=0.0 if lora_on else largest)
     peak = arg + temp
     # per device: the model FLOPs share plus remat's recompute (one more forward)
     per_dev = model_flops / n * (4 / 3 if ex.remat != Remat.NONE else 1.0)
     est = max(per_dev / chip.peak_flops, (state_bytes * 3 + temp) / chip.hbm_bandwidth)
-    return Plan(**common, analytic=True, argument_bytes_per_device=arg,
-                temp_bytes_per_device=temp, output_bytes_per_device=state_bytes,
-                alias_bytes_per_device=state_bytes, peak_bytes_per_device=peak,
-                fits=peak <= chip.hbm_bytes, compile_seconds=None, compiled_flops=None,
-                compiled_bytes_accessed=None, flops_ratio=None, step_seconds_estimate=est)
+    return TrainPlan(**common, analytic=True, argument_bytes_per_device=arg,
+                     temp_bytes_per_device=temp, output_bytes_per_device=state_bytes,
+                     alias_bytes_per_device=state_bytes, peak_bytes_per_device=peak,
+                     fits=peak <= chip.hbm_bytes, compile_seconds=None, compiled_flops=None,
+                     compiled_bytes_accessed=None, flops_ratio=None, step_seconds_estimate=est)
 
   t0 = time.perf_counter()
   with jax.set_mesh(mesh):
     lowered = steps.train.jitted.trace(state, data, thr).lower(lowering_platforms=("tpu",))
-  try:
-    # (neither xla_tpu_max_hbm_size_mib above the chip's HBM nor xla_tpu_no_crash_on_oom
-    # helps: the first is ignored, the second searches for a fitting schedule for > 10 min)
-    compiled = lowered.compile()
-  except Exception as e:  # noqa: BLE001  (XLA's compile-time HBM check: JaxRuntimeError)
-    total = oom_temporaries(str(e))
-    if total is None:
-      raise
-    # the TPU compiler refuses a program that cannot fit and gives only its total (see
-    # oom_temporaries: the arguments included)
-    seconds = time.perf_counter() - t0
-    arg = state_bytes + batch_bytes
-    return Plan(**common, analytic=False, argument_bytes_per_device=arg,
-                temp_bytes_per_device=max(0.0, total - arg),
-                output_bytes_per_device=state_bytes,
-                alias_bytes_per_device=state_bytes, peak_bytes_per_device=total,
-                fits=False, compile_seconds=seconds, compiled_flops=None,
-                compiled_bytes_accessed=None, flops_ratio=None,
-                step_seconds_estimate=math.nan, compile_oom=True)
+  compiled = compile_or_refusal(lowered)
   seconds = time.perf_counter() - t0
+  if isinstance(compiled, float):
+    # the TPU compiler refuses a program that cannot fit and gives only its total (the
+    # arguments included)
+    arg = state_bytes + batch_bytes
+    return TrainPlan(**common, analytic=False, argument_bytes_per_device=arg,
+                     temp_bytes_per_device=max(0.0, compiled - arg),
+                     output_bytes_per_device=state_bytes,
+                     alias_bytes_per_device=state_bytes, peak_bytes_per_device=compiled,
+                     fits=False, compile_seconds=seconds, compiled_flops=None,
+                     compiled_bytes_accessed=None, flops_ratio=None,
+                     step_seconds_estimate=math.nan, compile_oom=True)
   mem = compiled.memory_analysis()
-  arg, out = mem.argument_size_in_bytes, mem.output_size_in_bytes
-  alias, temp = mem.alias_size_in_bytes, mem.temp_size_in_bytes
-  peak = getattr(mem, "peak_memory_in_bytes", 0) or (arg + out - alias + temp)
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  peak = peak_bytes(mem)
+  cost = cost_analysis(compiled)
   dev_flops = float(cost.get("flops", 0.0))
   dev_bytes = float(cost.get("bytes accessed", 0.0))
   text = compiled.as_text()
@@ -295,7 +300,7 @@ def plan_one(cfg, ex, sc, devices, topology: str, mesh_spec, *, batch: int, seq:
   # and its split come from the matmul FLOPs with loops by their trip counts instead
   by_op: dict = {}
   counted = hlo.matmul_flops(text, by_op) * n
-  grouped = sum(f for op, f in by_op.items() if _grouped_matmul_op(op)) * n
+  grouped = sum(f for op, f in by_op.items() if hlo.is_grouped_matmul(op)) * n
   tokens = batch // accum * seq
   buffer_rows = grouped * (1.0 - routed_fill(cfg, ex, mesh, tokens))
   skipped = 0.0
@@ -303,33 +308,18 @@ def plan_one(cfg, ex, sc, devices, topology: str, mesh_spec, *, batch: int, seq:
     skipped = grouped * (1.0 - grouped_rows_run(cfg, ex, mesh, tokens))
   work, buffer_rows = counted - skipped, buffer_rows - skipped
   est = max(work / n / chip.peak_flops, dev_bytes / chip.hbm_bandwidth)
-  return Plan(**common, analytic=False, loops=text.count(" while("),
-              argument_bytes_per_device=arg,
-              temp_bytes_per_device=temp, output_bytes_per_device=out,
-              alias_bytes_per_device=alias, peak_bytes_per_device=peak,
-              fits=peak <= chip.hbm_bytes, compile_seconds=seconds,
-              compiled_flops=dev_flops * n, compiled_bytes_accessed=dev_bytes * n,
-              compiled_matmul_flops=counted, work_flops=work, skipped_row_flops=skipped,
-              flops_ratio=work / model_flops if model_flops else None,
-              step_seconds_estimate=est,
-              buffer_row_flops=buffer_rows,
-              other_flops=work - model_flops - remat_flops - optimizer_flops - buffer_rows)
-
-
-_OOM = re.compile(r"HLO temporaries \(([\d.]+)([KMGT]?)\)")
-
-
-def oom_temporaries(message: str) -> float | None:
-  """The bytes in XLA's compile-time HBM OOM message ('... the total memory required for HLO
-  temporaries (33.54G) exceeds available HBM (15.75G)'), None for any other error. Despite the
-  wording the figure is the whole program's HBM: the arguments' buffers plus the temporaries'
-  heap (in the buffer assignment that XLA_FLAGS=--xla_dump_to writes for the refused
-  program, the parameter allocations and the preallocated temporaries sum to it:
-  docs/plan.md#what-got-it-there)."""
-  m = _OOM.search(message)
-  if not m:
-    return None
-  return float(m.group(1)) * 1024 ** " KMGT".index(m.group(2) or " ")
+  return TrainPlan(**common, analytic=False, loops=text.count(" while("),
+                   argument_bytes_per_device=mem.argument_size_in_bytes,
+                   temp_bytes_per_device=mem.temp_size_in_bytes,
+                   output_bytes_per_device=mem.output_size_in_bytes,
+                   alias_bytes_per_device=mem.alias_size_in_bytes, peak_bytes_per_device=peak,
+                   fits=peak <= chip.hbm_bytes, compile_seconds=seconds,
+                   compiled_flops=dev_flops * n, compiled_bytes_accessed=dev_bytes * n,
+                   compiled_matmul_flops=counted, work_flops=work, skipped_row_flops=skipped,
+                   flops_ratio=work / model_flops if model_flops else None,
+                   step_seconds_estimate=est,
+                   buffer_row_flops=buffer_rows,
+                   other_flops=work - model_flops - remat_flops - optimizer_flops - buffer_rows)
 
 
 def candidate_meshes(cfg, n: int, rows: int) -> list[dict]:
@@ -351,116 +341,17 @@ def candidate_meshes(cfg, n: int, rows: int) -> list[dict]:
   return out
 
 
-def run_plan(args) -> list[Plan]:
-  import configs  # noqa: PLC0415
-  from k3jax.train import step as step_lib  # noqa: PLC0415
-  from sharding.mesh import MeshError  # noqa: PLC0415
-
-  cfg = configs.resolve(args.config)
-  ex = plan_config(args.remat, args.attention, args.loss_chunk,
-                   getattr(args, "capacity_factor", None))
-  spec = lora_spec(args, cfg)
-  if args.batch % args.grad_accum:
-    raise UserError(f"--batch {args.batch} is not a multiple of --grad-accum {args.grad_accum}")
-  devices = topology_devices(args.topology)
-  sc = step_lib.StepConfig(qb_method="histogram")  # the histogram QB scales to pods
-  kw = dict(batch=args.batch, seq=args.seq, accum=args.grad_accum, spec=spec)
-  if args.mesh:
-    return [plan_one(cfg, ex, sc, devices, args.topology, args.mesh, analytic=args.analytic,
-                     **kw)]
-  cands = candidate_meshes(cfg, len(devices), args.batch // args.grad_accum)
-  ranked = []
-  for sizes in cands:  # analytic first: cheap, and orders the compiles
-    try:
-      ranked.append(plan_one(cfg, ex, sc, devices, args.topology, sizes, analytic=True, **kw))
-    except MeshError:
-      continue
-  if not ranked:
-    raise UserError(f"no mesh of {len(devices)} devices splits this model and batch")
-  ranked.sort(key=lambda p: p.peak_bytes_per_device)
-  if args.analytic:
-    return ranked
-  plans = []
-  for p in ranked[:args.max_compiles]:
-    plans.append(plan_one(cfg, ex, sc, devices, args.topology, p.mesh, analytic=False, **kw))
-  return plans
-
-
-def lora_spec(args, cfg):
-  """The AdaptSpec `--mode lora` plans (None for --mode train), checked against the model."""
-  from flax import nnx  # noqa: PLC0415
-
-  from k3jax.model import lora  # noqa: PLC0415
-  from k3jax.model.transformer import K3Model  # noqa: PLC0415
-  if getattr(args, "mode", "train") != "lora":
-    return None
-  if args.lora <= 0:
-    raise UserError(f"--lora RANK must be > 0, got {args.lora}")
-  if args.base_experts == "mxfp4" and not cfg.moe_layers:
-    raise UserError("--base-experts mxfp4: the model has no routed experts")
-  spec = lora.AdaptSpec(rank=args.lora, targets=tuple(args.lora_targets or lora.DEFAULT_TARGETS),
-                        base_experts=args.base_experts)
-  try:
-    lora.matching(spec, nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0))))
-  except ValueError as e:
-    raise UserError(str(e)) from None
-  return spec
-
-
-def best(plans: list) -> Plan:
-  """The fastest estimate that fits (train, LoRA or decode plans), else the smallest peak."""
-  fitting = [p for p in plans if p.fits]
-  if fitting:
-    return min(fitting, key=lambda p: p.step_seconds_estimate)
-  return min(plans, key=lambda p: p.peak_bytes_per_device)
-
-
-def gib(x) -> str:
-  return f"{x / GIB:8.2f} GiB"
-
-
-def report(plan: Plan) -> str:
-  kind = "analytic (no compile)" if plan.analytic else "compiled (XLA memory/cost analysis)"
-  lines = [
-      f"plan: {plan.topology} ({plan.devices} devices), mesh {plan.mesh}, batch {plan.batch} x "
-      f"seq {plan.seq} (grad accum {plan.grad_accum}), remat {plan.remat}, loss chunk "
-      f"{plan.loss_chunk or 'none'}, attention {plan.attention}"
-      + (f", LoRA r={plan.lora_rank} over a frozen base" if plan.mode == "lora" else "")
-      + f": {kind}",
-      f"  parameters      {plan.param_count / 1e9:10.3f} B"
-      + (f" ({plan.trainable_param_count / 1e9:.3f} B trainable)" if plan.mode == "lora"
-         else "") + f"; train state per device {gib(plan.state_bytes_per_device)}",
-      f"  arguments       {gib(plan.argument_bytes_per_device)} per device",
-      f"  temporaries     {gib(plan.temp_bytes_per_device)} per device",
-      f"  peak            {gib(plan.peak_bytes_per_device)} of {gib(plan.hbm_bytes_per_device)}"
-      f" HBM: {'FITS' if plan.fits else 'does NOT fit'} "
-      f"({plan.peak_bytes_per_device / plan.hbm_bytes_per_device:.0%})",
-  ]
-  if plan.compile_oom:
-    lines += [f"  compile         {plan.compile_seconds:8.1f} s: refused by the TPU compiler "
-              "(HBM); the peak from its message, no cost analysis",
-              "                  (where it goes: XLA_FLAGS=--xla_dump_to=DIR, then "
-              "benchmarks/xla_heap.py DIR)"]
-  elif plan.compile_seconds is not None:
-    lines += [
-        f"  compile         {plan.compile_seconds:8.1f} s",
-        f"  FLOPs           compiled matmuls {plan.work_flops:.3e} / model "
-        f"{plan.model_flops:.3e} = {plan.flops_ratio:.3f} (loops by trip count; XLA's "
-        f"cost_analysis, each of {plan.loops} loop bodies once: {plan.compiled_flops:.3e})",
-        *([f"                  (counted {plan.compiled_matmul_flops:.3e}, less "
-           f"{plan.skipped_row_flops:.3e} of expert buffer rows past the group sizes that "
-           "the megablox kernels' grid never runs)"] if plan.skipped_row_flops else []),
-        f"    split         model 1.000, remat recompute "
-        f"{plan.remat_flops / plan.model_flops:.3f}, optimizer (Newton-Schulz) "
-        f"{plan.optimizer_flops / plan.model_flops:.3f}, expert buffer rows past the "
-        f"routed pairs {plan.buffer_row_flops / plan.model_flops:.3f}, other (waste) "
-        f"{plan.other_flops / plan.model_flops:.3f} (of the model FLOPs)",
-        f"  bytes accessed  {plan.compiled_bytes_accessed:.3e} (all devices; cost_analysis: "
-        "loop bodies once)"]
-  else:
-    lines.append(f"  FLOPs           model {plan.model_flops:.3e}; by hand, remat recompute "
-                 f"{plan.remat_flops / plan.model_flops:.3f} and optimizer "
-                 f"{plan.optimizer_flops / plan.model_flops:.3f} of that on top")
-  lines.append(f"  step time       {plan.step_seconds_estimate:.3f} s  (ESTIMATE: roofline of "
-               "peak FLOP/s and HBM bandwidth, no communication)")
-  return "\n".join(lines)
+def run(request: PlanRequest, cfg: ModelConfig, devices: list) -> list[TrainPlan]:
+  """The train or LoRA plans of `request` (its batch given) for `cfg` on `devices`: the
+  candidates ranked by the smallest analytic peak."""
+  ex = train_execution(request)
+  spec = lora_spec(request, cfg)
+  if request.batch % request.grad_accum:
+    raise UserError(f"--batch {request.batch} is not a multiple of --grad-accum "
+                    f"{request.grad_accum}")
+  return search(
+      request, lambda mesh, analytic: plan_one(request, cfg, ex, devices, mesh,
+                                               analytic=analytic, spec=spec),
+      candidate_meshes(cfg, len(devices), request.batch // request.grad_accum),
+      rank=lambda p: p.peak_bytes_per_device,
+      nothing_fits=f"no mesh of {len(devices)} devices splits this model and batch")

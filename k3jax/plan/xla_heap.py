@@ -46,8 +46,8 @@ def read(directory: str, module: str):
   live = open(_one(stem + "-live-range.txt")).read()
   # the temporaries' heap in the default memory space (others carry a "color": SparseCore,
   # VMEM, ...)
-  heaps = [m for m in re.finditer(r"^allocation \d+: size (\d+), (color \d+, )?page \d+, "
-                                  r"preallocated-temp:", assignment, re.M)]
+  heaps = list(re.finditer(r"^allocation \d+: size (\d+), (color \d+, )?page \d+, "
+                           r"preallocated-temp:", assignment, re.M))
   heaps = [m for m in heaps if not m.group(2)] or heaps
   if not heaps:
     raise SystemExit("xla_heap: no preallocated-temp allocation in the buffer assignment")

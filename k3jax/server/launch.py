@@ -23,7 +23,7 @@ import jax
 import uvicorn
 
 import configs
-from convert.load import load_any
+from convert.load import load_any, stores_packed_experts
 from k3jax.engine import DEFAULT_MAX_MODEL_LEN, Engine, EngineConfig
 from k3jax.errors import UserError
 from k3jax.execution import NUMERICS
@@ -53,7 +53,7 @@ class ServeOptions:
   api_key: str | None = None
   served_model_name: str | None = None
   dtype: str = "auto"
-  experts: Experts = Experts.DEQUANTIZED
+  experts: Experts | None = None  # None: as the folder stores them
   max_num_seqs: int = 16
   max_model_len: int | None = None
   prefill_chunk: int = 512
@@ -64,10 +64,6 @@ class ServeOptions:
 def build(options: ServeOptions) -> Server:
   if not os.path.exists(options.model):
     raise UserError(f"{options.model}: no such model folder")
-  if options.experts == Experts.MXFP4:
-    raise UserError("--experts mxfp4: serving packed MXFP4 experts needs convert.load's "
-                    "keep_packed loading and the packed expert path, which this build does not "
-                    "have; use --experts dequantized")
   dtype = options.dtype
   if dtype == "auto":
     dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
@@ -88,10 +84,12 @@ def build(options: ServeOptions) -> Server:
   except ValueError as e:
     raise UserError(str(e)) from None
   mesh = make_mesh(options.mesh) if options.mesh else None
+  keep_packed = (stores_packed_experts(folder.weights) if options.experts is None
+                 else options.experts == Experts.MXFP4)
 
   def load() -> Engine:
     t0 = time.perf_counter()
-    model, _ = load_any(folder.weights, NUMERICS[dtype], mesh=mesh)
+    model, _ = load_any(folder.weights, NUMERICS[dtype], mesh=mesh, keep_packed=keep_packed)
     engine = Engine(model, engine_config, mesh=mesh)
     print(f"k3jax serve: {cfg.num_layers} layers, {dtype}, loaded in "
           f"{time.perf_counter() - t0:.1f}s: ready", file=sys.stderr, flush=True)

@@ -85,7 +85,7 @@ class EngineLoop:
     with jax.enable_x64(self.x64):
       try:
         self.engine = self.build()
-      except BaseException as e:  # noqa: BLE001  (reported by the server: health, 503, exit)
+      except BaseException as e:  # noqa: BLE001 - reported by the server: health, 503, exit
         self.error = e
         log.error("loading the model failed:\n%s", traceback.format_exc())
         self._set_state(State.FAILED)
@@ -128,7 +128,7 @@ class EngineLoop:
   def _step(self) -> None:
     try:
       outputs = self.engine.step()
-    except Exception as e:  # noqa: BLE001  (the server keeps serving the next requests)
+    except Exception as e:  # noqa: BLE001 - the server keeps serving the next requests
       log.error("an engine step failed:\n%s", traceback.format_exc())
       failure = EngineFailure(f"the engine failed: {type(e).__name__}: {e}")
       batch = [(sink, failure) for sink in self._sinks.values()]

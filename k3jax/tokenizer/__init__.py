@@ -15,7 +15,8 @@ One interface, used by `k3jax train`, `k3jax tokenize` and `k3jax generate`:
 `render_chat` / `encode_chat` equal transformers' `apply_chat_template(..., tokenize=False /
 True)` on the same folder (chat.py says exactly how). Pass add_generation_prompt explicitly:
 None means the folder's default, and K2's remote code defaults it to True. The byte
-tokenizer has no chat format and raises UserError. `chat.encode_with_mask` adds the per-token assistant mask for SFT.
+tokenizer has no chat format and raises UserError. `chat.encode_with_mask` adds the per-token
+assistant mask for SFT.
 Nothing is downloaded and no code from the folder runs.
 """
 
@@ -27,6 +28,7 @@ import numpy as np
 
 from k3jax.errors import UserError
 from k3jax.folders import TokenizerSource
+from k3jax.tokenizer.bpe import load_folder
 from k3jax.tokenizer.folder import TIKTOKEN_FILE, find_tiktoken_file, read_pattern
 
 __all__ = ["ByteTokenizer", "TIKTOKEN_FILE", "find_tiktoken_file", "load_tokenizer",
@@ -82,7 +84,6 @@ def load_tokenizer(kind: str, folder: str | None = None):
   if importlib.util.find_spec("tiktoken") is None:
     raise UserError(f"{model_file}: the checkpoint's tokenizer needs the `tiktoken` package "
                     "(pip install tiktoken), or pass --tokenizer byte to train on bytes")
-  from k3jax.tokenizer.bpe import load_folder  # noqa: PLC0415
   return load_folder(model_file)
 
 

@@ -23,8 +23,11 @@ import os
 import re
 
 import numpy as np
+import tiktoken
+from tiktoken.load import load_tiktoken_bpe
 
 from k3jax.errors import UserError
+from k3jax.tokenizer import chat
 from k3jax.tokenizer.folder import FolderSpec, read_folder
 
 
@@ -33,8 +36,6 @@ class BpeTokenizer:
   name = "tiktoken"
 
   def __init__(self, spec: FolderSpec):
-    import tiktoken  # noqa: PLC0415  (k3jax dependency, imported only when a folder has a BPE)
-    from tiktoken.load import load_tiktoken_bpe  # noqa: PLC0415
     if spec.remote.pattern is None:
       raise UserError(f"{spec.folder}: has tiktoken.model but no tokenization_*.py defining "
                       "pat_str (the BPE's pre-tokenisation regex); pass --tokenizer byte to "
@@ -221,7 +222,6 @@ class BpeTokenizer:
     `tools`: a list of JSON schemas; extra keyword arguments are template variables.
     add_generation_prompt=None takes the folder's default (True for K2's remote code, whose
     apply_chat_template says so; else False): pass it explicitly."""
-    from k3jax.tokenizer import chat  # noqa: PLC0415
     return chat.render(self, messages, tools, add_generation_prompt=add_generation_prompt,
                        **template_kwargs)
 

@@ -44,7 +44,10 @@ import json
 import re
 from datetime import datetime
 
+import jinja2
+import jinja2.ext
 import numpy as np
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from k3jax.errors import ChatError, UserError
 
@@ -56,10 +59,6 @@ REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 @functools.cache
 def _environment():
-  import jinja2  # noqa: PLC0415
-  import jinja2.ext  # noqa: PLC0415
-  from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: PLC0415
-
   class Generation(jinja2.ext.Extension):
     """{% generation %}...{% endgeneration %}: renders its body (transformers tracks the span
     for its own assistant mask; k3jax derives the mask from prefixes, see module docstring)."""
@@ -76,7 +75,7 @@ def _environment():
   class Namespace(jinja2.utils.Namespace):
     """jinja's namespace() without underscore-prefixed attributes (transformers' sandboxing)."""
 
-    def __init__(*args, **kwargs):  # noqa: N805  (jinja's own signature trick)
+    def __init__(*args, **kwargs):  # jinja's own signature trick
       self, args = args[0], args[1:]
       attrs = dict(*args, **kwargs)
       for name in attrs:
@@ -117,7 +116,6 @@ def _environment():
 
 @functools.lru_cache(maxsize=8)
 def _compile(template: str):
-  import jinja2  # noqa: PLC0415
   try:
     return _environment().from_string(template)
   except jinja2.TemplateSyntaxError as e:
@@ -157,7 +155,6 @@ def render(tok, messages, tools=None, *, add_generation_prompt: bool | None = No
   argument of that name; `add_generation_prompt=None`: the folder's default, which K2's remote
   code sets to True). ChatError when the template refuses the conversation (its
   `raise_exception`, or an error while rendering)."""
-  import jinja2  # noqa: PLC0415
   if add_generation_prompt is None:
     add_generation_prompt = tok.spec.remote.generation_prompt_default
   template = _compile(chat_template if chat_template is not None else tok.chat_template(tools))

@@ -27,6 +27,7 @@ from k3jax.config import ModelConfig
 from k3jax.execution import Execution
 from k3jax.model.lora import AdaptSpec, PackedExperts, adapt
 from k3jax.model.moe import RouterBias
+from k3jax.model.transformer import K3Model
 
 
 def plain(tree: Any) -> Any:
@@ -53,7 +54,6 @@ def make_model(cfg: ModelConfig, ex: Execution, seed: int, spec: AdaptSpec | Non
                ) -> nnx.Module:
   """The model `cfg` describes, run as `ex` says, adapted for fine-tuning as `spec` asks
   (LoRA, packed experts, QAT; model/lora.py)."""
-  from k3jax.model.transformer import K3Model  # noqa: PLC0415  (heavy import)
   model = K3Model(cfg, ex, rngs=nnx.Rngs(seed))
   return model if spec is None else adapt(model, spec, nnx.Rngs(seed + 1))
 
@@ -112,7 +112,7 @@ def split_for_training(model: nnx.Module, spec: AdaptSpec | None) -> tuple[dict,
   if spec is None or not spec.lora or ex.jnp_dtype == ex.jnp_param_dtype:
     return params, bias
   mask = trainable_mask(nnx.state(model, WEIGHTS), spec)
-  cast = lambda x, m: (x if m or not jnp.issubdtype(x.dtype, jnp.floating)  # noqa: E731
+  cast = lambda x, m: (x if m or not jnp.issubdtype(x.dtype, jnp.floating)
                        else x.astype(ex.jnp_dtype))
   return jax.tree.map(cast, params, mask), bias
 
@@ -122,7 +122,6 @@ def adapt_params(cfg: ModelConfig, ex: Execution, params: dict, bias: dict, spec
                  seed: int) -> dict:
   """A pre-trained model's params adapted as `spec` asks (fresh adapters from `seed`, experts
   packed), under jit for the same reason as init_params."""
-  from k3jax.model.transformer import K3Model  # noqa: PLC0415
   graphdef = nnx.graphdef(nnx.eval_shape(lambda: K3Model(cfg, ex, rngs=nnx.Rngs(0))))
   model = nnx.merge(graphdef, nnx.State(params), nnx.State(bias))
   return split_for_training(adapt(model, spec, nnx.Rngs(seed + 1)), spec)[0]

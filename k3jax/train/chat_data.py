@@ -27,7 +27,8 @@ import os
 
 import numpy as np
 
-from k3jax.errors import UserError
+from k3jax.errors import ChatError, UserError
+from k3jax.tokenizer import chat
 from k3jax.train.holdout import is_held_out
 
 BAD_ROWS_FILE = "bad_rows.jsonl"
@@ -50,7 +51,7 @@ class ChatCorpus:
     held = [is_held_out(i) for i in range(len(self.tokens))]
     if not any(held):
       return (self.tokens, self.weights), (self.tokens, self.weights), False
-    pick = lambda xs, keep: [x for x, h in zip(xs, held) if h == keep]  # noqa: E731
+    pick = lambda xs, keep: [x for x, h in zip(xs, held) if h == keep]
     return ((pick(self.tokens, False), pick(self.weights, False)),
             (pick(self.tokens, True), pick(self.weights, True)), True)
 
@@ -70,7 +71,6 @@ def jsonl_files(path: str) -> list[str]:
 
 def encode_row(tokenizer, row, seq_len: int | None):
   """(ids, assistant mask, special texts found) of one parsed row; ChatError if it is bad."""
-  from k3jax.tokenizer import chat  # noqa: PLC0415
   messages, tools = chat.validate_row(row)
   enc = chat.encode_with_mask(tokenizer, messages, tools)
   if not enc.assistant.any():
@@ -82,7 +82,6 @@ def encode_row(tokenizer, row, seq_len: int | None):
 
 def read_chat(path: str, tokenizer, seq_len: int) -> ChatCorpus:
   """Every row of the JSONL file(s) at `path`, tokenized, bad ones collected (not raised)."""
-  from k3jax.errors import ChatError  # noqa: PLC0415
   if getattr(tokenizer, "spec", None) is None:
     tokenizer.render_chat([])  # the byte tokenizer: its UserError (no chat format)
   if not tokenizer.spec.chat_templates or tokenizer.spec.remote.chat_override:

@@ -33,7 +33,9 @@ import threading
 import time
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
+from flax import nnx
 
 SAVE_DELAY_ENV = "K3JAX_TEST_SAVE_DELAY"
 SAVE_EVENTS = "save_events.log"
@@ -176,8 +178,6 @@ def save_model(directory: str, graphdef: Any, params: Any, router_bias: Any, cfg
   without an explicit execution runs them in; convert.load.checkpoint_execution). Written
   synchronously, replacing an older one. Every process saves its shards of the arrays;
   process 0 alone writes the config file."""
-  import jax  # noqa: PLC0415
-  from flax import nnx  # noqa: PLC0415
   model = nnx.merge(graphdef, nnx.State(params), nnx.State(router_bias))
   checkpointer = ocp.StandardCheckpointer()
   checkpointer.save(os.path.abspath(directory), nnx.state(model), force=True)

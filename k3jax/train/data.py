@@ -18,9 +18,9 @@ The iterator is resumable: its grain state (a small JSON dict) goes into every c
 Data shards (many processes, docs/sharding.md#multi-host): with `num_shards` S the pieces are dealt
 out round-robin to S independent pipelines (piece i to shard i mod S, each shuffled and packed on
 its own), shard s supplies rows [s b/S, (s+1) b/S) of every micro-batch, and a process reads
-only the shards whose rows its devices hold (`shards_for_rows`, `ShardIterator`). S is a property of the run, not
-of the process count: one process reading all S shards produces exactly the batches that S
-processes produce together. S = 1 is the single pipeline above.
+only the shards whose rows its devices hold (`shards_for_rows`, `ShardIterator`). S is a property
+of the run, not of the process count: one process reading all S shards produces exactly the batches
+that S processes produce together. S = 1 is the single pipeline above.
 
 Default corpus: the running interpreter's standard-library `*.py` files (top level of the
 stdlib folder, sorted by name), so the embedded default needs no download.

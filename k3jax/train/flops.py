@@ -30,9 +30,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import ModelConfig
-from k3jax.optim.groups import dimension_numbers, logical_axes_from_state
+from k3jax.model.transformer import K3Model
+from k3jax.optim.groups import block_shape, dimension_numbers, logical_axes_from_state
 from pallas_kernels.kda import flops_per_token as kda_flops_per_token
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +56,6 @@ class FlopCount:
 def active_matmul_params(cfg: ModelConfig) -> int:
   """Weights that multiply activations, routed experts counted k/E (from the real model's
   parameter tree, abstractly: nothing is allocated)."""
-  from k3jax.model.transformer import K3Model  # noqa: PLC0415  (heavy import)
   abstract = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
   params = nnx.state(abstract, nnx.Param)
   names = jax.tree.leaves(logical_axes_from_state(params), is_leaf=lambda x: isinstance(x, tuple))
@@ -107,8 +106,6 @@ def newton_schulz_flops(cfg: ModelConfig, steps: int = 5) -> float:
   transposed) costs per iteration A = X X^T (2 m^2 n), A A (2 m^3), (b A + c A A) X (2 m^2 n):
   4 m^2 n + 2 m^3. Once per optimizer step, whatever the batch; AdamW and the elementwise
   parts of the update are not counted."""
-  from k3jax.model.transformer import K3Model  # noqa: PLC0415  (heavy import)
-  from k3jax.optim.groups import block_shape  # noqa: PLC0415
   abstract = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
   params = nnx.state(abstract, nnx.Param)
   names = jax.tree.leaves(logical_axes_from_state(params), is_leaf=lambda x: isinstance(x, tuple))

@@ -33,18 +33,31 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
+from tqdm import tqdm
 
-from k3jax.errors import UserError
+import configs
+from convert import load as convert_load
+from convert.hf_load import load_model
 from k3jax.config import ModelConfig
+from k3jax.errors import UserError
 from k3jax.execution import Execution, recorded
-from k3jax.folders import (MODEL_DIR, RUN_FILE, absolute, absolute_tokenizer, model_folder,
-                           tokenizer_source)
+from k3jax.folders import (
+  MODEL_DIR,
+  RUN_FILE,
+  absolute,
+  absolute_tokenizer,
+  model_folder,
+  tokenizer_source,
+)
+from k3jax.model import lora
+from k3jax.model.transformer import K3Model
+from k3jax.tokenizer import load_tokenizer
 from k3jax.train import data as data_lib
 from k3jax.train import flops as flops_lib
 from k3jax.train import step as step_lib
 from k3jax.train.checkpoint import Checkpointer, save_model
 from k3jax.train.metrics import MetricsWriter, read_records
-from k3jax.tokenizer import load_tokenizer
 from sharding import distributed
 from sharding.mesh import describe, make_mesh
 from sharding.placement import check_batch
@@ -132,9 +145,6 @@ def master_dtype(opts: RunOptions) -> str:
 
 def adapt_spec(opts: RunOptions, cfg: ModelConfig):
   """The AdaptSpec of the run (None: plain training), checked against the model."""
-  from flax import nnx  # noqa: PLC0415
-
-  from k3jax.model import lora  # noqa: PLC0415
   if opts.lora_rank is None and (opts.lora_alpha is not None or opts.lora_targets):
     raise UserError("--lora-alpha and --lora-targets need --lora RANK")
   if opts.lora_rank is None and opts.base_experts == "float" and not opts.experts_qat:
@@ -151,7 +161,6 @@ def adapt_spec(opts: RunOptions, cfg: ModelConfig):
                         targets=tuple(opts.lora_targets or lora.DEFAULT_TARGETS),
                         base_experts=opts.base_experts, qat=opts.experts_qat)
   if spec.lora:
-    from k3jax.model.transformer import K3Model  # noqa: PLC0415
     try:
       lora.matching(spec, nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0))))
     except ValueError as e:
@@ -171,24 +180,20 @@ def _load_init(path: str, ex: Execution, shardings: dict | None = None):
   `shardings` (k3jax path -> NamedSharding) makes Orbax restore a checkpoint's arrays into
   their shards; an official-layout folder is read into host memory (convert it first for big
   models)."""
-  from convert import load as convert_load  # noqa: PLC0415  (pulls in tensorstore etc.)
   if not os.path.isdir(path):
     raise UserError(f"--init-from {path}: no such folder")
   if convert_load.is_checkpoint(path):
     return convert_load.load_checkpoint(path, ex, shardings=shardings)
   if os.path.exists(os.path.join(path, "config.json")):
-    from convert.hf_load import load_model  # noqa: PLC0415
     return load_model(path, ex)
   raise UserError(f"--init-from {path}: neither a k3jax checkpoint (k3jax_config.json) nor an "
                   "official-layout model folder (config.json)")
 
 
 def _model_config(opts: RunOptions) -> ModelConfig:
-  import configs  # noqa: PLC0415
   if opts.init_from and not os.path.isdir(opts.init_from):
     raise UserError(f"--init-from {opts.init_from}: no such folder")
   if opts.init_from:
-    from convert import load as convert_load  # noqa: PLC0415
     weights = model_folder(opts.init_from).weights
     if convert_load.is_checkpoint(weights):
       cfg = convert_load.checkpoint_config(weights)
@@ -223,7 +228,7 @@ def _normalised(model: dict | None) -> dict | None:
   in it too)."""
   try:
     return ModelConfig.from_dict(model).to_dict()
-  except Exception:  # noqa: BLE001  (not a config this version reads: a mismatch)
+  except Exception:  # noqa: BLE001 - not a config this version reads: a mismatch
     return model
 
 
@@ -232,7 +237,7 @@ def _saved_execution(saved: dict) -> Execution | None:
   as a bool)."""
   try:
     return recorded({"config": saved.get("model"), **saved})
-  except Exception:  # noqa: BLE001  (not one this version reads: a mismatch)
+  except Exception:  # noqa: BLE001 - not one this version reads: a mismatch
     return None
 
 
@@ -265,7 +270,8 @@ def _path_shardings(steps: step_lib.Steps) -> dict:
   return out
 
 
-def _shard_plan(steps: step_lib.Steps, pipe: data_lib.PipelineConfig, opts: RunOptions):
+def _process_rows_and_shards(steps: step_lib.Steps, pipe: data_lib.PipelineConfig,
+                             opts: RunOptions):
   """(rows of each micro-batch this process supplies, the data shards it reads, those whose
   state it writes into checkpoints: each shard by the lowest process reading it)."""
   rows_per_micro = opts.batch_size // opts.grad_accum
@@ -293,8 +299,6 @@ class _NoWriter:
 
 
 def _run(opts: RunOptions, on_step) -> dict[str, Any]:
-  from tqdm import tqdm  # noqa: PLC0415
-
   if opts.compile_cache:
     jax.config.update("jax_compilation_cache_dir", opts.compile_cache)
   if opts.steps < 1:
@@ -318,7 +322,7 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
   steps = step_lib.build(cfg, ex, sc, mesh, spec)  # refuses a mesh the model cannot be split on
   pipe = data_lib.PipelineConfig(opts.seq_len, opts.batch_size, opts.grad_accum, opts.seed,
                                  num_shards=opts.data_shards)
-  rows, read_shards, write_shards = _shard_plan(steps, pipe, opts)
+  rows, read_shards, write_shards = _process_rows_and_shards(steps, pipe, opts)
   rows_per_micro = opts.batch_size // opts.grad_accum
 
   ckpt = Checkpointer(os.path.join(out, "checkpoints"), keep=opts.keep)
@@ -450,7 +454,7 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
                state["router_bias"], cfg, adapters=None if spec is None else spec.to_dict())
   plots = []
   if opts.plots and main_process:
-    from k3jax.train.plots import write_plots  # noqa: PLC0415  (matplotlib is slow to import)
+    from k3jax.train.plots import write_plots  # noqa: PLC0415 - matplotlib is slow to import; only the end of a run plots
     plots = write_plots(read_records(out), out)
   median = float(np.median(step_times)) if step_times else None
   summary = {

@@ -51,7 +51,7 @@ class MetricsWriter:
     self._file = open(self.path, "a", buffering=1)  # line-buffered: a killed run keeps its lines
     self._tb = None
     if tensorboard:
-      from tensorboardX import SummaryWriter  # noqa: PLC0415
+      from tensorboardX import SummaryWriter  # noqa: PLC0415 - slow import; only runs that log TensorBoard need it
       self._tb = SummaryWriter(os.path.join(out_dir, "tb"),
                                purge_step=None if resume_step is None else resume_step + 1)
 

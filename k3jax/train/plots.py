@@ -13,7 +13,7 @@ import os
 import matplotlib
 
 matplotlib.use("Agg")  # before pyplot: headless, file output only
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 def _series(records: list[dict], key: str) -> tuple[list[int], list]:

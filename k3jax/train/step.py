@@ -50,23 +50,39 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-
 from jax.sharding import PartitionSpec as P
 
 from k3jax.config import ModelConfig
 from k3jax.execution import Execution
+from k3jax.model.expert_parallel import row_split_axes
 from k3jax.model.lora import AdaptSpec
 from k3jax.model.moe import RouterBias
-from k3jax.train.adapted import (WEIGHTS, adapt_params, combine, count_params,  # noqa: F401
-                                 make_model, partition, plain, split_for_training, split_model,
-                                 trainable_mask)
-from k3jax.train.loss import model_nll, token_nll  # noqa: F401  (token_nll re-exported)
-from k3jax.model.quantile_balancing import (THRESHOLD_RULES, expert_load_stats,
-                                            quantile_balancing_bias)
+from k3jax.model.quantile_balancing import (
+  THRESHOLD_RULES,
+  expert_load_stats,
+  quantile_balancing_bias,
+)
 from k3jax.optim import logical_axes_from_state, per_head_muon, qk_clip
-from k3jax.model.expert_parallel import row_split_axes
-from sharding.placement import (batch_sharding, check_model_fits, like_params, replicated,
-                                variable_shardings)
+from k3jax.train.adapted import (  # noqa: F401 - re-exported: the loop and tests use step's names
+  WEIGHTS,
+  adapt_params,
+  combine,
+  count_params,
+  make_model,
+  partition,
+  plain,
+  split_for_training,
+  split_model,
+  trainable_mask,
+)
+from k3jax.train.loss import model_nll, token_nll  # noqa: F401 - token_nll re-exported
+from sharding.placement import (
+  batch_sharding,
+  check_model_fits,
+  like_params,
+  replicated,
+  variable_shardings,
+)
 from sharding.rules import BATCH_MESH_AXES
 
 MLA_PATH = ("mla",)
@@ -151,7 +167,7 @@ class InitParamsOnMesh:
                spec: AdaptSpec | None = None):
     self.cfg, self.ex, self.mesh, self.shardings, self.spec = cfg, ex, mesh, shardings, spec
 
-  @functools.cache
+  @functools.cache  # noqa: B019 - one per run: its compiled programs live as long as it does
   def _jitted(self, seed: int) -> OnMesh:
     return OnMesh(jax.jit(functools.partial(_init_params, self.cfg, self.ex, seed, self.spec),
                           out_shardings=self.shardings), self.mesh)
@@ -300,7 +316,7 @@ def build(cfg: ModelConfig, ex: Execution, sc: StepConfig,
         s_ane = jax.lax.all_gather(s_ane, score_axes, axis=1, tiled=True, to="invarying")
       s_ne = s_ane.reshape(-1, s_ane.shape[-1])
       e_nk = experts[:, l].reshape(-1, experts.shape[-1])
-      stats = lambda e: expert_load_stats(e, n_experts, mask=mask, axis_name=axis_name)  # noqa: E731
+      stats = lambda e: expert_load_stats(e, n_experts, mask=mask, axis_name=axis_name)
       b = b_t[l]
       if sc.qb:
         b = quantile_balancing_bias(s_ne, b, k, method=sc.qb_method, bins=sc.qb_bins,

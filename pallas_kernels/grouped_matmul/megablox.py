@@ -19,6 +19,10 @@ import importlib
 import jax
 import jax.numpy as jnp
 
+# jax's private config for `_check_vma` (_call): no public switch turns the check off for one
+# call; the flag is the one shard_map itself sets, and pyproject pins the libtpu of one jax release
+from jax._src import config
+
 from pallas_kernels.grouped_matmul.common import TILE, filled_rows, pad_rows
 from pallas_kernels.vma import vary_like
 
@@ -41,7 +45,7 @@ def _tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
   a width of at most 512 whole (a block the size of its array dim is always legal), else the
   largest of 512 / 256 / 128 that divides it (megablox masks a ragged last tile otherwise)."""
   del m
-  tile = lambda d: d if d <= 512 else next((t for t in (512, 256, 128) if d % t == 0), 512)  # noqa: E731
+  tile = lambda d: d if d <= 512 else next((t for t in (512, 256, 128) if d % t == 0), 512)
   return TILE, tile(k), tile(n)
 
 
@@ -63,12 +67,9 @@ def _call(kernel, *args, **kw):
   traced with the check off and its result given the operands' varying mesh axes (one set:
   grouped_matmul casts them alike); each device computes its own values either way, and the
   kernel sits inside custom_vjp, so autodiff never transposes the cast."""
-  # (no public switch for one call; the private flag is the one shard_map itself sets, and
-  # pyproject pins the libtpu of one jax release)
-  from jax._src import config  # noqa: PLC0415
   varying = set().union(*(jax.typeof(a).mat.varying for a in args))
   interpret = kw.pop("interpret")
-  with config._check_vma(False):  # noqa: SLF001
+  with config._check_vma(False):
     if interpret is None:  # by the platform it is lowered for: TPU compiles it, CPU interprets
       out = jax.lax.platform_dependent(
           *args, cpu=functools.partial(kernel, **kw, interpret=True),

@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +56,8 @@ NSUB = C // SUB
 #    through the decay math into further matmuls makes Triton's compile time explode
 #    (docs/benchmarks.md#development-measurements). Mosaic TPU uses a triangular matmul.
 _OPTIONS = contextvars.ContextVar(
-    "kda_chunk_options", default=dict(precision=jax.lax.Precision.HIGHEST, scan_cumsum=False))
+    "kda_chunk_options",
+    default=dict(precision=jax.lax.Precision.HIGHEST, scan_cumsum=False))  # noqa: B039 - read-only: backend_options sets a new dict
 
 
 def flops_per_token(K: int, V: int) -> float:
@@ -194,7 +196,8 @@ def decay_grams(xs, y, G, m: _Masks, sub: SubOps):
   def diag(d, outs):  # pairs inside one sub-chunk, column offset d: exact exponent
     e = sub.pick(y, d) * jnp.exp(jnp.minimum(G - G.map(lambda x: sub.pick(x, d)), 0.0))
     put = m.diag_col(d) & (m.col <= m.row)
-    return tuple(o + jnp.where(put, jnp.sum(x * e, axis=1, keepdims=True), 0.0) for o, x in zip(outs, xs))
+    return tuple(o + jnp.where(put, jnp.sum(x * e, axis=1, keepdims=True), 0.0)
+                 for o, x in zip(outs, xs))
 
   return list(jax.lax.fori_loop(0, SUB, diag, tuple(outs)))
 

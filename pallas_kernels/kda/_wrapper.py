@@ -26,8 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda import _chunk_math as cm
-from pallas_kernels.kda import _layout
-from pallas_kernels.kda import reference
+from pallas_kernels.kda import _layout, reference
 
 
 def make_core(fwd_call, bwd_call):

@@ -66,10 +66,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda import _chunk_math as cm
-from pallas_kernels.kda import _layout
+from pallas_kernels.kda import _layout, mosaic_gpu_bwd, reference
 from pallas_kernels.kda import _mgpu as mg
-from pallas_kernels.kda import mosaic_gpu_bwd
-from pallas_kernels.kda import reference
 from pallas_kernels.kda.reference import PREPARED, RawInputs
 
 C = cm.C

@@ -33,9 +33,8 @@ from typing import NamedTuple
 
 import jax
 
-from pallas_kernels.kda.reference import RawInputs
 # public here too (ops.GATES, ops.prepare_inputs), as before the bundle
-from pallas_kernels.kda.reference import GATES, prepare_inputs  # noqa: F401
+from pallas_kernels.kda.reference import GATES, RawInputs, prepare_inputs  # noqa: F401 - re-exported
 
 
 class _Backend(NamedTuple):

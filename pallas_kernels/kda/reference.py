@@ -16,9 +16,9 @@ final state in the compute dtype. `segment_ids` [B, T] marks packed sequences: w
 changes the state restarts from zero, so no token sees another sequence. `initial_state` belongs
 to the first segment only.
 
-Raw inputs (docs/kernels.md#raw-inputs): every backend takes `raw: RawInputs` (static: which transforms) and the
-gate's parameters A_log [H], dt_bias [H, K] (arrays, differentiated) beside it, applied by
-`prepare_inputs` in float32 (float64 for float64 inputs):
+Raw inputs (docs/kernels.md#raw-inputs): every backend takes `raw: RawInputs` (static: which
+transforms) and the gate's parameters A_log [H], dt_bias [H, K] (arrays, differentiated) beside it,
+applied by `prepare_inputs` in float32 (float64 for float64 inputs):
   use_qk_l2norm       q, k := x * rsqrt(sum_k x^2 + l2norm_eps)
   use_beta_sigmoid    beta := sigmoid(beta)
   gate="lower_bound"  g := lower_bound * sigmoid(exp(A_log[h]) * (g + dt_bias[h]))   (K3)

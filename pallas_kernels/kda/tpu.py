@@ -32,8 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.kda import _chunk_math as cm
-from pallas_kernels.kda import _layout
-from pallas_kernels.kda import _wrapper
+from pallas_kernels.kda import _layout, _wrapper
 from pallas_kernels.kda.reference import PREPARED, RawInputs
 
 C = cm.C

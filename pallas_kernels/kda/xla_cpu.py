@@ -25,9 +25,17 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.kda import reference
-from pallas_kernels.kda._xla_cpu_math import (CHUNK, Intra, chunk_apply, chunk_inputs,
-                                              chunk_intra, from_chunks, heads_major, to_chunks,
-                                              transposed)
+from pallas_kernels.kda._xla_cpu_math import (
+  CHUNK,
+  Intra,
+  chunk_apply,
+  chunk_inputs,
+  chunk_intra,
+  from_chunks,
+  heads_major,
+  to_chunks,
+  transposed,
+)
 
 
 def kda_xla_cpu(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,

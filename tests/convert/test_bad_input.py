@@ -12,7 +12,7 @@ import struct
 import subprocess
 import sys
 
-import ml_dtypes  # noqa: F401
+import ml_dtypes
 import numpy as np
 import pytest
 from safetensors import safe_open
@@ -55,7 +55,7 @@ def edit_shard(folder, file, fn):
   with open(os.path.join(folder, INDEX)) as f:
     index = json.load(f)
   index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v != file}
-  index["weight_map"].update({k: file for k in tensors})
+  index["weight_map"].update(dict.fromkeys(tensors, file))
   with open(os.path.join(folder, INDEX), "w") as f:
     json.dump(index, f)
 

@@ -10,8 +10,8 @@ import _thread
 import json
 import logging
 import os
-import socket
 import signal
+import socket
 import subprocess
 import sys
 import warnings

@@ -13,17 +13,17 @@ import json
 import os
 import shutil
 
-import ml_dtypes  # noqa: F401
+import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 from safetensors import safe_open
 
-from pallas_kernels import mxfp4
 from convert.hf_load import load_model
 from convert.load import load_checkpoint
 from k3jax.cli import main
+from pallas_kernels import mxfp4
 from tests.runs import fake_run
 
 FILES = ("config.json", "model.safetensors.index.json", "model-00001-of-00003.safetensors",
@@ -179,7 +179,7 @@ def test_fresh_layout_from_a_trained_checkpoint(hf_dir, converted, tmp_path):
   want, got = _tensors(hf_dir), _tensors(out)
   assert sorted(got) == sorted(want)
   shard_of_layer = {}
-  for name, (file, dtype, shape, value) in want.items():
+  for name, (_file, dtype, shape, value) in want.items():
     g = got[name]
     assert (g[1], g[2]) == (dtype, shape), name
     if name.endswith("weight_packed"):

@@ -20,8 +20,8 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save
 
-from k3jax.errors import CheckpointError
 from convert.safetensors_io import DTYPES, ShardReader, read_header
+from k3jax.errors import CheckpointError
 
 CASES = 400
 STRICTER = ("appears twice", "needs exactly", "unsupported dtype")

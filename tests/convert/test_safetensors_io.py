@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save
 
+from convert.safetensors_io import ShardWriter, encode_header, read_header
 from k3jax.errors import CheckpointError
-from convert.safetensors_io import ShardWriter, plan_header, read_header
 
 
 def _tensors(seed=0):
@@ -28,13 +28,13 @@ def _tensors(seed=0):
 def test_writer_reproduces_safetensors_byte_for_byte(tmp_path, metadata):
   tensors = _tensors()
   want = save(tensors, metadata=metadata)
-  header = plan_header([(k, {np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(np.float32): "F32",
+  header = encode_header([(k, {np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(np.float32): "F32",
                              np.dtype(np.uint8): "U8", np.dtype(np.float16): "F16",
                              np.dtype(np.float64): "F64"}[v.dtype], v.shape)
                         for k, v in tensors.items()], metadata)
   path = tmp_path / "x.safetensors"
   writer = ShardWriter(str(path), header)
-  for name in reversed(list(tensors)):  # any order: each tensor goes to its planned offset
+  for name in reversed(list(tensors)):  # any order: each tensor goes to its offset in the header
     writer.write(name, tensors[name])
   writer.close()
   assert path.read_bytes() == want
@@ -103,5 +103,6 @@ def test_reader_reads_big_tensors_in_blocks(tmp_path):
     got = reader.read(path, name)
     assert got.dtype == value.dtype and got.shape == value.shape
     np.testing.assert_array_equal(got, value)
-  np.testing.assert_array_equal(reader.read(path, "b.weight", slice(1, 3)), tensors["b.weight"][1:3])
+  np.testing.assert_array_equal(reader.read(path, "b.weight", slice(1, 3)),
+                                tensors["b.weight"][1:3])
   reader.close()

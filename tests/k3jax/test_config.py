@@ -6,8 +6,8 @@ import json
 import pytest
 
 import configs
-from k3jax.errors import ConfigError
 from k3jax.config import ModelConfig
+from k3jax.errors import ConfigError
 from k3jax.execution import FIELDS, Execution, Remat, recorded
 from k3jax.hf_config import from_hf_config, to_hf_config
 

@@ -9,8 +9,13 @@ import pytest
 import configs
 from k3jax import cli
 from k3jax.errors import UserError
-from k3jax.folders import (TokenizerSource, absolute, absolute_tokenizer, model_folder,
-                           tokenizer_source)
+from k3jax.folders import (
+  TokenizerSource,
+  absolute,
+  absolute_tokenizer,
+  model_folder,
+  tokenizer_source,
+)
 from tests.runs import fake_run
 
 

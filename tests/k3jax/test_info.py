@@ -5,8 +5,6 @@ import json
 import math
 import os
 
-import pytest
-
 import configs
 from convert.safetensors_io import read_header
 from k3jax import cli

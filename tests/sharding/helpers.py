@@ -68,6 +68,7 @@ def run_steps(steps, init, batches):
   shardings first, as `--init-from` does) over `batches`: (final state, on its devices;
   losses)."""
   import jax
+
   from k3jax.train import step as step_lib
   params, bias = init
   rng = step_lib.new_rng(0)

@@ -76,7 +76,7 @@ def test_constrain_is_a_no_op_without_a_mesh():
   model = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
   ids = jnp.zeros((4, 8), jnp.int32)
   graphdef, state = nnx.split(model)
-  fwd = lambda s, x: nnx.merge(graphdef, s)(x).logits  # noqa: E731
+  fwd = lambda s, x: nnx.merge(graphdef, s)(x).logits
   plain = str(jax.make_jaxpr(fwd)(state, ids))
   assert "sharding_constraint" not in plain
   with jax.set_mesh(make_mesh("data=2,expert=2,tensor=2")):

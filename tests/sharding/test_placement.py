@@ -86,8 +86,9 @@ def test_parameters_follow_the_table(mesh):
 def test_k3_on_a_pod_mesh_holds_each_parameter_once():
   """K3 (2.78T parameters) on a 1024-device fsdp=512 x tensor=2 mesh: the parameters split
   1024 ways to within 1%, and every stack over 2^24 parameters at least over fsdp's 512 (a
-  [embed, rank] down-projection has no second axis for tensor). Before the low-rank widths took fsdp, MLA's
-  q_b/k_b/v_b and KDA's f_b stacks sat whole on every fsdp device: 2 GiB per fp32 copy each
+  [embed, rank] down-projection has no second axis for tensor). Before the low-rank widths took
+  fsdp, MLA's q_b/k_b/v_b and KDA's f_b stacks sat whole on every fsdp device: 2 GiB per fp32 copy
+  each
   device, 20% over the even split."""
   abstract = nnx.eval_shape(lambda: K3Model(configs.get("k3"), rngs=nnx.Rngs(0)))
   mesh = jax.sharding.AbstractMesh((1, 512, 1, 2), ("data", "fsdp", "expert", "tensor"))

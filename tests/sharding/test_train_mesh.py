@@ -13,13 +13,20 @@ import pytest
 from flax import nnx
 
 from k3jax.model.transformer import K3Model
-
-from k3jax.train import step as step_lib
 from k3jax.plan.hlo import collectives, matmul_flops, summary
+from k3jax.train import step as step_lib
 from sharding.mesh import make_mesh
 
-from .helpers import (ROWS, T, assert_close, model_config, random_batch, run_options,
-                      run_steps, step_cfg)
+from .helpers import (
+  ROWS,
+  T,
+  assert_close,
+  model_config,
+  random_batch,
+  run_options,
+  run_steps,
+  step_cfg,
+)
 
 MESH = "fsdp=2,expert=2,tensor=2"
 
@@ -70,7 +77,7 @@ def check_three_sharded_steps_equal_three_one_device_steps(runs):
   # float32 biases from float32 histogram arithmetic on (nearly) equal scores: the same bins
   np.testing.assert_allclose(b_got, b_want, rtol=0, atol=1e-6)
   assert int(got["step"]) == 3
-  diff = lambda a, b: max(float(np.abs(np.asarray(x, np.float64) - np.asarray(y)).max())  # noqa
+  diff = lambda a, b: max(float(np.abs(np.asarray(x, np.float64) - np.asarray(y)).max())
                           for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
   print(f"\nsharded - one device after 3 steps, max abs: loss {diff(got_loss, want_loss):.2e}, "
         f"params {diff(got['params'], want['params']):.2e}, opt_state "

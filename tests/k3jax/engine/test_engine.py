@@ -7,15 +7,21 @@ and whenever it arrives (batch invariance), with and without prefix-cache hits, 
 preemption and aborts.
 """
 
+import os
+
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
+from convert.hf_load import load_model
 from k3jax.engine import runner
 from k3jax.engine.config import EngineConfig
 from k3jax.engine.engine import Engine
 from k3jax.engine.request import SamplingParams
+from k3jax.model import lora
 from tests.k3jax.engine.helpers import CONFIG, drain, model, truth
+from tests.k3jax.model.helpers import F64
 
 TOL = 1e-12
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, logprobs=2)
@@ -216,7 +222,7 @@ def test_no_page_or_slot_leaks_after_random_traffic(m):
   rng = np.random.default_rng(9)
   eng = Engine(m, EngineConfig(**{**CONFIG.__dict__, "num_pages": 16}))
   live, n = set(), 0
-  for cycle in range(1000):
+  for _ in range(1000):
     action = rng.integers(3)
     if action == 0 or not live:
       rid = f"r{n}"
@@ -248,3 +254,17 @@ def test_compiled_programs_are_bounded(m):
   drain(eng, {i: [(str(i), p, SamplingParams(max_tokens=2, temperature=0.0))]
               for i, p in enumerate(ps)})
   assert runner._step._cache_size() - before <= 2
+
+
+def test_packed_mxfp4_experts_serve_the_dequantised_model(reference_dir):
+  """k3_tiny_a as released (MXFP4 routed experts) served with its experts kept as codes +
+  scales, dequantised a tile at a time inside the grouped matmul: the tokens and logprobs of
+  the full forward of the model loaded with its experts dequantised once, in float64."""
+  dense, _ = load_model(os.path.join(reference_dir, "k3_tiny_a"), F64)
+  packed = lora.adapt(nnx.clone(dense), lora.AdaptSpec(base_experts="mxfp4"), nnx.Rngs(0))
+  assert lora.expert_paths(packed)["moe.experts"].operands("w1").packed
+  rng = np.random.default_rng(7)
+  ps = [[int(t) for t in rng.integers(0, dense.cfg.vocab_size, n)] for n in (5, 19)]
+  out = drain(Engine(packed, CONFIG), {0: [("a", ps[0], GREEDY), ("b", ps[1], GREEDY)]})
+  for rid, p in zip("ab", ps, strict=True):
+    check_against_truth(dense, p, out[rid])

@@ -28,8 +28,11 @@ def generate(capsys, *args):
   return rc, out.out, out.err
 
 
-@pytest.mark.parametrize("fname", FILES)
-def test_greedy_reproduces_the_official_continuation(reference_dir, capsys, fname):
+# The folder stores MXFP4 experts: the default keeps them packed, --experts dequantized does not;
+# both reproduce the official run.
+@pytest.mark.parametrize("fname,experts",
+                         [(FILES[0], []), (FILES[1], ["--experts", "dequantized"])])
+def test_greedy_reproduces_the_official_continuation(reference_dir, capsys, fname, experts):
   hf = os.path.join(reference_dir, "k3_tiny_a")
   ref = np.load(os.path.join(hf, fname))
   p, want = int(ref["decode_prefill_len"]), ref["greedy_tokens"]
@@ -37,7 +40,7 @@ def test_greedy_reproduces_the_official_continuation(reference_dir, capsys, fnam
              for a in ("--prompt-ids", ",".join(map(str, row)))]
   rc, out, _ = generate(capsys, hf, *prompts, "--dtype", "float64", "--temperature", "0",
                         "--max-new-tokens", str(want.shape[1]), "--ignore-eos", "--json",
-                        "--block", "12")
+                        "--block", "12", *experts)
   rows = sorted((json.loads(line) for line in out.splitlines()), key=lambda r: r["index"])
   assert rc == 0 and [r["tokens"] for r in rows] == want.tolist()
   assert all(r["finish_reason"] == "length" for r in rows)
@@ -95,7 +98,7 @@ def test_sampling_by_seed_and_under_a_mesh(run_dir, capsys):
   of one device (float64: rounding cannot flip an argmax)."""
   base = [run_dir, "--prompt-ids", "1,2,3", "--prompt-ids", "7", "--max-new-tokens", "5",
           "--json", "--dtype", "float64"]
-  tokens = lambda out: [r["tokens"] for r in sorted(map(json.loads, out.splitlines()),  # noqa
+  tokens = lambda out: [r["tokens"] for r in sorted(map(json.loads, out.splitlines()),
                                                      key=lambda r: r["index"])]
   hot = ["--temperature", "1.5", "--seed", "4"]
   a, b = (tokens(generate(capsys, *base, *hot)[1]) for _ in range(2))

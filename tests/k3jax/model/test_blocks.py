@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from k3jax.execution import Execution
 from k3jax.model.attn_res import AttnResQuery, attn_res
 from k3jax.model.layers import RMSNorm
 from k3jax.model.mlp import MLP, situ
 from tests import numerics
-from k3jax.execution import Execution
 from tests.k3jax.model.helpers import np64, randomize, tiny_cfg
 
 
@@ -139,7 +139,7 @@ def test_flat_einsum_is_the_einsum(x64, eq, x_shape, k_shape):
   Bound: every entry is a sum of n <= 24 products of two N(0, 1) values (E|ab| = 2/pi, so
   sum|terms| ~ 15); summing in another order changes it by at most ~n * eps * sum|terms| =
   24 * 1.1e-16 * 15 ~ 4e-14, which 1e-12 covers with room for the tails."""
-  from k3jax.model.layers import flat_einsum  # noqa: PLC0415
+  from k3jax.model.layers import flat_einsum
   rng = np.random.default_rng(0)
   x, k = (jnp.asarray(rng.standard_normal(s)) for s in (x_shape, k_shape))
   ct = jnp.asarray(rng.standard_normal(jnp.einsum(eq, x, k).shape))

@@ -26,11 +26,11 @@ import pytest
 from flax import nnx
 
 from convert.hf_load import load_model
+from k3jax.execution import Execution
 from k3jax.generate.static_batch import StaticBatch, cache_len
 from k3jax.info import summary
 from k3jax.model.cache import bytes_per_request, init_cache, stack, unstack
 from k3jax.model.transformer import K3Model
-from k3jax.execution import Execution
 from k3jax.parity import NUMERICS
 from tests.k3jax.model.helpers import kimi_linear_cfg, randomize, tiny_cfg
 
@@ -194,7 +194,7 @@ def test_stacked_scanned_layout(x64):
   from k3jax.model import schedule
   cfg = tiny_cfg(num_layers=3, mla_layers=(0,))
   ex = Execution(dtype="float64", param_dtype="float64", matmul_precision="highest")
-  assert any(r.scanned and r.count >= 2 for r in schedule.plan(cfg, scan=True))
+  assert any(r.scanned and r.count >= 2 for r in schedule.runs(cfg, scan=True))
   model = random_model(cfg, ex, 5)
   ids = np.random.default_rng(6).integers(0, cfg.vocab_size, (2, 9)).astype(np.int32)
   truth = np.asarray(nnx.jit(lambda m, x: m(x).logits)(model, jnp.asarray(ids)))

@@ -22,14 +22,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from k3jax.model.moe import MoE
+from k3jax.execution import Execution
 from k3jax.model import expert_parallel
+from k3jax.model.moe import MoE
 from sharding.activations import activation_spec
 from sharding.mesh import make_mesh
 from sharding.placement import variable_spec
-from k3jax.execution import Execution
 from tests.k3jax.model.helpers import F64, kimi_linear_cfg, np64, randomize, tiny_cfg
 from tests.k3jax.model.test_moe import np_moe
 
@@ -279,7 +280,7 @@ def test_ragged_path_compiles_for_tpu():
   the program holds ragged-all-to-all and no all-gather of expert weights."""
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   pytest.importorskip("libtpu", reason="libtpu is needed to compile for TPU ahead of time")
-  from jax.experimental import topologies  # noqa: PLC0415
+  from jax.experimental import topologies
   topo = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2")
   mesh = make_mesh("expert=2,tensor=2", devices=topo.devices)
   cfg = tiny_cfg()

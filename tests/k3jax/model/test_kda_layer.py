@@ -16,7 +16,7 @@ def np_sigmoid(a):
 
 
 def np_kda_layer(m: KDA, cfg, x, seg=None):
-  p = lambda w: np64(w[...])  # noqa: E731
+  p = lambda w: np64(w[...])
   B, T, _ = x.shape
   H, K = cfg.kda_num_heads, cfg.kda_head_dim
   if seg is None:
@@ -128,8 +128,8 @@ def test_kimi_linear_kda_matches_transformers(x64):
                                                 "full_attn_layers": [4, 5],
                                                 "kda_layers": [1, 2, 3]})
   ref = KimiLinearDeltaAttention(hf_cfg, layer_idx=0).double()
-  t = lambda a: torch.from_numpy(np.array(np64(a[...])))  # noqa: E731
-  lin = lambda w: t(w).reshape(w.shape[0], -1).T  # [in, H, K] -> torch [H*K, in]  # noqa: E731
+  t = lambda a: torch.from_numpy(np.array(np64(a[...])))
+  lin = lambda w: t(w).reshape(w.shape[0], -1).T  # [in, H, K] -> torch [H*K, in]
   with torch.no_grad():
     for name in ("q_proj", "k_proj", "v_proj"):
       getattr(ref, name).weight.copy_(lin(getattr(m, name).kernel))

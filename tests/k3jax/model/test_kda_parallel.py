@@ -10,8 +10,8 @@ import functools
 import jax
 import pytest
 
-from pallas_kernels.kda import ops
 from k3jax.model import kda_parallel
+from pallas_kernels.kda import ops
 from sharding.mesh import make_mesh
 from tests.pallas_kernels.kda import kda_cases
 
@@ -49,7 +49,9 @@ def test_sharded_decode_step_matches_naive():
 def test_sharded_forward_runs_local_blocks_with_no_collective():
   """The compiled forward on operands placed as the model's activations are: every device runs
   the chunked op on its [1, T, 1, K] block and nothing moves between devices."""
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
   from k3jax.plan import hlo
   raw = kda_cases.make_raw_inputs(4, 130, 2, 32, 64)
   mesh = jax.sharding.get_abstract_mesh()

@@ -62,11 +62,11 @@ def test_adapter_gradients_through_the_full_remat_scan(x64):
   gradient accumulators for differentiated stack leaves only) gives the adapters' gradients of
   the unrolled model without remat. float64 (summation order only, ~1e-16 here; a dropped or
   misplaced adapter gradient would differ by far more than 1e-10)."""
-  from k3jax.model import schedule  # noqa: PLC0415
-  from k3jax.model.transformer import K3Model  # noqa: PLC0415
-  from tests.k3jax.model.helpers import F64, randomize, tiny_cfg  # noqa: PLC0415
+  from k3jax.model import schedule
+  from k3jax.model.transformer import K3Model
+  from tests.k3jax.model.helpers import F64, randomize, tiny_cfg
   cfg = tiny_cfg(num_layers=5, mla_layers=(4,), attn_res_block_size=2)
-  assert any(r.scanned for r in schedule.plan(cfg, scan=True))
+  assert any(r.scanned for r in schedule.runs(cfg, scan=True))
   m = randomize(K3Model(cfg, F64, rngs=nnx.Rngs(1)))
   lora.adapt(m, lora.AdaptSpec(rank=3, alpha=6.0, targets=("*",)), nnx.Rngs(1))
   key = jax.random.key(3)

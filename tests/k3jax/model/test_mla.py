@@ -18,7 +18,7 @@ def np_rms(x, g, eps):
 
 
 def np_mla(m: MLA, cfg, x, seg=None):
-  p = lambda mod: np64(mod.kernel[...])  # noqa: E731
+  p = lambda mod: np64(mod.kernel[...])
   B, T, _ = x.shape
   if cfg.q_lora_rank is not None:
     qa = np_rms(x @ p(m.q_a_proj), np64(m.q_a_norm.weight[...]), 1e-6)
@@ -85,7 +85,7 @@ def test_kimi_linear_mla_matches_transformers(x64):
                             qk_rope_head_dim=4, v_head_dim=8)
   hf_cfg._attn_implementation = "eager"
   ref = KimiLinearAttention(hf_cfg, layer_idx=3).double()
-  t = lambda a: torch.from_numpy(np.array(np64(a)))  # noqa: E731
+  t = lambda a: torch.from_numpy(np.array(np64(a)))
   H, nope, dv, kv = 2, 8, 8, 8
   with torch.no_grad():
     ref.q_proj.weight.copy_(t(m.q_proj.kernel[...]).reshape(32, -1).T)
@@ -112,7 +112,7 @@ def test_latent_cache_attention(make, x64):
   x = jnp.asarray(np.random.default_rng(7).standard_normal((2, 9, cfg.hidden_size)))
   full, _ = m(x)
   c, rot = m.latent(x)
-  pad = lambda a: jnp.pad(a, ((0, 0), (0, 3), (0, 0)))  # noqa: E731  (S = 12 > T)
+  pad = lambda a: jnp.pad(a, ((0, 0), (0, 3), (0, 0)))  # S = 12 > T
   start = jnp.zeros((2,), jnp.int32)
   for absorb in (True, False):
     got = m.attend_latent(x, pad(c), pad(rot), jnp.arange(9), start, absorb=absorb)

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from k3jax.execution import Execution
 from k3jax.model.moe import MoE
 from tests import numerics
-from k3jax.execution import Execution
 from tests.k3jax.model.helpers import F64, kimi_linear_cfg, np64, randomize, tiny_cfg
 
 
@@ -131,8 +131,7 @@ def test_kimi_linear_moe_matches_transformers(x64):
                             num_experts_per_tok=2, n_shared_experts=1, routed_scaling_factor=2.446,
                             hidden_act="silu")
   ref = KimiLinearMoE(hf_cfg).double()
-  f = cfg.moe_intermediate_size
-  t = lambda a: torch.from_numpy(np64(a))  # noqa: E731
+  t = lambda a: torch.from_numpy(np64(a))
   with torch.no_grad():
     ref.gate.weight.copy_(t(moe.gate.kernel[...]).T)
     ref.gate.e_score_correction_bias.copy_(t(moe.gate.bias[...]))

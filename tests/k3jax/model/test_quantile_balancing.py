@@ -16,8 +16,11 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from k3jax.model.quantile_balancing import (expert_load_stats, quantile_balancing_bias,
-                                            quantile_bias_targets)
+from k3jax.model.quantile_balancing import (
+  expert_load_stats,
+  quantile_balancing_bias,
+  quantile_bias_targets,
+)
 
 E, K, N, DIM = 32, 4, 16384, 16
 U32 = 2.0**-24  # float32 unit roundoff
@@ -261,7 +264,7 @@ def test_vmap_over_stacked_layers_equals_per_layer_calls():
   s = jnp.asarray(np.stack([SkewedRouter(20 + i).batch(2048) for i in range(3)]))
   b = jnp.asarray(np.random.default_rng(21).normal(size=(3, E)).astype(np.float32) * 0.1)
   for method in ("exact", "histogram"):
-    got = jax.jit(jax.vmap(lambda s, b: quantile_balancing_bias(s, b, K, method=method)))(s, b)
+    got = jax.jit(jax.vmap(lambda s, b: quantile_balancing_bias(s, b, K, method=method)))(s, b)  # noqa: B023 - called at once
     for layer in range(3):
       assert_same_bias(got[layer], quantile_balancing_bias(s[layer], b[layer], K, method=method),
                        quantile_bias_targets(s[layer], b[layer], K, method=method), layer)

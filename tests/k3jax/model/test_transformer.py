@@ -16,11 +16,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from k3jax.execution import Execution
 from k3jax.model import schedule
 from k3jax.model.transformer import K3Model
-from k3jax.execution import Execution
 from tests.k3jax.model.helpers import F64, kimi_linear_cfg, randomize, tiny_cfg
-
 
 # 5 layers [KDA+dense, KDA, KDA, MLA, MLA], AttnRes blocks of 3: every part, small compiles
 SMALL = dict(num_layers=5, mla_layers=(3, 4))
@@ -73,7 +72,7 @@ def test_deterministic_and_packed_sequences_do_not_interact(model64, x64):
   packed = np.asarray(logits_fn(model, packed_ids, jnp.asarray([[1] * 7 + [2] * 9])))
   np.testing.assert_array_equal(
       packed, np.asarray(logits_fn(model, packed_ids, jnp.asarray([[1] * 7 + [2] * 9]))))
-  pad = lambda x: jnp.concatenate([x, jnp.zeros((1, 16 - x.shape[1]), x.dtype)], 1)  # noqa
+  pad = lambda x: jnp.concatenate([x, jnp.zeros((1, 16 - x.shape[1]), x.dtype)], 1)
   alone_a = logits_fn(model, pad(a), jnp.asarray([[1] * 7 + [0] * 9]))
   alone_b = logits_fn(model, pad(b), jnp.asarray([[1] * 9 + [0] * 7]))
   np.testing.assert_allclose(packed[:, :7], np.asarray(alone_a[:, :7]), atol=TOL64, rtol=0)
@@ -87,7 +86,7 @@ def test_deterministic_and_packed_sequences_do_not_interact(model64, x64):
                                   kimi_linear_cfg])
 def test_scanned_equals_unrolled(make, x64):
   cfg = make()
-  runs = schedule.plan(cfg, scan=True)
+  runs = schedule.runs(cfg, scan=True)
   assert any(r.scanned for r in runs)
   m = randomize(K3Model(cfg, F64, rngs=nnx.Rngs(1)))
   ids = _ids(cfg, (2, 9), 4)
@@ -135,7 +134,7 @@ def test_block_scan_gradients_equal_unrolled(x64):
   (layers 1-3), which a wrong rebuilt buffer or a lost block-gradient would show by >= 1e-3;
   float64, the tolerance as in test_remat_same_gradients."""
   cfg = tiny_cfg(num_layers=5, mla_layers=(4,), attn_res_block_size=2)
-  assert [(r.start, r.count, r.scanned) for r in schedule.plan(cfg, scan=True)] == [
+  assert [(r.start, r.count, r.scanned) for r in schedule.runs(cfg, scan=True)] == [
       (0, 1, False), (1, 3, True), (4, 1, False)]
   m = randomize(K3Model(cfg, F64, rngs=nnx.Rngs(1)))
   ids = _ids(cfg, (2, 9), 4)

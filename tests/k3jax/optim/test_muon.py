@@ -17,8 +17,16 @@ import optax
 import pytest
 from flax import nnx
 
-from k3jax.optim import (NS_COEFFS, logical_axes_from_state, muon_weight_dimension_numbers,
-                         newton_schulz, param_labels, per_head_muon, qk_clip, qk_clip_factors)
+from k3jax.optim import (
+  NS_COEFFS,
+  logical_axes_from_state,
+  muon_weight_dimension_numbers,
+  newton_schulz,
+  param_labels,
+  per_head_muon,
+  qk_clip,
+  qk_clip_factors,
+)
 from k3jax.optim.groups import block_shape
 
 # ---- a small K3-shaped parameter tree ------------------------------------------------------
@@ -524,6 +532,7 @@ def test_sharded_update_equals_one_device(small_state, one_device_two_steps, axi
   (docs/correctness.md's 1e-5 is met with room: the float32 bound per leaf, two_steps_float64, is <=
   7e-6)."""
   from jax.sharding import NamedSharding
+
   from sharding.rules import MESH_AXES, logical_to_spec
   mesh = jax.make_mesh((1, 4, 1, 2), MESH_AXES,
                        axis_types=(getattr(jax.sharding.AxisType, axis_type),) * 4)

@@ -20,12 +20,11 @@ from flax import nnx
 import configs
 from k3jax.model.moe import RouterBias
 from k3jax.model.transformer import K3Model
-from k3jax.optim import logical_axes_from_state, per_head_muon
+from k3jax.optim import logical_axes_from_state, ns_layout, per_head_muon
 from k3jax.optim.groups import dimension_numbers
-from k3jax.optim import ns_layout
-from k3jax.optim.ns_layout import ns_flops, ns_plan
-from k3jax.train.step import plain
+from k3jax.optim.ns_layout import ns_flops, ns_placement
 from k3jax.plan.hlo import collectives, matmul_flops, summary
+from k3jax.train.step import plain
 from sharding.mesh import make_mesh
 from sharding.placement import like_params, variable_shardings
 
@@ -101,7 +100,8 @@ def test_fsdp_split_blocks():
     names = tuple(var.get_metadata()["out_sharding"])
     home = jax.tree.leaves(variable_shardings(nnx.from_flat_state({path: var}),
                                               mesh))[0].spec
-    there, padded, split = ns_plan(home, var.shape, dimension_numbers(names), dict(mesh.shape))
+    there, padded, split = ns_placement(home, var.shape, dimension_numbers(names),
+                                        dict(mesh.shape))
     assert split == (), (path, split)  # blocks this small stay whole: the psums would cost more
     assert padded == ((4,) + var.shape[1:] if path[0] == "mla" else var.shape), (path, padded)
     assert "fsdp" in str(home), (path, home)  # really split over fsdp at home
@@ -157,9 +157,10 @@ def test_one_block_stack_is_split_over_the_mesh():
   (_, var), = nnx.to_flat_state(params)
   _, m, n = var.shape
   home = jax.tree.leaves(variable_shardings(params, mesh))[0].spec
-  plan = ns_plan(home, var.shape, dimension_numbers(tuple(var.get_metadata()["out_sharding"])),
-                 dict(mesh.shape))
-  assert plan.split == ("fsdp", "tensor") and plan.shape == var.shape, plan
+  placement = ns_placement(home, var.shape,
+                           dimension_numbers(tuple(var.get_metadata()["out_sharding"])),
+                           dict(mesh.shape))
+  assert placement.split == ("fsdp", "tensor") and placement.shape == var.shape, placement
   hlo = sharded_update(params, mesh)
   gram = f"f64[{m},{m}]"
   reduces = [c for c in collectives(hlo) if c.op == "all-reduce" and gram in c.result]
@@ -169,8 +170,8 @@ def test_one_block_stack_is_split_over_the_mesh():
 
 
 def test_every_layout_gives_the_one_device_update(tiny_tree, monkeypatch):
-  """With the all-reduces priced at zero, ns_plan splits the long side wherever that cuts the
-  FLOPs, so the tiny model's tree on fsdp=4,tensor=2 takes every kind of plan: split blocks
+  """With the all-reduces priced at zero, ns_placement splits the long side wherever that cuts
+  the FLOPs, so the tiny model's tree on fsdp=4,tensor=2 takes every kind of placement: split blocks
   alone (MLA g/o, layer 0's MLP), split blocks with a mesh axis moved onto the layers (KDA
   g/o), whole blocks padded with zero blocks (KDA q/k/v), whole blocks moved without padding
   (experts). Every parameter's update equals the one-device update (float64)."""
@@ -182,7 +183,8 @@ def test_every_layout_gives_the_one_device_update(tiny_tree, monkeypatch):
     if dimension_numbers(names) is None:
       continue
     home = jax.tree.leaves(variable_shardings(nnx.from_flat_state({path: var}), mesh))[0].spec
-    there, padded, split = ns_plan(home, var.shape, dimension_numbers(names), dict(mesh.shape))
+    there, padded, split = ns_placement(home, var.shape, dimension_numbers(names),
+                                        dict(mesh.shape))
     kinds.add((bool(split), there != home, padded != var.shape))
   assert {(True, False, False), (True, True, False), (False, True, True),
           (False, True, False)} <= kinds, kinds
@@ -193,9 +195,9 @@ def test_k3_stacks_are_split_rather_than_padded():
   """K3 on fsdp=128 x tensor=8 (the fitting v5p mesh): padding every stack to whole blocks per
   device made each device's Newton-Schulz 1.9x the hand count's share (MLA g/o padded 24 ->
   1024 layers, KDA g/o 69 -> 1024, the shared experts 92 -> 1024); with the long side split
-  over tensor where that is cheaper (ns_cost), 1.1x. Plans only (no compile)."""
-  from sharding.rules import logical_to_spec  # noqa: PLC0415
-  from k3jax.train.flops import newton_schulz_flops  # noqa: PLC0415
+  over tensor where that is cheaper (ns_cost), 1.1x. Placements only (no compile)."""
+  from k3jax.train.flops import newton_schulz_flops
+  from sharding.rules import logical_to_spec
   cfg = configs.get("k3")
   mesh = jax.sharding.AbstractMesh((1, 128, 1, 8), ("data", "fsdp", "expert", "tensor"))
   model = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
@@ -206,13 +208,13 @@ def test_k3_stacks_are_split_rather_than_padded():
     if dn is None:
       continue
     home = logical_to_spec(names, mesh=mesh, shape=var.shape)
-    plan = ns_plan(home, var.shape, dn, dict(mesh.shape))
-    split += ns_flops(plan, dn, dict(mesh.shape))
-    with pytest.MonkeyPatch.context() as mp:  # the whole-block plan: split psums priced out
+    placement = ns_placement(home, var.shape, dn, dict(mesh.shape))
+    split += ns_flops(placement, dn, dict(mesh.shape))
+    with pytest.MonkeyPatch.context() as mp:  # the whole-block placement: split psums priced out
       mp.setattr(ns_layout, "FLOPS_PER_ALL_REDUCED_BYTE", float("inf"))
-      whole += ns_flops(ns_plan(home, var.shape, dn, dict(mesh.shape)), dn, dict(mesh.shape))
+      whole += ns_flops(ns_placement(home, var.shape, dn, dict(mesh.shape)), dn, dict(mesh.shape))
     if path[:2] in (("kda", "g_proj"), ("mla", "o_proj"), ("moe", "shared_experts")):
-      assert plan.split == ("tensor",) and plan.shape[0] == 128, (path, plan)
+      assert placement.split == ("tensor",) and placement.shape[0] == 128, (path, placement)
   hand = newton_schulz_flops(cfg) / 5 / 1024
   print(f"\nper device and iteration: hand count {hand:.3e}, whole blocks {whole / hand:.2f}x, "
         f"chosen {split / hand:.2f}x")

@@ -10,10 +10,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.flash_attention import flash_attention
-from pallas_kernels.grouped_matmul import ROWS, grouped_matmul
 from k3jax.plan import hlo
 from k3jax.plan.hlo import matmul_flops
+from pallas_kernels.flash_attention import flash_attention
+from pallas_kernels.grouped_matmul import ROWS, grouped_matmul
 
 M, D, STEPS = 512, 256, 10
 ONE = 2 * M * D * D  # one [M, D] @ [D, D]
@@ -33,7 +33,7 @@ def _xla_flops(compiled) -> float:
 def _tpu_device():
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   pytest.importorskip("libtpu", reason="libtpu compiles for TPU ahead of time")
-  from k3jax import plan  # noqa: PLC0415
+  from k3jax import plan
   return jax.sharding.SingleDeviceSharding(plan.topology_devices("v5e:2x2")[0])
 
 
@@ -87,7 +87,6 @@ def test_megablox_compiles_for_tpu_and_counts_at_its_buffer_size():
   gradients): three Pallas kernels (gmm, the input gradient's gmm, the weight gradient's
   tgmm), each counted by its static cost estimate at the whole buffer, 2 m k f, and each
   under grouped_matmul's scope, where `k3jax plan` finds them to count the rows they skip."""
-  from k3jax import plan  # noqa: PLC0415
   sh = _tpu_device()
   e, m, k, f = 8, 4096, 1024, 384
   x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16, sharding=sh)
@@ -102,7 +101,7 @@ def test_megablox_compiles_for_tpu_and_counts_at_its_buffer_size():
   assert text.count('custom_call_target="tpu_custom_call"') == 3
   by = {}
   assert matmul_flops(text, by) == 3 * 2 * m * k * f
-  assert len(by) == 3 and all(plan._grouped_matmul_op(op) for op in by)
+  assert len(by) == 3 and all(hlo.is_grouped_matmul(op) for op in by)
   assert {op.split("/")[-2] for op in by} == {"jit(gmm)", "jit(tgmm)"}
 
 
@@ -144,7 +143,7 @@ def test_flash_flops_are_the_causal_blocks(t):
   def attend(q, k, v):
     return flash_attention(q, k, v, scale=dk**-0.5, block=block)
 
-  loss = lambda q, k, v, w: jnp.sum(w * attend(q, k, v)[0])  # noqa: E731
+  loss = lambda q, k, v, w: jnp.sum(w * attend(q, k, v)[0])
   forward = jax.jit(attend).lower(q, k, v).compile().as_text()
   both = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, k, v, w).compile().as_text()
   assert matmul_flops(forward) == pairs * (qk + pv)

@@ -15,8 +15,8 @@ import pytest
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 pytest.importorskip("libtpu", reason="libtpu is needed to compile for TPU ahead of time")
 
-from configs import k3  # noqa: E402
-from k3jax.cli import main  # noqa: E402
+from configs import k3
+from k3jax.cli import main
 
 GIB = 1024**3
 ARGS = ["--topology", "v5e:2x2", "--mesh", "fsdp=2,tensor=2", "--batch", "4", "--seq", "256",
@@ -25,9 +25,10 @@ ARGS = ["--topology", "v5e:2x2", "--mesh", "fsdp=2,tensor=2", "--batch", "4", "-
 
 def _param_count(cfg) -> int:
   """Parameters counted from the model's abstract shapes (nothing allocated)."""
-  import jax  # noqa: PLC0415
-  from flax import nnx  # noqa: PLC0415
-  from k3jax.model.transformer import K3Model  # noqa: PLC0415
+  import jax
+  from flax import nnx
+
+  from k3jax.model.transformer import K3Model
   model = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
   return sum(math.prod(v.shape) for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
@@ -77,10 +78,11 @@ def test_plan_lora_holds_a_frozen_bf16_base_and_mxfp4_experts(config_file, capsy
   the frozen base in bf16 (2 bytes a parameter), the routed experts as MXFP4 codes + scales
   (0.5 + 1/32), the adapters with fp32 master, gradient-free AdamW moments (16); the same
   count from the parameter shapes, a fifth of the full train state's bytes or less."""
-  import jax  # noqa: PLC0415
-  from flax import nnx  # noqa: PLC0415
-  from k3jax.model import lora  # noqa: PLC0415
-  from k3jax.model.transformer import K3Model  # noqa: PLC0415
+  import jax
+  from flax import nnx
+
+  from k3jax.model import lora
+  from k3jax.model.transformer import K3Model
   path, cfg = config_file
   model = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
   experts = dense = 0
@@ -120,17 +122,19 @@ def test_plan_lora_holds_a_frozen_bf16_base_and_mxfp4_experts(config_file, capsy
 
 
 def test_analytic_counts_one_moe_layer_on_the_mesh():
-  """The analytic count's MoE term (plan_analytic.moe_layer_bytes) on K3 at 512 x 8192 tokens,
-  from the expert-parallel layout: on fsdp=512 x tensor=2 (896 experts do not split over expert x fsdp)
-  a layer all-gathers all 896 experts over fsdp (bf16, F split by tensor; x 2 with the
+  """The analytic count's MoE term (k3jax/plan/analytic.moe_layer_bytes) on K3 at 512 x 8192 tokens,
+  from the expert-parallel layout: on fsdp=512 x tensor=2 (896 experts do not split over expert x
+  fsdp) a layer all-gathers all 896 experts over fsdp (bf16, F split by tensor; x 2 with the
   backward's gradient): the term that brings the hand count of temporaries for this mesh
   (107.6 GiB) near the 111.3 GiB the TPU compiler reports for the full K3 step; the dropless
   receive buffer holds every local pair (8192 tokens x 16); a capacity factor bounds the buffer
   on an expert-parallel mesh."""
-  import jax  # noqa: PLC0415
-  from k3jax import plan  # noqa: PLC0415
-  from k3jax.plan import analytic as plan_analytic  # noqa: PLC0415
-  cfg, ex = k3.config(), plan.plan_config()
+  import jax
+
+  from k3jax.plan import PlanRequest
+  from k3jax.plan import analytic as plan_analytic
+  from k3jax.plan.train import train_execution
+  cfg, ex = k3.config(), train_execution(PlanRequest(config="k3", topology="v5p:8x16x16"))
   l, f = cfg.latent_size, cfg.moe_intermediate_size
   fsdp = jax.sharding.AbstractMesh((1, 512, 1, 2), ("data", "fsdp", "expert", "tensor"))
   gathered = 2 * 896 * 3 * l * (f // 2) * 2

@@ -13,7 +13,7 @@ import pytest
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 pytest.importorskip("libtpu", reason="libtpu is needed to compile for TPU ahead of time")
 
-from k3jax.cli import main  # noqa: E402
+from k3jax.cli import main
 
 GIB = 1024**3
 ROWS, SEQ, CHUNK = 4, 512, 128
@@ -27,9 +27,10 @@ def _plan(capsys, path, *extra):
 
 
 def _param_count(cfg) -> int:
-  import jax  # noqa: PLC0415
-  from flax import nnx  # noqa: PLC0415
-  from k3jax.model.transformer import K3Model  # noqa: PLC0415
+  import jax
+  from flax import nnx
+
+  from k3jax.model.transformer import K3Model
   model = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
   return sum(math.prod(v.shape) for v in jax.tree.leaves(nnx.state(model)))
 
@@ -47,7 +48,7 @@ def _cache_bytes(cfg, tensor: int) -> int:
 
 
 def test_decode_plan_compiled_and_analytic(config_file, capsys):
-  from k3jax.train import flops  # noqa: PLC0415
+  from k3jax.train import flops
   path, cfg = config_file
   params = _param_count(cfg)
 

@@ -72,8 +72,8 @@ class TikTokenTokenizer(PreTrainedTokenizer):
   def encode(self, text, allow_special_tokens=True, **kwargs):
     if kwargs:  # transformers' own options: its generic path, which ends in _tokenize
       return super().encode(text, **kwargs)
-    TIKTOKEN_MAX_ENCODE_CHARS = 400_000  # noqa: N806  (the release's names for its guards)
-    MAX_NO_WHITESPACES_CHARS = 1_000  # noqa: N806  (the release: 25_000; tests reach 1k cheaply)
+    TIKTOKEN_MAX_ENCODE_CHARS = 400_000  # the release's names for its guards
+    MAX_NO_WHITESPACES_CHARS = 1_000  # the release: 25_000; tests reach 1k cheaply
     ids = []
     for piece in self._guarded(text, TIKTOKEN_MAX_ENCODE_CHARS, MAX_NO_WHITESPACES_CHARS):
       ids += (self.model.encode(piece, allowed_special="all") if allow_special_tokens

@@ -117,9 +117,9 @@ def train_ranks(pattern: str, merges: int = MERGES) -> list[bytes]:
   """Byte-pair merges learnt on CORPUS split by the remote code's pattern: each step merges the
   most frequent adjacent pair (ties: the smallest pair), as tiktoken's educational trainer
   does, but counting each distinct word once with its frequency (milliseconds, not seconds)."""
-  import collections  # noqa: PLC0415
+  import collections
 
-  import regex  # noqa: PLC0415
+  import regex
 
   words = collections.Counter(tuple(bytes([b]) for b in w.encode("utf-8"))
                               for w in regex.findall(pattern, CORPUS))
@@ -150,7 +150,7 @@ def train_ranks(pattern: str, merges: int = MERGES) -> list[bytes]:
 
 def build(folder) -> dict:
   """Write the folder; returns {token text: id} of its added tokens."""
-  from k3jax.tokenizer.folder import read_pattern  # noqa: PLC0415  (the file's pat_str, by ast)
+  from k3jax.tokenizer.folder import read_pattern  # the file's pat_str, by ast
   os.makedirs(folder, exist_ok=True)
   shutil.copy(os.path.join(os.path.dirname(__file__), "kimi_remote_code.py"),
               os.path.join(folder, "tokenization_kimi.py"))

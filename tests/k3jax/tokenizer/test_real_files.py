@@ -17,7 +17,7 @@ from .test_vs_transformers import tricky_strings
 
 @pytest.fixture(scope="module", params=["instruct", "thinking"])
 def pair(request, tmp_path_factory, reference_dir):
-  from transformers import AutoTokenizer  # noqa: PLC0415  (slow import: once per module)
+  from transformers import AutoTokenizer  # slow import: once per module
   folder = assemble(str(tmp_path_factory.mktemp(request.param)), reference_dir,
                     thinking=request.param == "thinking")
   return folder, load_tokenizer("auto", folder), AutoTokenizer.from_pretrained(

@@ -24,7 +24,7 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pair(folder):
-  from transformers import AutoTokenizer  # noqa: PLC0415  (slow import: once per module)
+  from transformers import AutoTokenizer  # slow import: once per module
   return load_tokenizer("auto", folder[0]), AutoTokenizer.from_pretrained(
       folder[0], trust_remote_code=True, local_files_only=True)
 

@@ -9,8 +9,8 @@ import os
 import numpy as np
 import pytest
 
-from k3jax.errors import UserError
 from k3jax.cli import main
+from k3jax.errors import UserError
 from k3jax.tokenizer import load_tokenizer
 from k3jax.train import chat_data
 from k3jax.train import data as data_lib

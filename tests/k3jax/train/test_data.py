@@ -4,8 +4,8 @@ and tokenizer selection. No model here."""
 import numpy as np
 import pytest
 
-from k3jax.errors import UserError
 from k3jax import tokenizer
+from k3jax.errors import UserError
 from k3jax.train import data
 
 T = 16
@@ -90,7 +90,7 @@ def test_packed_batches_hold_whole_pieces_and_resume_exactly():
 
 def test_same_seed_same_stream_other_seed_other_stream():
   docs = docs_tokens([50] * 12, seed=2)
-  first = lambda seed: next(iter(data.train_dataset(  # noqa: E731
+  first = lambda seed: next(iter(data.train_dataset(
       docs, data.PipelineConfig(T, 4, 1, seed))))["inputs"]
   np.testing.assert_array_equal(first(0), first(0))
   assert not np.array_equal(first(0), first(1))
@@ -169,7 +169,7 @@ def test_folder_bpe_encodes_with_its_merges_and_special_tokens(tmp_path):
   """A tiny BPE in the checkpoint-folder layout (tiktoken.model ranks, tokenization_*.py with
   pat_str, tokenizer_config.json added tokens): merges apply, text round-trips, and a special
   token's text inside a document stays ordinary text."""
-  import base64  # noqa: PLC0415
+  import base64
   merges = [b"de", b"def", b" x"]
   ranks = [bytes([i]) for i in range(256)] + merges
   (tmp_path / "tiktoken.model").write_text(

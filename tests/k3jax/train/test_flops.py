@@ -55,14 +55,13 @@ def test_newton_schulz_flops_match_xla_cost_analysis():
   of `newton_schulz` compiled on each parameter's block shape (the tiny model: 2 m n k per
   matmul, the elementwise parts a fraction of a percent); for K3 at a 4M-token step it is the
   ~9% of the model FLOPs the K3 report's recipe implies."""
-  import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
-  from flax import nnx  # noqa: PLC0415
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
 
-  from k3jax.model.transformer import K3Model  # noqa: PLC0415
-  from k3jax.optim.groups import (block_shape, dimension_numbers,  # noqa: PLC0415
-                                  logical_axes_from_state)
-  from k3jax.optim.muon import newton_schulz  # noqa: PLC0415
+  from k3jax.model.transformer import K3Model
+  from k3jax.optim.groups import block_shape, dimension_numbers, logical_axes_from_state
+  from k3jax.optim.muon import newton_schulz
   cfg = configs.get("tiny")
   params = nnx.state(nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0))), nnx.Param)
   names = jax.tree.leaves(logical_axes_from_state(params), is_leaf=lambda x: isinstance(x, tuple))

@@ -25,9 +25,9 @@ from k3jax.cli import main
 from k3jax.execution import Execution
 from k3jax.info import param_breakdown
 from k3jax.model import lora
-from pallas_kernels import mxfp4 as mx
 from k3jax.train import step as step_lib
 from k3jax.train.loop import adapt_spec, run, step_config
+from pallas_kernels import mxfp4 as mx
 
 from .helpers import options
 
@@ -137,7 +137,7 @@ def test_merged_export_is_base_plus_scaled_adapters_and_computes_the_trained_mod
   tensors = {k: v.to(torch.float64).numpy() if v.is_floating_point() else v.numpy()
              for k, v in load_file(os.path.join(merged_dir, "model.safetensors")).items()}
   pre = "language_model.model.layers."
-  f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
+  f64 = lambda a: np.asarray(a, np.float64)
   # a dense projection: the first MLA layer (3) q_a_proj, [out, in] = (W + s A B)^T in bf16
   a = saved[("mla", "q_a_proj", "lora", "lora_a")][0]
   b = saved[("mla", "q_a_proj", "lora", "lora_b")][0]
@@ -225,7 +225,7 @@ def test_frozen_base_is_held_in_the_compute_dtype():
   """bf16 compute over fp32 masters (TPU/GPU): under LoRA the frozen base is held in bf16 (no
   master copy: half the bytes), the adapters and their AdamW moments in fp32, MXFP4 codes
   as uint8; a train step keeps every dtype (traced, not compiled)."""
-  from .helpers import MICRO  # noqa: PLC0415
+  from .helpers import MICRO
   cfg, ex = MICRO, Execution(dtype="bfloat16", param_dtype="float32")
   spec = lora.AdaptSpec(rank=4, targets=TARGETS, base_experts="mxfp4")
   params, bias = jax.eval_shape(lambda: step_lib.init_params(cfg, ex, 0, spec))

@@ -61,9 +61,10 @@ def test_chunked_keeps_no_whole_logits():
 def test_model_features_and_head_give_the_logits_loss(x64):
   """What the train step feeds the chunked loss (the model's `features` without the head, and
   `model.head()`) gives the NLL of the model's own logits (float64, a 2-layer model)."""
-  from flax import nnx  # noqa: PLC0415
-  from k3jax.execution import Execution  # noqa: PLC0415
-  from k3jax.model.transformer import K3Model  # noqa: PLC0415
+  from flax import nnx
+
+  from k3jax.execution import Execution
+  from k3jax.model.transformer import K3Model
   cfg = configs.get("tiny", num_layers=2, mla_layers=(1,))
   ex = Execution(dtype="float64", param_dtype="float64", matmul_precision="highest")
   model = K3Model(cfg, ex, rngs=nnx.Rngs(0))

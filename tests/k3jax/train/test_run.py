@@ -20,13 +20,13 @@ import pytest
 
 from k3jax.cli import main
 from k3jax.folders import MODEL_DIR
+from k3jax.tokenizer import ByteTokenizer
 from k3jax.train import checkpoint as ckpt_lib
 from k3jax.train import data as data_lib
 from k3jax.train import flops
 from k3jax.train import step as step_lib
 from k3jax.train.loop import execution, run, step_config
 from k3jax.train.metrics import read_records
-from k3jax.tokenizer import ByteTokenizer
 
 from .helpers import MICRO, STEPS, cli_args, micro_config_file, options
 

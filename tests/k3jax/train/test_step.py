@@ -98,7 +98,7 @@ def test_packed_row_equals_the_sequences_alone(steps, params_bias):
   given the segment ids, and no position predicts across the boundary."""
   rng = np.random.default_rng(0)
   a, b = rng.integers(0, 256, 11), rng.integers(0, 256, 14)
-  pad = lambda x, seg: (np.r_[x, np.zeros(T + 1 - len(x), int)],  # noqa: E731
+  pad = lambda x, seg: (np.r_[x, np.zeros(T + 1 - len(x), int)],
                         np.r_[seg, np.zeros(T + 1 - len(seg), int)])
   rows = [pad(np.r_[a, b], np.r_[np.ones(11), np.full(14, 2)]),   # packed
           pad(a, np.ones(11)),                                      # a alone
@@ -111,7 +111,7 @@ def test_packed_row_equals_the_sequences_alone(steps, params_bias):
   nll, mask = np.asarray(nll), batch["loss_mask"]
   assert mask[0].sum() == 10 + 13 and mask[0, 10] == 0  # a's last token does not predict b
   assert nll.dtype == np.float64
-  close = lambda a, b: np.testing.assert_allclose(a, b, atol=TOL64, rtol=0)  # noqa: E731
+  close = lambda a, b: np.testing.assert_allclose(a, b, atol=TOL64, rtol=0)
   close(nll[0, :10], nll[1, :10])
   close(nll[0, 11:24], nll[2, :13])
   close(nll[3, :13], nll[2, :13])

@@ -48,7 +48,7 @@ def test_reference_is_a_loop_over_groups(x64, groups, extra):
   y, dx, dw = value_and_grads(lambda x, w: reference.grouped_matmul(x, w, sizes), x, w, dy)
   x, w, dy = map(np.asarray, (x, w, dy))
   used = sum(groups)
-  zeros = lambda n: np.zeros((extra, n))  # noqa: E731
+  zeros = lambda n: np.zeros((extra, n))
   np.testing.assert_allclose(y, np.concatenate([numpy_grouped(x[:used], w, groups), zeros(F)]),
                              atol=1e-12, rtol=0)
   # y_i = x_i W_g(i): dx_i = dy_i W_g(i)^T, dW_g = sum over the group's rows x_i^T dy_i
@@ -85,7 +85,7 @@ def test_float32_matches_the_float64_reference(impl, groups, extra):
   sizes = jnp.asarray(groups, jnp.int32)
   kw = {"interpret": True} if impl == "megablox" else {}
   got = value_and_grads(lambda x, w: grouped_matmul(x, w, sizes, impl=impl, **kw), x, w, dy)
-  ref = lambda x, w, dy: value_and_grads(  # noqa: E731
+  ref = lambda x, w, dy: value_and_grads(
       lambda x, w: reference.grouped_matmul(x, w, sizes), x, w, dy)
   want = numerics.float64_truth(ref, x, w, dy)
   abs_y, abs_dx, abs_dw = numerics.float64_truth(ref, *map(jnp.abs, (x, w, dy)))

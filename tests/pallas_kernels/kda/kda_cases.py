@@ -26,7 +26,6 @@ from pallas_kernels.kda.reference import RawInputs, naive_kda
 from tests import numerics
 from tests.numerics import assert_close
 
-
 # Log decays g of the inputs, from the gate pre-activation x ~ N(0, 1):
 DECAYS = {
     "k3": lambda x: -5.0 * jax.nn.sigmoid(2.0 * x),  # K3's lower-bound gate: channels near -5
@@ -190,7 +189,7 @@ def check_fused_against_naive(kernel, B, T, H, K, V, *, l2norm_eps=1e-6, dtype=j
 
 def cuda_inputs(sharding=None, *, B=1, T=256, H=2, K=128, V=128):
   """Abstract (q, k, v, g, beta, h0) for compiling a GPU kernel: bf16 q/k/v, float32 rest."""
-  sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
+  sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
   return [sds((B, T, H, K), jnp.bfloat16), sds((B, T, H, K), jnp.bfloat16),
           sds((B, T, H, V), jnp.bfloat16), sds((B, T, H, K), jnp.float32),
           sds((B, T, H), jnp.float32), sds((B, H, K, V), jnp.float32)]

@@ -8,11 +8,10 @@ powers of two, as the Triton lowering needs (other sizes are zero-padded).
 
 import functools
 
-from tests import numerics
-from tests.pallas_kernels.kda import kda_cases
 from pallas_kernels.kda.gpu import kda_gpu
 from pallas_kernels.kda.reference import naive_kda
-
+from tests import numerics
+from tests.pallas_kernels.kda import kda_cases
 
 kernel = functools.partial(kda_gpu, interpret=True)
 

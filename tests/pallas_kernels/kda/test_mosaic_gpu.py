@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests import numerics
-from tests.pallas_kernels.kda import kda_cases
 from pallas_kernels.kda import ops
 from pallas_kernels.kda.mosaic_gpu import kda_mosaic_gpu, kda_step_mosaic_gpu, tf32_split
+from tests import numerics
+from tests.pallas_kernels.kda import kda_cases
 
 
 def kernel(*args, **kw):

@@ -71,7 +71,7 @@ def jax_value_and_grads(fn, inputs, cotangents, segment_ids=None, with_state=Tru
 xla_cpu_op = functools.partial(kda, backend="xla_cpu")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def fla_naive():
   """fla's naive_recurrent_kda, loaded from its file: importing the fla package is blocked."""
   path = importlib.metadata.distribution("fla-core").locate_file("fla/ops/kda/naive.py")

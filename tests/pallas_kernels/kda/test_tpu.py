@@ -12,11 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests import numerics
-from tests.pallas_kernels.kda import kda_cases
 from pallas_kernels.kda.reference import naive_kda
 from pallas_kernels.kda.tpu import kda_tpu
-
+from tests import numerics
+from tests.pallas_kernels.kda import kda_cases
 
 kernel = functools.partial(kda_tpu, interpret=True)
 

@@ -14,17 +14,18 @@ import time
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 # libtpu takes a machine-wide lock file meant for real chips; compiling only, several processes
 # (xdist workers, other test runs) may hold it at once.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 pytest.importorskip("libtpu", reason="libtpu is needed to compile for TPU ahead of time")
-from jax.experimental import topologies  # noqa: E402
+from jax.experimental import topologies
 
-from pallas_kernels.kda import _chunk_math as cm  # noqa: E402
-from pallas_kernels.kda.reference import RawInputs  # noqa: E402
-from pallas_kernels.kda.tpu import kda_tpu  # noqa: E402
+from pallas_kernels.kda import _chunk_math as cm
+from pallas_kernels.kda.reference import RawInputs
+from pallas_kernels.kda.tpu import kda_tpu
 
 B, T, H, K, V = 2, 2048, 4, 128, 128
 
@@ -57,10 +58,11 @@ def _sharded_kda(mesh, fused=False):
 
 
 def _args(mesh, specs):
-  shapes = [((B, T, H, K), jnp.bfloat16), ((B, T, H, K), jnp.bfloat16), ((B, T, H, V), jnp.bfloat16),
-            ((B, T, H, K), jnp.float32), ((B, T, H), jnp.float32), ((B, H, K, V), jnp.float32),
-            ((H,), jnp.float32), ((H, K), jnp.float32)]
-  return [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, p)) for (s, d), p in zip(shapes, specs)]
+  shapes = [((B, T, H, K), jnp.bfloat16), ((B, T, H, K), jnp.bfloat16),
+            ((B, T, H, V), jnp.bfloat16), ((B, T, H, K), jnp.float32), ((B, T, H), jnp.float32),
+            ((B, H, K, V), jnp.float32), ((H,), jnp.float32), ((H, K), jnp.float32)]
+  return [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, p))
+          for (s, d), p in zip(shapes, specs)]
 
 
 def _compile(fn, args):
@@ -95,9 +97,11 @@ def test_kda_tpu_compiles_forward_and_gradient(topology, fused):
   assert one_pass <= fwd_flops <= 1.1 * one_pass, (fwd_flops, one_pass)
   assert 4 * one_pass <= grad_flops <= 4.4 * one_pass, (grad_flops, one_pass)
   mem = grad.memory_analysis()
-  print(f"\n{topology} {'fused' if fused else 'prepared'}: forward compiled in {t_fwd:.1f}s, gradient in {t_grad:.1f}s; gradient "
+  print(f"\n{topology} {'fused' if fused else 'prepared'}: forward compiled in {t_fwd:.1f}s, "
+        f"gradient in {t_grad:.1f}s; gradient "
         f"memory per device: args {mem.argument_size_in_bytes / 2**20:.1f} MiB, "
-        f"temp {mem.temp_size_in_bytes / 2**20:.1f} MiB, out {mem.output_size_in_bytes / 2**20:.1f} MiB")
+        f"temp {mem.temp_size_in_bytes / 2**20:.1f} MiB, "
+        f"out {mem.output_size_in_bytes / 2**20:.1f} MiB")
 
 
 @pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
