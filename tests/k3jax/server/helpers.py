@@ -6,6 +6,8 @@ chat_run      the same shape with a vocabulary of 163,840 ids and Moonshot's rea
               that, after `<|im_middle|>` (the end of a generation prompt), writes SCRIPT then
               `<|im_end|>`
 start         the server for a folder from `k3jax serve` flags, in a thread, on a free port
+request       a raw HTTP request (the standard library's client: bodies the `openai` client
+              would refuse to send, status codes and headers as they are)
 
 The crafted model: every token of the script is a distinct token id, and each maps to the next
 one through its embedding row (a large random direction that dominates the residual stream)
@@ -14,8 +16,10 @@ sampling both follow whatever the layers add, while every other token keeps the 
 behaviour.
 """
 
+import http.client
 import json
 import os
+import urllib.parse
 
 import jax
 import numpy as np
@@ -132,3 +136,37 @@ def start(folder: str, *flags: str, gate=None):
     load = server.service.loop.build
     server.service.loop.build = lambda: (gate.wait(), load())[1]
   return server.start()
+
+
+class Response:
+  def __init__(self, status: int, headers, body: bytes):
+    self.status_code, self.headers, self.content = status, headers, body
+
+  @property
+  def text(self) -> str:
+    return self.content.decode()
+
+  def json(self):
+    return json.loads(self.content)
+
+
+def connect(url: str, method: str, path: str, body=None, *, key: str | None = KEY,
+            content: bytes | None = None, timeout: float = 300):
+  """(connection, response) of a request whose body is not read yet (streams)."""
+  where = urllib.parse.urlsplit(url)
+  conn = http.client.HTTPConnection(where.hostname, where.port, timeout=timeout)
+  headers = {"Content-Type": "application/json"}
+  if key is not None:
+    headers["Authorization"] = f"Bearer {key}"
+  data = content if content is not None else None if body is None else json.dumps(body).encode()
+  conn.request(method, path, body=data, headers=headers)
+  return conn, conn.getresponse()
+
+
+def request(url: str, method: str, path: str, body=None, *, key: str | None = KEY,
+         content: bytes | None = None, timeout: float = 300) -> Response:
+  conn, r = connect(url, method, path, body, key=key, content=content, timeout=timeout)
+  try:
+    return Response(r.status, r.headers, r.read())
+  finally:
+    conn.close()
