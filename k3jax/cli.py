@@ -1,4 +1,5 @@
-"""`k3jax` command line: info | train | generate | convert | export | parity | tokenize | plan.
+"""`k3jax` command line: info | train | generate | serve | eval | convert | export | parity |
+tokenize | plan.
 
 Each subcommand is a module of `k3jax/commands/` (registered in `k3jax.commands.COMMANDS`).
 Bad input raises `k3jax.errors.K3jaxError` (or `sharding.MeshError` from the mesh floor): it
@@ -16,7 +17,8 @@ from sharding import MeshError
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="k3jax", description=__doc__.splitlines()[0])
+  summary = " ".join(__doc__.split("\n\n")[0].split())  # the first paragraph, one line
+  parser = argparse.ArgumentParser(prog="k3jax", description=summary)
   sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
   for command in COMMANDS:
     command.register(sub)

@@ -7,8 +7,19 @@ them, so `pip install -e .` alone runs every other command. docs/architecture.md
 one.
 """
 
-from k3jax.commands import convert, export, generate, info, parity, plan, tokenize, train
+from k3jax.commands import (
+                            convert,
+                            eval,
+                            export,
+                            generate,
+                            info,
+                            parity,
+                            plan,
+                            serve,
+                            tokenize,
+                            train,
+)
 
-COMMANDS = (info, train, generate, convert, export, parity, tokenize, plan)
+COMMANDS = (info, train, generate, serve, eval, convert, export, parity, tokenize, plan)
 
 __all__ = ["COMMANDS"]

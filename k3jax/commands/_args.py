@@ -1,14 +1,17 @@
 """Argument helpers shared by the commands: value parsers, the help formatter, error wrapping,
-and the flags more than one command takes (`add_remat`, `add_lora`)."""
+and the flags more than one command takes (`add_remat`, `add_lora`, `add_engine_flags`)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 
+import jax
+
 from k3jax.errors import CheckpointError
 from k3jax.execution import Remat
 from k3jax.model import lora
+from k3jax.server import Experts, ServeOptions
 
 
 def _bounded(kind, allow_zero: bool):
@@ -103,3 +106,44 @@ def add_lora(parser, *, rank: int | None, base_experts: str, when: str = "") -> 
       "--base-experts", choices=("float", "mxfp4"), default=base_experts,
       help=f"{when}the frozen routed experts in memory: float (bf16) or mxfp4 (MXFP4 codes, "
            "dequantised per matmul)")
+
+
+DTYPES = ("auto", "float64", "float32", "bfloat16")
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+  """The flags of a served model (`k3jax serve`, `k3jax eval`): how it loads and the engine's
+  sizes."""
+  p.add_argument("--tokenizer", metavar="FOLDER", default=None,
+                 help="a folder with tiktoken.model (and its chat template), or byte "
+                      "(default: the model folder's own, or the one a `k3jax train` run used)")
+  p.add_argument("--mesh", metavar="MESH", help="device mesh, e.g. data=2,tensor=4")
+  p.add_argument("--dtype", choices=DTYPES, default="auto",
+                 help="auto: float32 on CPU, bfloat16 on TPU/GPU")
+  p.add_argument("--experts", choices=[e.value for e in Experts], default=None,
+                 help="routed experts at run time: packed MXFP4 codes + scales, or dequantized "
+                      "to --dtype as they load (default: as the folder stores them)")
+  p.add_argument("--max-num-seqs", type=positive_int, default=16,
+                 help="requests computed at once (each holds a KDA state); the rest wait")
+  p.add_argument("--max-model-len", type=positive_int, default=None,
+                 help="the longest sequence (prompt + output) a request may reach (default: the "
+                 "folder's max_position_embeddings / model_max_length, else 8192)")
+  p.add_argument("--prefill-chunk", type=positive_int, default=512,
+                 help="prompt tokens per prefill row of an engine step")
+  p.add_argument("--prefix-state-every", type=positive_int, default=4, metavar="K",
+                 help="prefix cache: a KDA state snapshot every K cached blocks")
+  p.add_argument("--compile-cache", default=default_compile_cache(),
+                 help="persistent XLA compilation cache folder (none: off)")
+
+
+def engine_options(args: argparse.Namespace, **fields):
+  """ServeOptions from the flags of `add_engine_flags` (plus `fields`); sets the compilation
+  cache."""
+  if args.compile_cache.lower() != "none":
+    jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+  return ServeOptions(model=args.model, tokenizer=args.tokenizer, mesh=args.mesh,
+                      dtype=args.dtype,
+                      experts=Experts(args.experts) if args.experts else None,
+                      max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                      prefill_chunk=args.prefill_chunk,
+                      prefix_state_every=args.prefix_state_every, **fields)

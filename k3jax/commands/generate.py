@@ -35,21 +35,13 @@ from k3jax.commands._args import (
 from k3jax.engine import DEFAULT_MAX_MODEL_LEN, Engine, EngineConfig, SamplingParams
 from k3jax.errors import CheckpointError, UserError
 from k3jax.execution import NUMERICS
-from k3jax.folders import TokenizerSource, max_model_len, model_folder
+from k3jax.folders import max_model_len, model_folder
 from k3jax.generate import chat
 from k3jax.generate.chat import find_tokenizer_config
-from k3jax.tokenizer import ByteTokenizer, load_tokenizer
+from k3jax.tokenizer import text_tokenizer
 from sharding.mesh import make_mesh
 
 DTYPES = ("auto", "float64", "float32", "bfloat16")
-
-
-def load_text_tokenizer(source: TokenizerSource, vocab_size: int):
-  """The folder's tokenizer, or None when text cannot be encoded for this model."""
-  tok = load_tokenizer(source.kind, source.folder)
-  if isinstance(tok, ByteTokenizer) and vocab_size != ByteTokenizer.vocab_size:
-    return None  # no tokenizer file and not a byte-level model
-  return tok
 
 
 def _prompts(args, tokenizer, chat_config) -> list[list[int]]:
@@ -159,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
                             keep_packed=keep_packed(args.experts, weights))
     except CheckpointError as e:
       raise UserError(str(e)) from None
-    tokenizer = load_text_tokenizer(source, cfg.vocab_size)
+    tokenizer = text_tokenizer(source, cfg.vocab_size)
     prompts = _prompts(args, tokenizer, find_tokenizer_config([source.folder, weights]))
     bad = [t for p in prompts for t in p if not 0 <= t < cfg.vocab_size]
     if bad:

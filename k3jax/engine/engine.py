@@ -68,6 +68,19 @@ class Engine:
     sampling = sampling or SamplingParams()
     if request_id in self._requests:
       raise ValueError(f"request id {request_id!r} is already in use")
+    prompt = self.check(prompt_ids, sampling)
+    seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(32)
+    stops = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self.eos)
+    r = Request(request_id, prompt, sampling, next(self._seq), seed32(seed), stops)
+    self._requests[request_id] = r
+    self.scheduler.waiting.append(r)
+    self.prompt_tokens += len(prompt)
+
+  def check(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> list[int]:
+    """The prompt as a list of ints, or ValueError naming what `add` would refuse in it (an
+    empty or too long prompt, out-of-range token ids or sampling values). It reads only the
+    engine's fixed sizes, so a caller on another thread may check a request before handing it
+    to the thread that steps the engine."""
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
       raise ValueError("the prompt is empty")
@@ -82,12 +95,7 @@ class Engine:
     sampling.check(vocab, self.config.max_top_logprobs)
     if sampling.stop and self.detokenize is None:
       raise ValueError("stop strings need an engine with a detokenizer")
-    seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(32)
-    stops = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self.eos)
-    r = Request(request_id, prompt, sampling, next(self._seq), seed32(seed), stops)
-    self._requests[request_id] = r
-    self.scheduler.waiting.append(r)
-    self.prompt_tokens += len(prompt)
+    return prompt
 
   def abort(self, request_id: str) -> None:
     """End a request now (its pages and slot are freed); an unknown id is a no-op. The next

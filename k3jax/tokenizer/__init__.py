@@ -27,11 +27,12 @@ import importlib.util
 import numpy as np
 
 from k3jax.errors import UserError
+from k3jax.folders import TokenizerSource
 from k3jax.tokenizer.bpe import load_folder
 from k3jax.tokenizer.folder import TIKTOKEN_FILE, find_tiktoken_file, read_pattern
 
 __all__ = ["ByteTokenizer", "TIKTOKEN_FILE", "find_tiktoken_file", "load_tokenizer",
-           "read_pattern"]
+           "read_pattern", "text_tokenizer"]
 
 
 class ByteTokenizer:
@@ -84,3 +85,13 @@ def load_tokenizer(kind: str, folder: str | None = None):
     raise UserError(f"{model_file}: the checkpoint's tokenizer needs the `tiktoken` package "
                     "(pip install tiktoken), or pass --tokenizer byte to train on bytes")
   return load_folder(model_file)
+
+
+def text_tokenizer(source: TokenizerSource, vocab_size: int):
+  """The tokenizer of a model folder (`k3jax.folders.model_folder(...).tokenizer`) for a model
+  of `vocab_size` ids, or None when text cannot be encoded for it (no tokenizer file, and not
+  a byte-level model)."""
+  tok = load_tokenizer(source.kind, source.folder)
+  if isinstance(tok, ByteTokenizer) and vocab_size != ByteTokenizer.vocab_size:
+    return None
+  return tok

@@ -1,0 +1,171 @@
+"""A server for a model folder: what `k3jax serve` and `k3jax eval` start.
+
+    server = launch.build(ServeOptions(model="runs/tiny", port=8000))
+    server.run()                   # blocks (Ctrl-C stops it), or:
+    server.start(); ...; server.stop()   # in a thread (eval, tests): server.url
+
+`build` reads what is cheap and can be wrong at once (the folder, its config and tokenizer,
+the flags) and binds the port; the weights load in the engine thread while the server already
+answers (/health 503 until the engine is ready).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import socket
+import sys
+import threading
+import time
+
+import jax
+import uvicorn
+
+import configs
+from convert.load import load_any, stores_packed_experts
+from k3jax.engine import DEFAULT_MAX_MODEL_LEN, Engine, EngineConfig
+from k3jax.errors import UserError
+from k3jax.execution import NUMERICS
+from k3jax.folders import max_model_len, model_folder
+from k3jax.server.app import build_app
+from k3jax.server.loop import EngineLoop, State
+from k3jax.server.service import Service, ServiceConfig
+from k3jax.tokenizer import load_tokenizer, text_tokenizer
+from sharding.mesh import make_mesh
+
+END_OF_TURN = ("<|im_end|>",)  # a chat answer ends here (Kimi's chat format)
+
+
+class Experts(enum.StrEnum):
+  DEQUANTIZED = "dequantized"  # MXFP4 experts expanded to the run dtype as they load
+  MXFP4 = "mxfp4"              # kept packed, run by the MXFP4 grouped matmul
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServeOptions:
+  """`k3jax serve`'s flags (docs/serving.md)."""
+  model: str
+  tokenizer: str | None = None
+  mesh: str | None = None
+  host: str = "127.0.0.1"
+  port: int = 8000
+  api_key: str | None = None
+  served_model_name: str | None = None
+  dtype: str = "auto"
+  experts: Experts | None = None  # None: as the folder stores them
+  max_num_seqs: int = 16
+  max_model_len: int | None = None
+  prefill_chunk: int = 512
+  prefix_state_every: int = 4
+  log_level: str = "warning"
+
+
+def build(options: ServeOptions) -> Server:
+  if not os.path.exists(options.model):
+    raise UserError(f"{options.model}: no such model folder")
+  dtype = options.dtype
+  if dtype == "auto":
+    dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+  folder = model_folder(options.model)
+  cfg = configs.resolve(folder.weights)
+  if options.tokenizer:
+    tokenizer = load_tokenizer(options.tokenizer, folder.tokenizer.folder)
+  else:
+    tokenizer = text_tokenizer(folder.tokenizer, cfg.vocab_size)
+  if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
+    raise UserError(f"the tokenizer has {tokenizer.vocab_size} ids, more than the model's "
+                    f"vocabulary of {cfg.vocab_size}")
+  limit = options.max_model_len or max_model_len(folder) or DEFAULT_MAX_MODEL_LEN
+  try:
+    engine_config = EngineConfig(max_num_seqs=options.max_num_seqs, max_model_len=limit,
+                                 prefill_chunk=options.prefill_chunk,
+                                 prefix_state_every=options.prefix_state_every)
+  except ValueError as e:
+    raise UserError(str(e)) from None
+  mesh = make_mesh(options.mesh) if options.mesh else None
+  keep_packed = (stores_packed_experts(folder.weights) if options.experts is None
+                 else options.experts == Experts.MXFP4)
+
+  def load() -> Engine:
+    t0 = time.perf_counter()
+    model, _ = load_any(folder.weights, NUMERICS[dtype], mesh=mesh, keep_packed=keep_packed)
+    engine = Engine(model, engine_config, mesh=mesh)
+    print(f"k3jax serve: {cfg.num_layers} layers, {dtype}, loaded in "
+          f"{time.perf_counter() - t0:.1f}s: ready", file=sys.stderr, flush=True)
+    return engine
+
+  eos = () if cfg.eos_token_id is None else (int(cfg.eos_token_id),)
+  specials = getattr(tokenizer, "special_tokens", {})
+  chat_stops = tuple(getattr(tokenizer, "stop_ids", ())) + tuple(
+      specials[t] for t in END_OF_TURN if t in specials)
+  name = options.served_model_name or os.path.basename(os.path.normpath(options.model))
+  service = Service(ServiceConfig(name=name, max_model_len=limit, eos_token_ids=eos,
+                                  chat_stop_ids=tuple(dict.fromkeys(chat_stops)),
+                                  api_key=options.api_key),
+                    EngineLoop(load, x64=dtype == "float64"), tokenizer)
+  return Server(service, options.host, options.port, options.log_level)
+
+
+class Server:
+  """uvicorn serving the app on a socket bound at construction (port 0: any free one)."""
+
+  def __init__(self, service: Service, host: str, port: int, log_level: str = "warning"):
+    self.service = service
+    self.socket = _bind(host, port)
+    self.port = self.socket.getsockname()[1]
+    self.url = f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
+    self.uvicorn = uvicorn.Server(uvicorn.Config(build_app(service), log_level=log_level,
+                                                 access_log=False, lifespan="on",
+                                                 timeout_graceful_shutdown=5))
+    self._thread: threading.Thread | None = None
+    service.loop.on_state = self._on_state
+
+  def _on_state(self, state: State) -> None:
+    if state == State.FAILED and self._thread is None:
+      self.uvicorn.should_exit = True  # `k3jax serve` reports the error and exits
+
+  def run(self) -> None:
+    """Serve until interrupted; UserError if the model failed to load."""
+    self.uvicorn.run(sockets=[self.socket])
+    loop = self.service.loop
+    if loop.state == State.FAILED:
+      raise UserError(f"loading the model failed: {loop.error}")
+
+  def start(self, timeout: float = 60.0) -> Server:
+    """Serve from a thread; returns once the server accepts connections."""
+    self._thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [self.socket]},
+                                    name="k3jax-http", daemon=True)
+    self._thread.start()
+    deadline = time.monotonic() + timeout
+    while not self.uvicorn.started:
+      if not self._thread.is_alive() or time.monotonic() > deadline:
+        raise RuntimeError("the HTTP server did not start")
+      time.sleep(0.01)
+    return self
+
+  def wait_ready(self, timeout: float | None = None) -> None:
+    """Block until the engine is ready; UserError if the model failed to load."""
+    loop = self.service.loop
+    if not loop.ready.wait(timeout):
+      raise TimeoutError("the model did not finish loading in time")
+    if loop.state == State.FAILED:
+      raise UserError(f"loading the model failed: {loop.error}")
+
+  def stop(self) -> None:
+    self.uvicorn.should_exit = True
+    if self._thread is not None:
+      self._thread.join(30)
+    self.socket.close()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+  family = socket.AF_INET6 if ":" in host else socket.AF_INET
+  sock = socket.socket(family, socket.SOCK_STREAM)
+  sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+  try:
+    sock.bind((host, port))
+  except OSError as e:
+    sock.close()
+    raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+  return sock

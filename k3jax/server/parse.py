@@ -1,0 +1,99 @@
+"""A chat answer's text split the way the OpenAI API returns it: reasoning, content, tool calls.
+
+Kimi models write
+
+    <think>REASONING</think>CONTENT<|tool_calls_section_begin|>
+    <|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>{JSON}<|tool_call_end|>
+    ...<|tool_calls_section_end|>
+
+(a `<think>` block only at the very start of the answer, or the whole answer up to `</think>`
+when the prompt itself ends inside an open `<think>`). A call's id is the text between its
+markers (`functions.get_weather:0`), its name the part between `functions.` and the last `:`,
+its arguments the JSON text as written.
+
+`parse(text, final=False)` reads a prefix of an answer still being generated: a marker not yet
+complete is held back, and only finished calls are returned, so each field of a prefix's parse
+is a prefix of the final one's (what a stream sends joins to the whole response). In an
+unterminated tool-call section (the answer was cut short) only the finished calls count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from k3jax.server.text import held_suffix
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+CALL_BEGIN, CALL_ARGS, CALL_END = ("<|tool_call_begin|>", "<|tool_call_argument_begin|>",
+                                   "<|tool_call_end|>")
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+  id: str
+  name: str
+  arguments: str
+
+  def to_json(self, index: int | None = None) -> dict:
+    out = {"id": self.id, "type": "function",
+           "function": {"name": self.name, "arguments": self.arguments}}
+    return out if index is None else {"index": index, **out}
+
+
+@dataclasses.dataclass(frozen=True)
+class Parsed:
+  reasoning: str | None
+  content: str
+  tool_calls: tuple[ToolCall, ...] = ()
+
+
+def call_name(call_id: str) -> str:
+  name = call_id.rsplit(":", 1)[0] if ":" in call_id else call_id
+  return name.removeprefix("functions.")
+
+
+def parse(text: str, *, final: bool, in_reasoning: bool = False, tools: bool = True) -> Parsed:
+  """Split an answer (see the module docstring). `in_reasoning`: the prompt ended inside an
+  open <think> block; `tools`: read tool-call sections (else they stay in the content)."""
+  if not in_reasoning and not text.startswith(THINK_OPEN):
+    if not final and THINK_OPEN.startswith(text):  # may yet become "<think>"
+      return Parsed(None, "")
+    return _content(text, final, tools, None)
+  body = text if in_reasoning else text[len(THINK_OPEN):]
+  end = body.find(THINK_CLOSE)
+  if end < 0:
+    held = 0 if final else held_suffix(body, (THINK_CLOSE,))
+    return Parsed(body[:len(body) - held], "")
+  return _content(body[end + len(THINK_CLOSE):], final, tools, body[:end])
+
+
+def _content(text: str, final: bool, tools: bool, reasoning: str | None) -> Parsed:
+  begin = text.find(SECTION_BEGIN) if tools else -1
+  if begin < 0:
+    held = 0 if final or not tools else held_suffix(text, (SECTION_BEGIN,))
+    return Parsed(reasoning, text[:len(text) - held])
+  section = text[begin + len(SECTION_BEGIN):]
+  end = section.find(SECTION_END)
+  calls, after = _calls(section if end < 0 else section[:end]), ""
+  if end >= 0:  # text after the section continues the content
+    after = section[end + len(SECTION_END):]
+    if not final:
+      after = after[:len(after) - held_suffix(after, (SECTION_BEGIN,))]
+  return Parsed(reasoning, text[:begin] + after, tuple(calls))
+
+
+def _calls(section: str) -> list[ToolCall]:
+  calls, at = [], 0
+  while True:
+    start = section.find(CALL_BEGIN, at)
+    if start < 0:
+      return calls
+    args = section.find(CALL_ARGS, start)
+    stop = section.find(CALL_END, args) if args >= 0 else -1
+    if stop < 0:  # not finished yet
+      return calls
+    call_id = section[start + len(CALL_BEGIN):args].strip()
+    calls.append(ToolCall(call_id, call_name(call_id),
+                          section[args + len(CALL_ARGS):stop].strip()))
+    at = stop + len(CALL_END)

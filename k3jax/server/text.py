@@ -1,0 +1,82 @@
+"""A choice's text, built token by token as the engine reports them, and the token strings of
+logprobs.
+
+The text is the choice's bytes decoded as a whole, the way `k3jax generate` decodes them: stop
+tokens left out, a UTF-8 character split across tokens decoded once complete, invalid bytes as
+U+FFFD. Stop strings are found here (the engine sees token ids only) and the text is cut before
+the first one, as the engine's own stop strings cut it.
+
+A stream may send only what no later token can change: `stable()` holds back a trailing
+incomplete character (U+FFFD at the end: it may still be completed) and a suffix that could be
+the start of a stop string (it may yet be cut), so the pieces streamed join to the final text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+REPLACEMENT = "\ufffd"
+
+
+def token_bytes_of(tokenizer) -> Callable[[int], bytes]:
+  """id -> the token's bytes (a token may hold part of a UTF-8 character)."""
+  one = getattr(tokenizer, "token_bytes", None)
+  return one if one is not None else (lambda t: tokenizer.decode_bytes([t]))
+
+
+def token_string(data: bytes) -> str:
+  """A token as logprobs name it: its text, or `bytes:\\xNN...` when its bytes are not valid
+  UTF-8 on their own (so two byte tokens never share a name)."""
+  try:
+    return data.decode("utf-8")
+  except UnicodeDecodeError:
+    return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+
+
+def held_suffix(text: str, markers: Iterable[str]) -> int:
+  """Characters at the end of `text` that are a proper prefix of one of `markers`."""
+  longest = 0
+  for m in markers:
+    for k in range(min(len(m) - 1, len(text)), longest, -1):
+      if text.endswith(m[:k]):
+        longest = k
+        break
+  return longest
+
+
+class TextStream:
+  """One choice's output text. `add(ids)` appends tokens and returns how many of them count:
+  all of them, or up to the one completing a stop string (the text ends there; later tokens
+  are ignored)."""
+
+  def __init__(self, token_bytes: Callable[[int], bytes], *, skip_ids: Iterable[int] = (),
+               stop: Iterable[str] = ()):
+    self._bytes = bytearray()
+    self._token_bytes = token_bytes
+    self._skip = frozenset(skip_ids)
+    self._stop = tuple(stop)
+    self.text = ""
+    self.stopped = False
+
+  def add(self, ids: Iterable[int]) -> int:
+    taken = 0
+    for t in ids:
+      if self.stopped:
+        break
+      taken += 1
+      if t in self._skip:
+        continue
+      self._bytes += self._token_bytes(int(t))
+      self.text = self._bytes.decode("utf-8", errors="replace")
+      hits = [i for i in (self.text.find(s) for s in self._stop) if i >= 0]
+      if hits:
+        self.text, self.stopped = self.text[:min(hits)], True
+    return taken
+
+  def stable(self, final: bool = False) -> str:
+    """The part of the text no later token can change (all of it once `final`)."""
+    text = self.text
+    if final or self.stopped:
+      return text
+    text = text.rstrip(REPLACEMENT)
+    return text[:len(text) - held_suffix(text, self._stop)]
