@@ -14,14 +14,6 @@ import tempfile
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
-# The tests' programs are small and compiled once, so XLA:CPU's LLVM optimisation costs more
-# than it saves: at level 0 the tiny models compile (and eager ops dispatch) about twice as
-# fast. No fast-math at any level, but the last bits of a float32 result can differ between
-# levels (contracted multiply-adds), so programs compared bit-near must be compiled at the same
-# level: the subprocesses the tests start inherit the flags. Set XLA_FLAGS with an explicit
-# level to override.
-if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
-  os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # A persistent XLA compilation cache for the subprocesses the tests start (they inherit this
 # environment): the `k3jax train` runs of test_run.py compile the same train step, so the later

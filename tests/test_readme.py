@@ -135,6 +135,7 @@ def test_the_plan_of_a_readme():
     readme_plan("```\nk3jax info --config tiny | head\n```\n")
 
 
+@pytest.mark.long
 def test_readme_commands_run_as_written(tmp_path):
   with open(README) as f:
     plan = readme_plan(f.read())

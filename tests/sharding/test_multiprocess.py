@@ -64,11 +64,12 @@ def initial_model(tmp_path_factory):
   return path
 
 
+@pytest.mark.long
 def test_two_processes_train_save_resume_equal_one_process(tmp_path, initial_model):
   out = tmp_path / "two"
   port = free_port()
-  # 4 devices a process; the other flags (the optimisation level) as in this process, whose
-  # one-process run the two are compared with bit-near
+  # 4 devices a process; any other XLA flag as in this process, whose one-process run the two
+  # are compared with bit-near (an optimisation level changes float32 bits)
   flags = os.environ["XLA_FLAGS"].replace("--xla_force_host_platform_device_count=8", "")
   env = {**os.environ, "XLA_FLAGS": flags + " --xla_force_host_platform_device_count=4",
          "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}

@@ -57,6 +57,7 @@ def test_adapters_compute_what_their_merged_weights_compute(tiny64, reference_di
       lora.matching(lora.AdaptSpec(rank=2, targets=("mla.nope",)), adapted)
 
 
+@pytest.mark.long
 def test_adapter_gradients_through_the_full_remat_scan(x64):
   """LoRA differentiates only the adapters: the full-remat scan (block_scan, which builds
   gradient accumulators for differentiated stack leaves only) gives the adapters' gradients of

@@ -47,6 +47,7 @@ def _cache_bytes(cfg, tensor: int) -> int:
   return kda + mla + ROWS * 4 + 4
 
 
+@pytest.mark.long
 def test_decode_plan_compiled_and_analytic(config_file, capsys):
   from k3jax.train import flops
   path, cfg = config_file

@@ -128,6 +128,7 @@ CHAT_MODEL = MICRO.replace(num_layers=2, mla_layers=(1,), vocab_size=768)
 STEPS = 10
 
 
+@pytest.mark.long
 def test_chat_sft_run_lowers_the_loss(folder, tok, tmp_path, capsys):
   cfg_file = tmp_path / "micro.json"
   cfg_file.write_text(json.dumps({"format": "k3jax", "config": CHAT_MODEL.to_dict()}))

@@ -105,6 +105,7 @@ def _trainer(args, env):
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.long
 def test_sigkill_during_a_save_resumes_from_the_last_complete_checkpoint(
     straight, tmp_path, config_file):
   _, want = straight
