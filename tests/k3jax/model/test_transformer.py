@@ -103,7 +103,9 @@ def test_scanned_equals_unrolled(make, x64):
 
 # "full" (block_scan under AttnRes): test_block_scan_gradients_equal_unrolled, against the
 # unrolled model
-@pytest.mark.parametrize("policy", ["save-dots", pytest.param("offload", marks=pytest.mark.long)])
+# (both minutes-long gradient compiles: `long`; the default run keeps "full" remat below)
+@pytest.mark.long
+@pytest.mark.parametrize("policy", ["save-dots", "offload"])
 def test_remat_same_gradients(model64, x64, policy):
   model = model64
   ids = _ids(model.cfg, (1, 8), 5)
