@@ -5,6 +5,7 @@ simply uses device 0. float64 tests enter `jax.enable_x64(True)` themselves (fix
 so that float32 code paths stay float32 everywhere else.
 """
 
+import gc
 import json
 import os
 import shutil
@@ -14,6 +15,14 @@ import tempfile
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+# The tests' programs are small and compiled once, so XLA:CPU's LLVM optimisation costs more
+# than it saves: at level 0 the tiny models compile (and eager ops dispatch) about twice as
+# fast. No fast-math at any level, but the last bits of a float32 result can differ between
+# levels (contracted multiply-adds), so programs compared bit-near must be compiled at the same
+# level: the subprocesses the tests start inherit the flags. Set XLA_FLAGS with an explicit
+# level to override.
+if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+  os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # A persistent XLA compilation cache for the subprocesses the tests start (they inherit this
 # environment): the `k3jax train` runs of test_run.py compile the same train step, so the later
@@ -29,7 +38,8 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 # No persistent cache in the test processes themselves. Writing an entry serializes the
-# executable, and XLA:CPU once segfaulted there, taking an xdist worker down with it; JAX writes
+# executable, and XLA:CPU once segfaulted there (a worker out of memory mappings, see
+# pytest_runtest_teardown), taking an xdist worker down with it; JAX writes
 # every program that took over a second to compile (jax_persistent_cache_min_compile_time_secs),
 # so the workers serialized programs all run long, for nothing: nothing but the trainer
 # subprocesses read entries back. A crash in a subprocess fails its test with the subprocess's
@@ -121,6 +131,22 @@ class _EndOnWorkerCrash:
   def pytest_terminal_summary(self, terminalreporter):
     for worker, error in self.crashed.items():
       terminalreporter.write_line(f"worker {worker} crashed: {error}", red=True)
+
+
+@pytest.hookimpl(trylast=True)  # after the runner has torn down the file's module fixtures
+def pytest_runtest_teardown(item, nextitem):
+  """Drops every compiled program at the end of each test file.
+
+  Each XLA:CPU executable keeps its JIT-compiled code in memory mappings of its own until it is
+  freed, and JAX's caches keep every executable a process ever compiled. An xdist worker runs
+  test files for half an hour, compiling thousands of programs: its mappings reach the kernel's
+  per-process limit (vm.max_map_count, 65530 by default), an mmap inside XLA's compiler fails,
+  and the worker dies with a SIGSEGV or SIGABRT in whatever program it was compiling then.
+  Test files share few compiled programs, so recompiling those costs little.
+  """
+  if nextitem is None or nextitem.path != item.path:
+    jax.clear_caches()
+    gc.collect()  # the executables held by dropped closures and module fixtures
 
 
 def pytest_configure(config):
