@@ -111,19 +111,23 @@ def add_lora(parser, *, rank: int | None, base_experts: str, when: str = "") -> 
 DTYPES = ("auto", "float64", "float32", "bfloat16")
 
 
-def add_engine_flags(p: argparse.ArgumentParser) -> None:
-  """The flags of a served model (`k3jax serve`, `k3jax eval`): how it loads and the engine's
-  sizes."""
+def add_tokenizer_flag(p: argparse.ArgumentParser) -> None:
+  """--tokenizer FOLDER for the commands that serve text over the engine (serve, eval)."""
   p.add_argument("--tokenizer", metavar="FOLDER", default=None,
                  help="a folder with tiktoken.model (and its chat template), or byte "
                       "(default: the model folder's own, or the one a `k3jax train` run used)")
+
+
+def add_engine_flags(p: argparse.ArgumentParser, *, max_num_seqs: int) -> None:
+  """The flags of a model run on the engine (`k3jax generate`, `serve`, `eval`): how it loads
+  and the engine's sizes. The default of --max-num-seqs is the command's."""
   p.add_argument("--mesh", metavar="MESH", help="device mesh, e.g. data=2,tensor=4")
   p.add_argument("--dtype", choices=DTYPES, default="auto",
                  help="auto: float32 on CPU, bfloat16 on TPU/GPU")
   p.add_argument("--experts", choices=[e.value for e in Experts], default=None,
                  help="routed experts at run time: packed MXFP4 codes + scales, or dequantized "
                       "to --dtype as they load (default: as the folder stores them)")
-  p.add_argument("--max-num-seqs", type=positive_int, default=16,
+  p.add_argument("--max-num-seqs", type=positive_int, default=max_num_seqs,
                  help="requests computed at once (each holds a KDA state); the rest wait")
   p.add_argument("--max-model-len", type=positive_int, default=None,
                  help="the longest sequence (prompt + output) a request may reach (default: the "

@@ -21,7 +21,13 @@ import json
 import os
 import time
 
-from k3jax.commands._args import Formatter, add_engine_flags, engine_options, positive_int
+from k3jax.commands._args import (
+  Formatter,
+  add_engine_flags,
+  add_tokenizer_flag,
+  engine_options,
+  positive_int,
+)
 from k3jax.errors import UserError
 from k3jax.server import build
 
@@ -154,5 +160,6 @@ def register(sub) -> None:
                  help="requests the harness keeps in flight (default: --max-num-seqs)")
   p.add_argument("--log-samples", action="store_true",
                  help="also write every sample (prompt, responses, scores) per task")
-  add_engine_flags(p)
+  add_tokenizer_flag(p)
+  add_engine_flags(p, max_num_seqs=16)
   p.set_defaults(func=run)

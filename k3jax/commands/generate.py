@@ -26,7 +26,7 @@ import jax
 from convert.load import load_any, stores_packed_experts
 from k3jax.commands._args import (
   Formatter,
-  default_compile_cache,
+  add_engine_flags,
   nonneg_float,
   nonneg_int,
   positive_int,
@@ -40,8 +40,6 @@ from k3jax.generate import chat
 from k3jax.generate.chat import find_tokenizer_config
 from k3jax.tokenizer import text_tokenizer
 from sharding.mesh import make_mesh
-
-DTYPES = ("auto", "float64", "float32", "bfloat16")
 
 
 def _prompts(args, tokenizer, chat_config) -> list[list[int]]:
@@ -229,24 +227,8 @@ def register(sub) -> None:
                  help="extra stop tokens: ids, or text of exactly one token")
   p.add_argument("--ignore-eos", action="store_true",
                  help="do not stop at the config's eos_token_id")
-  p.add_argument("--dtype", choices=DTYPES, default="auto",
-                 help="auto: float32 on CPU, bfloat16 on TPU/GPU")
-  p.add_argument("--experts", choices=("mxfp4", "dequantized"), default=None,
-                 help="routed experts at run time: packed MXFP4 codes + scales, or dequantized "
-                 "to --dtype (default: as the folder stores them)")
-  p.add_argument("--mesh", metavar="MESH", help="device mesh, e.g. data=2,tensor=4")
   p.add_argument("--json", action="store_true", help="one JSON object per prompt")
-  p.add_argument("--prefill-chunk", type=positive_int, default=512,
-                 help="prompt tokens per prefill row of an engine step")
-  p.add_argument("--max-model-len", type=positive_int, default=None,
-                 help="the longest sequence (prompt + output) the engine holds (default: the "
-                 "folder's max_position_embeddings / model_max_length, else 8192)")
-  p.add_argument("--max-num-seqs", type=positive_int, default=64,
-                 help="prompts served at once (each holds a KDA state); the rest wait")
-  p.add_argument("--prefix-state-every", type=positive_int, default=4, metavar="K",
-                 help="prefix cache: a KDA state snapshot every K cached blocks")
   p.add_argument("--block", type=positive_int, default=8,
                  help="kept for scripts; the engine streams every step (docs/serving.md)")
-  p.add_argument("--compile-cache", default=default_compile_cache(),
-                 help="persistent XLA compilation cache folder (none: off)")
+  add_engine_flags(p, max_num_seqs=64)
   p.set_defaults(func=run)

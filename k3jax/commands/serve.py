@@ -18,7 +18,13 @@ import argparse
 import os
 import sys
 
-from k3jax.commands._args import Formatter, add_engine_flags, engine_options, nonneg_int
+from k3jax.commands._args import (
+  Formatter,
+  add_engine_flags,
+  add_tokenizer_flag,
+  engine_options,
+  nonneg_int,
+)
 from k3jax.server import build
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -48,7 +54,8 @@ def register(sub) -> None:
                       "none)")
   p.add_argument("--served-model-name", metavar="NAME", default=None,
                  help="the model name requests use (default: the folder's name)")
-  add_engine_flags(p)
+  add_tokenizer_flag(p)
+  add_engine_flags(p, max_num_seqs=16)
   p.add_argument("--log-level", choices=LOG_LEVELS, default="warning",
                  help="uvicorn's logging (info: one line per request)")
   p.set_defaults(func=run)
