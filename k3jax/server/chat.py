@@ -11,20 +11,29 @@ is split into `reasoning_content` (a leading <think> block), `content` and `tool
 
 from __future__ import annotations
 
+import json
 import time
 
 from starlette.responses import JSONResponse, StreamingResponse
 
 from k3jax.errors import UserError
-from k3jax.server.jobs import DONE, Choice, Job, sse, unless_disconnected
+from k3jax.server.jobs import Choice, Job, events, sse, unless_disconnected
 from k3jax.server.parse import THINK_OPEN, Parsed, parse
 from k3jax.server.protocol import APIError, ChatRequest, read
 from k3jax.server.service import Service
+
+# the roles of OpenAI's chat messages; a template renders any role it is given, so an unknown
+# one (a typo) would become a turn the caller never meant
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def render(svc: Service, req: ChatRequest) -> tuple[list[int], str]:
   """(prompt ids, rendered text) of the request's conversation."""
   tok = svc.need_tokenizer("a chat")
+  for k, m in enumerate(req.messages):
+    if m.get("role") not in ROLES:
+      raise APIError(400, f"messages[{k}].role: must be one of {', '.join(ROLES)}, got "
+                     f"{json.dumps(m.get('role'))[:40]}", param="messages")
   try:
     text = tok.render_chat(req.messages, req.tools, add_generation_prompt=req.add_generation_prompt,
                            **(req.chat_template_kwargs or {}))
@@ -106,8 +115,8 @@ def _usage(ids: list[int], choices: list[Choice]) -> dict:
           "total_tokens": len(ids) + completion}
 
 
-async def _stream(svc: Service, req: ChatRequest, job: Job, choices: list[Choice], head: dict,
-                  how: dict):
+def _stream(svc: Service, req: ChatRequest, job: Job, choices: list[Choice], head: dict,
+            how: dict):
   head = {**head, "object": "chat.completion.chunk"}
   sent = [Parsed(None, "") for _ in choices]
   scored = [0] * len(choices)
@@ -115,35 +124,30 @@ async def _stream(svc: Service, req: ChatRequest, job: Job, choices: list[Choice
   def chunk(index: int, delta: dict, finish=None, logprobs=None) -> str:
     return sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                                      "finish_reason": finish}]})
-  try:
-    for c in choices:
-      yield chunk(c.index, {"role": "assistant", "content": ""})
-    while job.open:
-      try:
-        c, _ = await job.next(choices)
-      except APIError as e:
-        yield sse(e.body())
-        break
-      i, old = c.index, sent[c.index]
-      now = parse(c.text.stable(final=c.finished), final=c.finished, **how)
-      delta = {}
-      if now.reasoning and now.reasoning != old.reasoning:
-        delta["reasoning_content"] = now.reasoning[len(old.reasoning or ""):]
-      if now.content != old.content:
-        delta["content"] = now.content[len(old.content):]
-      if len(now.tool_calls) > len(old.tool_calls):
-        delta["tool_calls"] = [call.to_json(k) for k, call in enumerate(now.tool_calls)
-                               if k >= len(old.tool_calls)]
-      sent[i] = now
-      lp = None
-      if req.logprobs and len(c.token_ids) > scored[i]:
-        lp, scored[i] = _logprobs(svc, c, scored[i]), len(c.token_ids)
-      if delta or lp is not None:
-        yield chunk(i, delta, logprobs=lp)
-      if c.finished:
-        yield chunk(i, {}, finish=_finish(c, now))
+
+  def update(c: Choice):
+    i, old = c.index, sent[c.index]
+    now = parse(c.text.stable(final=c.finished), final=c.finished, **how)
+    delta = {}
+    if now.reasoning and now.reasoning != old.reasoning:
+      delta["reasoning_content"] = now.reasoning[len(old.reasoning or ""):]
+    if now.content != old.content:
+      delta["content"] = now.content[len(old.content):]
+    if len(now.tool_calls) > len(old.tool_calls):
+      delta["tool_calls"] = [call.to_json(k) for k, call in enumerate(now.tool_calls)
+                             if k >= len(old.tool_calls)]
+    sent[i] = now
+    lp = None
+    if req.logprobs and len(c.token_ids) > scored[i]:
+      lp, scored[i] = _logprobs(svc, c, scored[i]), len(c.token_ids)
+    if delta or lp is not None:
+      yield chunk(i, delta, logprobs=lp)
+    if c.finished:
+      yield chunk(i, {}, finish=_finish(c, now))
+
+  def end():
     if req.include_usage:
       yield sse({**head, "choices": [], "usage": _usage(choices[0].prompt, choices)})
-    yield DONE
-  finally:
-    job.abort_open()  # the client went away (or the stream ended early): free the engine
+
+  start = [chunk(c.index, {"role": "assistant", "content": ""}) for c in choices]
+  return events(job, choices, start, update, end)

@@ -18,7 +18,7 @@ import time
 
 from starlette.responses import JSONResponse, StreamingResponse
 
-from k3jax.server.jobs import DONE, Choice, Job, sse, unless_disconnected
+from k3jax.server.jobs import Choice, Job, events, sse, unless_disconnected
 from k3jax.server.protocol import APIError, CompletionRequest, read
 from k3jax.server.service import Service
 
@@ -122,39 +122,35 @@ def _usage(prompts, choices: list[Choice], n: int) -> dict:
           "total_tokens": prompt + completion}
 
 
-async def _stream(svc: Service, req: CompletionRequest, job: Job, choices: list[Choice],
-                  echoes: list[str], head: dict, prompts):
+def _stream(svc: Service, req: CompletionRequest, job: Job, choices: list[Choice],
+            echoes: list[str], head: dict, prompts):
   sent = [0] * len(choices)        # characters of text sent
   scored = [0] * len(choices)      # tokens whose logprobs were sent
   prompt_scored = [False] * len(choices)
-  try:
-    if req.echo:  # the prompt first, as OpenAI's stream sends it
-      for c, e in zip(choices, echoes):
-        yield sse({**head, "choices": [{"index": c.index, "text": e, "logprobs": None,
-                                        "finish_reason": None}]})
-    while job.open:
-      try:
-        c, _ = await job.next(choices)
-      except APIError as e:
-        yield sse(e.body())
-        break
-      i = c.index
-      text = c.text.stable(final=c.finished)[sent[i]:] if c.text is not None else ""
-      lp = None
-      with_prompt = req.echo and c.prompt_logprobs is not None and not prompt_scored[i]
-      if req.logprobs is not None and (with_prompt or len(c.token_ids) > scored[i]):
-        start = 0 if with_prompt else len(echoes[i]) + sent[i]
-        lp = _logprobs(svc, c, start, with_prompt, scored[i])
-        scored[i], prompt_scored[i] = len(c.token_ids), prompt_scored[i] or with_prompt
-      if not text and lp is None and not c.finished:
-        continue
-      sent[i] += len(text)
-      body = {"index": i, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
-      if req.return_token_ids and c.finished:
-        body["token_ids"] = c.token_ids
-      yield sse({**head, "choices": [body]})
+
+  def update(c: Choice):
+    i = c.index
+    text = c.text.stable(final=c.finished)[sent[i]:] if c.text is not None else ""
+    lp = None
+    with_prompt = req.echo and c.prompt_logprobs is not None and not prompt_scored[i]
+    if req.logprobs is not None and (with_prompt or len(c.token_ids) > scored[i]):
+      start = 0 if with_prompt else len(echoes[i]) + sent[i]
+      lp = _logprobs(svc, c, start, with_prompt, scored[i])
+      scored[i], prompt_scored[i] = len(c.token_ids), prompt_scored[i] or with_prompt
+    if not text and lp is None and not c.finished:
+      return
+    sent[i] += len(text)
+    body = {"index": i, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
+    if req.return_token_ids and c.finished:
+      body["token_ids"] = c.token_ids
+    yield sse({**head, "choices": [body]})
+
+  def end():
     if req.include_usage:
       yield sse({**head, "choices": [], "usage": _usage(prompts, choices, req.n)})
-    yield DONE
-  finally:
-    job.abort_open()  # the client went away (or the stream ended early): free the engine
+
+  # the prompt first, as OpenAI's stream sends it
+  start = [sse({**head, "choices": [{"index": c.index, "text": e, "logprobs": None,
+                                     "finish_reason": None}]})
+           for c, e in zip(choices, echoes)] if req.echo else []
+  return events(job, choices, start, update, end)

@@ -122,6 +122,29 @@ async def unless_disconnected(receive, job: Job, work):
       job.abort_open()
 
 
+async def events(job: Job, choices: list[Choice], start, update, end):
+  """A streamed job's server-sent events: `start`, then `update(choice)`'s events for each engine
+  output, then `end()`'s and [DONE]. A request the engine refuses or fails sends its error as
+  an event and ends the updates there. Whatever way the stream ends (a client gone away
+  included), the job's open requests are aborted, which frees their engine slots and pages."""
+  try:
+    for event in start:
+      yield event
+    while job.open:
+      try:
+        choice, _ = await job.next(choices)
+      except APIError as e:
+        yield sse(e.body())
+        break
+      for event in update(choice):
+        yield event
+    for event in end():
+      yield event
+    yield DONE
+  finally:
+    job.abort_open()
+
+
 def sse(obj) -> str:
   """One server-sent event carrying `obj` as JSON."""
   return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
