@@ -16,6 +16,7 @@ sampling both follow whatever the layers add, while every other token keeps the 
 behaviour.
 """
 
+import contextlib
 import http.client
 import json
 import os
@@ -23,6 +24,7 @@ import urllib.parse
 
 import jax
 import numpy as np
+import openai
 from flax import nnx
 from tiktoken.load import load_tiktoken_bpe
 
@@ -136,6 +138,22 @@ def start(folder: str, *flags: str, gate=None):
     load = server.service.loop.build
     server.service.loop.build = lambda: (gate.wait(), load())[1]
   return server.start()
+
+
+@contextlib.contextmanager
+def serving(folder: str, *flags: str):
+  """A started server (as `start`) once its weights are loaded; stopped on the way out."""
+  server = start(folder, *flags)
+  try:
+    server.wait_ready(300)
+    yield server
+  finally:
+    server.stop()
+
+
+def openai_client(server) -> openai.OpenAI:
+  """The OpenAI client users point at the server: no retries, so a failure shows at once."""
+  return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
 
 
 class Response:

@@ -29,16 +29,13 @@ def run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(run):
-  server = helpers.start(run, *FLAGS)
-  server.wait_ready(300)
-  yield server
-  server.stop()
+  with helpers.serving(run, *FLAGS) as server:
+    yield server
 
 
 @pytest.fixture(scope="module")
 def client(server):
-  return openai.OpenAI(base_url=server.url + "/v1", api_key=helpers.KEY, max_retries=0,
-                       timeout=300)
+  return helpers.openai_client(server)
 
 
 @pytest.fixture(scope="module")
