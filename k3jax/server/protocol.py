@@ -39,10 +39,10 @@ class Sampling(BaseModel):
   """The fields both endpoints share."""
   model_config = ConfigDict(extra="ignore", strict=True)
   model: str | None = None
-  temperature: float = 1.0
-  top_p: float = 1.0
-  top_k: int = 0
-  min_p: float = 0.0
+  temperature: float = Field(1.0, ge=0)
+  top_p: float = Field(1.0, gt=0, le=1)
+  top_k: int = Field(0, ge=-1)  # 0 or -1: off
+  min_p: float = Field(0.0, ge=0, le=1)
   n: int = Field(1, ge=1, le=128)
   seed: int | None = None
   stop: str | list[str] | None = None

@@ -4,6 +4,7 @@ and a tiny float64 model crafted to answer with reasoning, content and a tool ca
 (tests/k3jax/server/helpers.py: SCRIPT). One server for the whole file."""
 
 import json
+import threading
 
 import openai
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from k3jax import cli
 from k3jax.tokenizer import load_tokenizer
 from tests.k3jax.server import helpers
+from tests.k3jax.tokenizer.real_files import assemble
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
@@ -27,16 +29,13 @@ def folders(tmp_path_factory, reference_dir):
 
 @pytest.fixture(scope="module")
 def server(folders):
-  server = helpers.start(folders[0], "--max-model-len", "256")
-  server.wait_ready(300)
-  yield server
-  server.stop()
+  with helpers.serving(folders[0], "--max-model-len", "256") as server:
+    yield server
 
 
 @pytest.fixture(scope="module")
 def client(server):
-  return openai.OpenAI(base_url=server.url + "/v1", api_key=helpers.KEY, max_retries=0,
-                       timeout=300)
+  return helpers.openai_client(server)
 
 
 def ask(client, max_tokens=64, **kw):
@@ -118,12 +117,77 @@ def test_prompt_is_rendered_as_k3jax_tokenize_renders_it(client, folders, tmp_pa
   assert r.usage.prompt_tokens == len(want)
 
 
-def test_chat_errors(server, client):
+def test_chat_errors_while_a_chat_completes(server, client):
+  solo = ask(client, temperature=0)
+  result = {}
+
+  def busy_stream():
+    result["content"] = "".join(c.choices[0].delta.content or "" for c in ask(
+        client, temperature=0, stream=True) if c.choices)
+  busy = threading.Thread(target=busy_stream)
+  busy.start()
+  chat = "/v1/chat/completions"
+
+  def post(body=None, **kw):
+    return helpers.request(server.url, "POST", chat, body, **kw)
+  cases = [
+      (post(content=b'{"model": "tiny", "messages": ['), 400, None),
+      (post({"model": "tiny", "messages": []}), 400, "messages"),
+      (post({"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}), 400,
+       "messages"),
+      (post({"model": "tiny", "messages": MESSAGES, "temperature": -1}), 400, "temperature"),
+      (post({"model": "tiny", "messages": [{"role": "user", "content": "word " * 400}]}), 400,
+       None),  # 400 tokens and more: past --max-model-len 256
+      (post({"model": "tiny", "messages": MESSAGES, "tools": TOOLS,
+             "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}), 400,
+       "tool_choice"),
+      (post({"model": "tiny", "messages": MESSAGES}, key=None), 401, None),
+      (post({"model": "tiny", "messages": MESSAGES}, key="wrong-key"), 401, None),
+      (post({"model": "other", "messages": MESSAGES}), 404, "model"),
+  ]
+  for r, status, param in cases:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param, err
+  assert cases[6][0].json()["error"]["type"] == "authentication_error"
   with pytest.raises(openai.BadRequestError) as e:
     client.chat.completions.create(model="tiny", messages=[], max_tokens=1)
   assert e.value.body["param"] == "messages"
   with pytest.raises(openai.NotFoundError):
     client.chat.completions.create(model="other", messages=MESSAGES, max_tokens=1)
-  r = helpers.request(server.url, "POST", "/v1/chat/completions",
-                      {"model": "tiny", "messages": MESSAGES, "max_tokens": 1}, key=None)
-  assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+  busy.join(300)
+  assert result["content"] == solo.choices[0].message.content == helpers.CONTENT
+
+
+# a conversation the two templates render differently: K2-Instruct writes a past tool call's
+# arguments through tojson (a quoted JSON string), K2-Thinking writes them as given
+HISTORY = MESSAGES + [
+    {"role": "assistant", "content": "Checking.", "reasoning_content": "The user wants it.",
+     "tool_calls": [{"id": "functions.get_weather:0", "type": "function", "function": {
+         "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "Sunny, 21 C"},
+    {"role": "user", "content": "And tomorrow?"}]
+
+
+def test_k2_instruct_template(folders, reference_dir, tmp_path, capsys):
+  """The same model behind K2-Instruct's own template (its tokenizer_config.json's): the prompt
+  is `k3jax tokenize`'s for that template, and the answer is parsed as under K2-Thinking's."""
+  instruct = assemble(str(tmp_path / "instruct"), reference_dir)
+  row = tmp_path / "row.json"
+  row.write_text(json.dumps({"messages": HISTORY, "tools": TOOLS}))
+  ids = {}
+  for name, folder in (("instruct", instruct), ("thinking", folders[1])):
+    assert cli.main(["tokenize", folder, "--chat", str(row), "--add-generation-prompt",
+                     "--json"]) == 0
+    ids[name] = json.loads(capsys.readouterr().out)["ids"]
+  assert ids["instruct"] != ids["thinking"]
+  with helpers.serving(folders[0], "--max-model-len", "256", "--tokenizer", instruct) as server:
+    r = helpers.openai_client(server).chat.completions.create(
+        model="tiny", messages=HISTORY, tools=TOOLS, max_tokens=64, temperature=0,
+        extra_body={"return_token_ids": True})
+  assert r.choices[0].model_extra["prompt_token_ids"] == ids["instruct"]
+  m = r.choices[0].message
+  check_answer(m.model_extra["reasoning_content"], m.content,
+               [(c.id, c.function.name, c.function.arguments) for c in m.tool_calls],
+               r.choices[0].finish_reason)
