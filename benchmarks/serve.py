@@ -27,6 +27,13 @@ max_tokens (no EOS), one process:
       active weights once (one bf16 [batch, 1024] @ [1024, n / 1024] matmul, as in
       benchmarks/decode.py).
 
+  (e) HTTP: the same greedy requests (prompts 16-128 tokens, outputs 16-32) from 1, 8 and 32
+      closed-loop clients (each sends its next request when its last one is answered), through
+      `k3jax serve`'s server (POST /v1/completions with token ids, not streamed, over loopback,
+      clients in this process) and on the engine in process, both without the prefix cache:
+      throughput and per-request latency p50 / p99. HTTP overhead: 1 - server throughput /
+      engine throughput.
+
 Arrivals run on the wall clock, except that time the system spends idle waiting for the next
 arrival is skipped rather than slept; a request joins the engine at the first step after its
 arrival. Every program either side runs is compiled in a warm-up first (its time is reported,
@@ -35,19 +42,22 @@ The static batch streams tokens in blocks of 8 decode steps (its design: no host
 per token), so a token is counted when its block arrives.
 
 Goals: engine >= 2x the static batch's throughput on (a); prefix cache >= 1.5x on (b); (d)
-within 2x. The last line with --json is one JSON object (engine_vs_static_throughput,
-prefix_cache_speedup, expert_bytes_mxfp4_over_bf16, ...).
+within 2x; (e) HTTP overhead <= 10% of throughput at each concurrency. The last line with
+--json is one JSON object (engine_vs_static_throughput, prefix_cache_speedup,
+expert_bytes_mxfp4_over_bf16, http_overhead_fraction (the worst concurrency's), ...).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import http.client
 import json
 import math
 import os
 import statistics
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -66,6 +76,9 @@ from k3jax.generate import static_batch
 from k3jax.generate.sampling import Sampling
 from k3jax.model import lora
 from k3jax.model.transformer import K3Model
+from k3jax.server import Server
+from k3jax.server.loop import EngineLoop
+from k3jax.server.service import Service, ServiceConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +94,7 @@ class Size:
   question: tuple[int, int]      # (b) tokens after the system prompt
   shared_output: int
   slots: int = 8
+  http_requests: int = 64        # (e) per concurrency; prompts 16-128, outputs 16-32
 
   @property
   def max_model_len(self) -> int:
@@ -92,7 +106,7 @@ FULL = Size(hidden=512, layers=12, requests=64, prompt=(16, 1024), output=(8, 25
 QUICK = Size(hidden=256, layers=8, requests=32, prompt=(16, 512), output=(8, 128), shared=512,
              shared_requests=16, question=(16, 48), shared_output=16)
 TINY = Size(hidden=128, layers=4, requests=8, prompt=(16, 128), output=(4, 16), shared=128,
-            shared_requests=4, question=(8, 16), shared_output=4, slots=4)
+            shared_requests=4, question=(8, 16), shared_output=4, slots=4, http_requests=8)
 
 
 def model_config(size: Size):
@@ -267,6 +281,89 @@ def latency(reqs: list[Req], seconds: float) -> dict:
           "tpot_p99": pct(tpot, 99), "seconds": seconds}
 
 
+def http_workload(size: Size, vocab: int, seed: int) -> list[Req]:
+  rng = np.random.default_rng(seed + 2)
+  return [Req(f"h{i}", rng.integers(1, vocab, int(rng.integers(16, 129))).tolist(),
+              int(rng.integers(16, 33))) for i in range(size.http_requests)]
+
+
+def closed_loop(reqs: list[Req], seconds: float) -> dict:
+  lat = [r.done - r.arrival for r in reqs]
+  return {"tokens_per_s": sum(r.n for r in reqs) / seconds,
+          "latency_p50": float(np.percentile(lat, 50)),
+          "latency_p99": float(np.percentile(lat, 99)), "seconds": seconds}
+
+
+def closed_loop_engine(engine: Engine, reqs: list[Req], concurrency: int) -> dict:
+  """`concurrency` clients in process: a request is added when the last one of its client
+  has finished (at the step that finished it)."""
+  byid, todo, clock = {r.id: r for r in reqs}, list(reversed(reqs)), Clock()
+  greedy = dict(temperature=0.0, ignore_eos=True)
+
+  def send() -> None:
+    r = todo.pop()
+    r.arrival = clock()
+    engine.add(r.id, r.prompt, SamplingParams(max_tokens=r.out, **greedy))
+  for _ in range(min(concurrency, len(todo))):
+    send()
+  while engine.has_work():
+    for o in engine.step():
+      r = byid[o.request_id]
+      r.n += len(o.token_ids)
+      if o.finish_reason is not None:
+        r.done = clock()
+        if todo:
+          send()
+  return closed_loop(reqs, clock())
+
+
+def closed_loop_http(server: Server, reqs: list[Req], concurrency: int) -> dict:
+  """`concurrency` client threads, each on its own keep-alive connection, sending requests
+  one after the other."""
+  todo, lock, t0 = list(reversed(reqs)), threading.Lock(), time.perf_counter()
+  errors: list[str] = []
+
+  def client() -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=600)
+    try:
+      while True:
+        with lock:
+          if not todo:
+            return
+          r = todo.pop()
+        body = json.dumps({"model": "bench", "prompt": r.prompt, "max_tokens": r.out,
+                           "temperature": 0})
+        r.arrival = time.perf_counter() - t0
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        data = json.loads(resp.read())
+        r.done = time.perf_counter() - t0
+        if resp.status != 200:
+          errors.append(f"{resp.status}: {data}")
+          return
+        r.n = data["usage"]["completion_tokens"]
+    finally:
+      conn.close()
+  threads = [threading.Thread(target=client) for _ in range(min(concurrency, len(reqs)))]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  if errors:
+    raise RuntimeError(f"the server refused a request: {errors[0]}")
+  return closed_loop(reqs, time.perf_counter() - t0)
+
+
+def serve_in_process(engine: Engine, max_model_len: int) -> Server:
+  """`k3jax serve`'s server (app, engine loop, uvicorn) around `engine`, on a free loopback
+  port, no tokenizer (token-id prompts), no EOS."""
+  service = Service(ServiceConfig(name="bench", max_model_len=max_model_len),
+                    EngineLoop(lambda: engine))
+  server = Server(service, "127.0.0.1", 0).start()
+  server.wait_ready(600)
+  return server
+
+
 def expert_bytes(model) -> tuple[int, int]:
   """(device bytes of the routed experts' weights as held, their size in bf16)."""
   held = bf16 = 0
@@ -405,6 +502,38 @@ def main(argv=None) -> int:
     print(f"  batch {b}: engine step {1e3 * decode[b]:.2f} ms, bound {1e3 * bounds[b]:.2f} ms, "
           f"{decode[b] / bounds[b]:.2f}x")
 
+  # (e) HTTP against the engine in process, closed loop
+  # Both sides without the prefix cache: every concurrency sends the same prompts, which the
+  # server's one engine would otherwise have cached from the runs before.
+  work = http_workload(size, vocab, args.seed)
+  server = serve_in_process(engine(prefix_cache=False), config.max_model_len)
+  closed_loop_http(server, copies(work)[:size.slots], size.slots)  # warm: connections, app
+  before = compiles()
+  http_res, worst_overhead = {}, 0.0
+  try:
+    for c in (1, 8, 32):
+      mine, theirs = copies(work), copies(work)
+      http_res[str(c)] = {"engine": closed_loop_engine(engine(prefix_cache=False), mine, c),
+                          "http": closed_loop_http(server, theirs, c)}
+      if [r.n for r in mine] != [r.n for r in theirs]:
+        raise RuntimeError("the server's completions differ in length from the engine's")
+      e, h = (http_res[str(c)][k]["tokens_per_s"] for k in ("engine", "http"))
+      http_res[str(c)]["overhead"] = 1 - h / e
+      worst_overhead = max(worst_overhead, 1 - h / e)
+  finally:
+    server.stop()
+  http_compiles = compiles() - before
+  print(f"(e) HTTP: {size.http_requests} requests per concurrency, prompts 16-128, outputs 16-32,"
+        f" closed loop, no prefix cache; compilations during the timed runs: {http_compiles}")
+  print(f"  {'clients':>7} {'engine tok/s':>13} {'HTTP tok/s':>11} {'overhead':>9} "
+        f"{'engine p50':>11} {'HTTP p50':>9} {'engine p99':>11} {'HTTP p99':>9}   (ms)")
+  for c, m in http_res.items():
+    e, h = m["engine"], m["http"]
+    print(f"  {c:>7} {e['tokens_per_s']:>13.1f} {h['tokens_per_s']:>11.1f} "
+          f"{100 * m['overhead']:>8.1f}% {1e3 * e['latency_p50']:>11.0f} "
+          f"{1e3 * h['latency_p50']:>9.0f} {1e3 * e['latency_p99']:>11.0f} "
+          f"{1e3 * h['latency_p99']:>9.0f}")
+
   print("compile (warm-up, not timed), s: " + ", ".join(f"{k} {v:.1f}" for k, v in
                                                          compile_s.items())
         + f"; compilations during the timed runs of (a) and (b): {timed_compiles}")
@@ -415,6 +544,8 @@ def main(argv=None) -> int:
   worst = max(decode[b] / bounds[b] for b in bounds)
   goal("engine decode step within 2x of reading the weights once (worst of batch 1 and "
        f"{size.slots})", worst, worst <= 2)
+  goal("HTTP throughput over the engine's in process (worst of 1, 8, 32 clients) >= 0.90x",
+       1 - worst_overhead, worst_overhead <= 0.10)
   if args.json:
     print(json.dumps({
         "engine_vs_static_throughput": ratio, "prefix_cache_speedup": speedup,
@@ -424,6 +555,8 @@ def main(argv=None) -> int:
         "decode_step_s": {"bf16": bf16_steps["decode_step_s"], "mxfp4": mx_steps["decode_step_s"]},
         "mixed_step_s": {"bf16": bf16_steps["mixed_step_s"], "mxfp4": mx_steps["mixed_step_s"]},
         "decode_vs_weights_bound": {str(b): decode[b] / bounds[b] for b in bounds},
+        "http_overhead_fraction": worst_overhead, "http": http_res,
+        "http_timed_compiles": http_compiles,
         "arrival_rate_per_s": rate, "compile_s": compile_s, "timed_compiles": timed_compiles,
         "quick": args.quick}))
   return 0
