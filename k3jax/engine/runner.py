@@ -106,6 +106,9 @@ class Runner:
     self.mesh = mesh
     if mesh is not None:
       self.cache = paged.place(self.cache, mesh)
+    else:  # committed, as each step's (donated) output is: an uncommitted first cache made
+      # every program compile twice, once for the first step and once for the rest
+      self.cache = jax.device_put(self.cache, jax.devices()[0])
 
   def set_params(self, state) -> None:
     """New weights (an nnx.State of the engine's model graph): stacked, used as they are;

@@ -1,4 +1,4 @@
-"""Reinforcement learning on the serving engine (WIP: no `k3jax rl` command yet).
+"""Reinforcement learning on the serving engine: `k3jax rl` (docs/rl.md).
 
   objectives     the GRPO-family losses: advantages, token weights, PPO / GSPO clip, k3 KL
   rewards        `--reward` terms: built-in verifiers and user functions in their own process

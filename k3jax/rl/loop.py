@@ -158,9 +158,24 @@ def step_config(opts: RLOptions) -> step_lib.StepConfig:
       end_lr_ratio=1.0, weight_decay=opts.weight_decay, clip_norm=opts.clip_norm, qb=False)
 
 
+# options that count something: each must be at least 1 (None: the default)
+COUNTS = ("steps", "prompts_per_step", "max_new_tokens", "updates_per_step", "grad_accum",
+          "save_every", "keep", "max_model_len", "max_num_seqs")
+
+
 def _check(opts: RLOptions) -> None:
-  if opts.steps < 1:
-    raise UserError("--steps must be >= 1")
+  for key in COUNTS:
+    value = getattr(opts, key)
+    if value is not None and value < 1:
+      raise UserError(f"--{key.replace('_', '-')} must be >= 1, got {value}")
+  if not opts.reward_timeout > 0:
+    raise UserError(f"--reward-timeout must be > 0 seconds, got {opts.reward_timeout}")
+  for key in ("learning_rate", "adam_learning_rate"):
+    value = getattr(opts, key)
+    if value is not None and not value > 0:
+      raise UserError(f"--{key.replace('_', '-')} must be > 0, got {value}")
+  if opts.warmup_steps < 0:
+    raise UserError(f"--warmup-steps must be >= 0, got {opts.warmup_steps}")
   if opts.group_size < 2:
     raise UserError("--group-size must be >= 2: group-relative advantages compare "
                     "completions of the same prompt")
