@@ -150,11 +150,11 @@ def objective_config(opts: RLOptions) -> obj_lib.ObjectiveConfig:
 def step_config(opts: RLOptions) -> step_lib.StepConfig:
   """The optimizer of the train step: constant learning rate after `warmup_steps` (RL's
   usual schedule), no Quantile Balancing (the router bias is part of the policy and of the
-  reference: it stays as loaded)."""
-  total = opts.steps * opts.updates_per_step
+  reference: it stays as loaded). The cosine's horizon does not depend on --steps (its end
+  ratio is 1): a run and its resume with a larger --steps share one compiled step."""
   return step_lib.StepConfig(
       learning_rate=opts.learning_rate, adam_learning_rate=opts.adam_learning_rate,
-      warmup_steps=opts.warmup_steps, decay_steps=max(total, opts.warmup_steps + 1),
+      warmup_steps=opts.warmup_steps, decay_steps=opts.warmup_steps + 1,
       end_lr_ratio=1.0, weight_decay=opts.weight_decay, clip_norm=opts.clip_norm, qb=False)
 
 
