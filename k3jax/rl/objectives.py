@@ -140,9 +140,10 @@ def token_weights(mask_nt: np.ndarray, agg: LossAgg, max_len: int) -> np.ndarray
 
 def k3(log_p: np.ndarray | jax.Array, log_q: np.ndarray | jax.Array, xp=jnp):
   """Schulman's k3 estimate of KL(q || p) per token from samples of q: exp(d) - d - 1 with
-  d = log p - log q, clamped to +-LOG_RATIO_CLAMP."""
+  d = log p - log q, clamped to +-LOG_RATIO_CLAMP. Computed as expm1(d) - d: in exp(d) - d - 1
+  the rounding of exp(d) near 1 swamps the d^2 / 2 of a small d (negative values in float32)."""
   d = xp.clip(log_p - log_q, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-  return xp.exp(d) - d - 1.0
+  return xp.expm1(d) - d
 
 
 # ---- device side: the loss ---------------------------------------------------------------

@@ -10,7 +10,11 @@ import pytest
 
 from k3jax.errors import UserError
 from k3jax.rl import rewards
+from k3jax.rl.data import load_prompts
 from k3jax.rl.rewards import Reward, Sample
+from k3jax.tokenizer import ByteTokenizer
+
+GSM8K = os.path.join(os.path.dirname(__file__), "data", "gsm8k_sample.jsonl")
 
 
 def sample(completion, answer="72", tokens=3, prompt="q"):
@@ -40,6 +44,24 @@ def score(spec, s, max_tokens=16, timeout=5.0):
 def test_numeric(completion, answer, value):
   s = score("numeric", sample(completion, answer))
   assert (s.value, s.error) == (value, None) and s.passed == (value == 1.0)
+
+
+def test_numeric_on_gsm8k_shaped_rows():
+  """data/gsm8k_sample.jsonl: rows as GSM8K writes them (`question`; `answer`, the worked
+  solution then "#### N") plus the `prompt` that k3jax reads. The solution's steps with the right
+  number boxed score 1, with a wrong one 0, and unboxed (the last number of the steps is the
+  answer, as in GSM8K) 1; the rows load as written."""
+  prompts = load_prompts(GSM8K, ByteTokenizer())
+  assert len(prompts) == 6
+  reward = Reward(["numeric"], 64, 5.0)
+  for p in prompts:
+    assert p.text == p.row["prompt"] and p.ids == tuple(p.text.encode())
+    steps, gold = p.row["answer"].rsplit("####", 1)
+    wrong = f"{float(gold) + 1:g}"
+    got = [reward.score(Sample(p.text, text, p.row, 40)).value
+           for text in (f"{steps}So \\boxed{{{gold.strip()}}}.", f"{steps}So \\boxed{{{wrong}}}.",
+                        steps)]
+    assert got == [1.0, 0.0, 1.0], (p.row["question"], got)
 
 
 def test_exact_regex_and_length():
