@@ -1,5 +1,5 @@
-"""`k3jax` command line: info | train | generate | serve | eval | convert | export | parity |
-tokenize | plan.
+"""`k3jax` command line: info | train | rl | generate | serve | eval | convert | export |
+parity | tokenize | plan.
 
 Each subcommand is a module of `k3jax/commands/` (registered in `k3jax.commands.COMMANDS`).
 Bad input raises `k3jax.errors.K3jaxError` (or `sharding.MeshError` from the mesh floor): it

@@ -15,11 +15,12 @@ from k3jax.commands import (
                             info,
                             parity,
                             plan,
+                            rl,
                             serve,
                             tokenize,
                             train,
 )
 
-COMMANDS = (info, train, generate, serve, eval, convert, export, parity, tokenize, plan)
+COMMANDS = (info, train, rl, generate, serve, eval, convert, export, parity, tokenize, plan)
 
 __all__ = ["COMMANDS"]

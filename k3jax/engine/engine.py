@@ -200,6 +200,9 @@ class Engine:
                           np.zeros(m, np.float32))
     top_k, seed, position = (np.zeros(m, np.int32), np.zeros(m, np.uint32),
                              np.zeros(m, np.int32))
+    # float64 on the host: the device rounds it to the logits' wide dtype, as a trainer
+    # dividing its own logits by the same temperature does
+    logprob_temp = np.ones(m, np.float64)
     for i, c in enumerate(rows):
       if c is None:
         continue
@@ -207,8 +210,10 @@ class Engine:
       temp[i], top_p[i], min_p[i] = p.temperature, p.top_p, p.min_p
       top_k[i] = max(p.top_k, 0)
       seed[i], position[i] = c.request.seed, c.end
+      if p.tempered_logprobs and p.temperature > 0:
+        logprob_temp[i] = p.temperature
     return SampleRows(np.asarray(index, np.int32), Sampling(temp, top_k, top_p, min_p), seed,
-                      position)
+                      position, logprob_temp)
 
   def _targets(self, prefill: list[Chunk]) -> np.ndarray:
     """The next prompt token of every prefill position (0 where there is none)."""

@@ -34,6 +34,10 @@ class SamplingParams:
       alternatives (with theirs) at every generated position.
     prompt_logprobs: report every prompt token's logprob (and `logprobs` alternatives) given
       the tokens before it; the prompt is then computed, never taken from the prefix cache.
+    tempered_logprobs: report the generated tokens' logprobs (and alternatives) under
+      softmax(logits / temperature), the distribution they are drawn from before top-k /
+      top-p / min-p filtering (RL's behaviour policy); False: the model's own log_softmax(logits).
+      A temperature of 0 reports the model's own either way.
   """
 
   max_tokens: int = 16
@@ -47,6 +51,7 @@ class SamplingParams:
   ignore_eos: bool = False
   logprobs: int | None = None
   prompt_logprobs: bool = False
+  tempered_logprobs: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))

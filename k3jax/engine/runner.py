@@ -37,6 +37,8 @@ class SampleRows(NamedTuple):
   sampling: Sampling   # fields [M]
   seed: jax.Array      # [M] uint32
   position: jax.Array  # [M] int32 position of the token being drawn
+  logprob_temperature: jax.Array  # [M] the logprobs reported are log_softmax(logits / this)
+                                  #   (1: the model's own; in the logits' wide dtype)
 
 
 class StepOut(NamedTuple):
@@ -56,8 +58,11 @@ def _per_layer(static, params):
   return defs, params
 
 
-def _log_softmax(logits: jax.Array) -> jax.Array:
-  return jax.nn.log_softmax(logits.astype(wide_dtype(logits.dtype)), axis=-1)
+def _log_softmax(logits: jax.Array, temperature: jax.Array | None = None) -> jax.Array:
+  wide = logits.astype(wide_dtype(logits.dtype))
+  if temperature is not None:  # dividing by exactly 1 leaves the model's own logits unchanged
+    wide = wide / temperature.astype(wide.dtype)[:, None]
+  return jax.nn.log_softmax(wide, axis=-1)
 
 
 @functools.partial(jax.jit, static_argnames=("static", "ctx_pages", "top_n", "prompt_targets"),
@@ -67,7 +72,7 @@ def _step(static, params, cache: paged.PagedCache, page_table, parts, rows: Samp
   defs, per_layer = _per_layer(static, params)
   features, cache = paged.forward(defs, per_layer, parts, cache, page_table, ctx_pages=ctx_pages)
   logits = paged.logits(defs, per_layer, features[rows.index])
-  logp = _log_softmax(logits)
+  logp = _log_softmax(logits, rows.logprob_temperature)
   keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(rows.seed, rows.position)
   tokens = sample(logits, keys, rows.sampling)
   token_lp = jnp.take_along_axis(logp, tokens[:, None], axis=1)[:, 0]
@@ -101,6 +106,9 @@ class Runner:
     self.mesh = mesh
     if mesh is not None:
       self.cache = paged.place(self.cache, mesh)
+    else:  # committed, as each step's (donated) output is: an uncommitted first cache made
+      # every program compile twice, once for the first step and once for the rest
+      self.cache = jax.device_put(self.cache, jax.devices()[0])
 
   def set_params(self, state) -> None:
     """New weights (an nnx.State of the engine's model graph): stacked, used as they are;

@@ -72,6 +72,16 @@ class Projection(nnx.Module):
     delta = self.lora(x_flat).reshape(y.shape)
     return y + (self.lora_scale * delta).astype(y.dtype)
 
+  def weight(self) -> jax.Array:
+    """The kernel this projection applies: W, or W + scale A B under an adapter, for callers
+    that use the weight itself rather than the projection (MLA's absorbed products)."""
+    w = self.kernel[...]
+    if self.lora is None:
+      return w
+    delta = jnp.einsum("...ir,...ro->...io", self.lora.lora_a[...], self.lora.lora_b[...],
+                       precision=jax.lax.Precision.HIGHEST)
+    return w + (self.lora_scale * delta).reshape(w.shape).astype(w.dtype)
+
 
 def flat_einsum(eq: str, x: jax.Array, kernel: jax.Array, precision=None) -> jax.Array:
   """einsum(eq, x, kernel) for a projection (x's trailing dims contracted with the kernel's

@@ -169,6 +169,7 @@ def absorbed_is_cheaper(cfg: ModelConfig, t: int, s: int) -> bool:
 
 def heads_major_kv_b(mla: MLA) -> tuple[jax.Array, jax.Array]:
   """(k_b [H, nope, kv_lora], v_b [H, kv_lora, v]): the absorbed products' weights with the
-  head axis first, as a batched matmul over heads reads them."""
-  return (jnp.transpose(mla.k_b_proj.kernel[...], (1, 2, 0)),
-          jnp.transpose(mla.v_b_proj.kernel[...], (1, 0, 2)))
+  head axis first, as a batched matmul over heads reads them. LoRA adapters on k_b / v_b are
+  folded in (the products never call the projections)."""
+  return (jnp.transpose(mla.k_b_proj.weight(), (1, 2, 0)),
+          jnp.transpose(mla.v_b_proj.weight(), (1, 0, 2)))

@@ -175,7 +175,7 @@ def execution(opts: RunOptions) -> Execution:
                    remat=opts.remat)
 
 
-def _load_init(path: str, ex: Execution, shardings: dict | None = None):
+def load_init(path: str, ex: Execution, shardings: dict | None = None):
   """(model, cfg) from a converted checkpoint or an official-layout folder, run as `ex` says.
   `shardings` (k3jax path -> NamedSharding) makes Orbax restore a checkpoint's arrays into
   their shards; an official-layout folder is read into host memory (convert it first for big
@@ -191,20 +191,30 @@ def _load_init(path: str, ex: Execution, shardings: dict | None = None):
 
 
 def _model_config(opts: RunOptions) -> ModelConfig:
-  if opts.init_from and not os.path.isdir(opts.init_from):
-    raise UserError(f"--init-from {opts.init_from}: no such folder")
-  if opts.init_from:
-    weights = model_folder(opts.init_from).weights
+  return model_config(opts.init_from, opts.config)
+
+
+def model_config(init_from: str | None, config: str | None = None) -> ModelConfig:
+  """The architecture of `--init-from` (a model folder of any kind; folders.py), else of the
+  preset or config file `config` (default tiny)."""
+  if init_from and not os.path.isdir(init_from):
+    raise UserError(f"--init-from {init_from}: no such folder")
+  if init_from:
+    weights = model_folder(init_from).weights
     if convert_load.is_checkpoint(weights):
       cfg = convert_load.checkpoint_config(weights)
     else:
       cfg = configs.resolve(weights)
   else:
-    cfg = configs.resolve(opts.config or "tiny")
+    cfg = configs.resolve(config or "tiny")
   return cfg
 
 
-def _check_resume(out: str, opts: RunOptions, cfg: ModelConfig, ex: Execution) -> None:
+def check_resume(out: str, opts, cfg: ModelConfig, ex: Execution,
+                 keys: tuple[str, ...] = _RESUME_KEYS, paths: dict = _PATHS) -> None:
+  """Refuse to continue the run in `out` with another model, execution or any of the option
+  `keys` changed (`opts`: RunOptions, or another options dataclass: its class defaults stand
+  for options older runs did not record; `paths`: options recorded absolute)."""
   path = os.path.join(out, RUN_FILE)
   if not os.path.exists(path):
     return
@@ -212,10 +222,10 @@ def _check_resume(out: str, opts: RunOptions, cfg: ModelConfig, ex: Execution) -
     saved = json.load(f)
   if _normalised(saved.get("model")) != cfg.to_dict() or _saved_execution(saved) != ex:
     raise UserError(f"{out} holds a run of another model config; use a new --out")
-  for key in _RESUME_KEYS:
-    was = saved["options"].get(key, getattr(RunOptions, key, None))  # runs before the option
-    if key in _PATHS and was is not None:  # older runs recorded them as typed
-      was = _PATHS[key](was)
+  for key in keys:
+    was = saved["options"].get(key, getattr(type(opts), key, None))  # runs before the option
+    if key in paths and was is not None:  # older runs recorded them as typed
+      was = paths[key](was)
     now = getattr(opts, key)
     if was != (list(now) if isinstance(now, tuple) else now):  # JSON keeps tuples as lists
       raise UserError(f"{out} holds a run with --{key.replace('_', '-')} "
@@ -241,7 +251,7 @@ def _saved_execution(saved: dict) -> Execution | None:
     return None
 
 
-def _write_run_file(out: str, opts: RunOptions, cfg: ModelConfig, ex: Execution) -> None:
+def write_run_file(out: str, opts, cfg: ModelConfig, ex: Execution) -> None:
   with open(os.path.join(out, RUN_FILE), "w") as f:
     json.dump({"options": dataclasses.asdict(opts), "model": cfg.to_dict(),
                "execution": ex.to_dict()}, f, indent=1)
@@ -314,7 +324,7 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
   opts = dataclasses.replace(opts, **{k: fn(getattr(opts, k)) for k, fn in _PATHS.items()})
   os.makedirs(out, exist_ok=True)
   cfg, ex = _model_config(opts), execution(opts)
-  _check_resume(out, opts, cfg, ex)
+  check_resume(out, opts, cfg, ex)
   sc = step_config(opts)
   if mesh is not None:
     check_batch(opts.batch_size // opts.grad_accum, mesh)
@@ -355,7 +365,7 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
     if opts.init_from:
       shardings = _path_shardings(steps) if mesh is not None and spec is None else None
       init = model_folder(opts.init_from).weights
-      _, params, bias = step_lib.split_model(_load_init(init, ex, shardings)[0])
+      _, params, bias = step_lib.split_model(load_init(init, ex, shardings)[0])
       if spec is not None:
         params = step_lib.adapt_params(cfg, ex, params, bias, spec, opts.seed)
       if mesh is not None:  # an official-layout folder (or an adapted model) arrives whole
@@ -372,7 +382,7 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
     # and a resumed one lower to the same program (one persistent-cache entry, not two)
     state = step_lib.place(state)
   if main_process:
-    _write_run_file(out, opts, cfg, ex)
+    write_run_file(out, opts, cfg, ex)
 
   flop_count = flops_lib.count(cfg, opts.seq_len)
   tokens_per_step = opts.batch_size * opts.seq_len

@@ -36,9 +36,11 @@ def token_nll(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Arr
 
 def chunked_token_nll(x_btd: jax.Array, head_dv: jax.Array, targets_bt: jax.Array,
                       mask_bt: jax.Array, chunk: int,
-                      precision: jax.lax.Precision | None = None) -> jax.Array:
-  """token_nll(x @ W, targets, mask) [B, T] over chunks of `chunk` positions (see module
-  docstring); T is padded up to a multiple of `chunk` (padded positions are dropped)."""
+                      precision: jax.lax.Precision | None = None,
+                      temperature: float = 1.0) -> jax.Array:
+  """token_nll(x @ W / temperature, targets, mask) [B, T] over chunks of `chunk` positions
+  (see module docstring; the division is in the wide dtype, after the head: RL's tempered
+  policy, k3jax/rl); T is padded up to a multiple of `chunk` (padded positions are dropped)."""
   b, t, d = x_btd.shape
   chunk = min(chunk, t)
   pad = -t % chunk
@@ -48,24 +50,26 @@ def chunked_token_nll(x_btd: jax.Array, head_dv: jax.Array, targets_bt: jax.Arra
   n = (t + pad) // chunk
   x_nbcd = jnp.moveaxis(x_btd.reshape(b, n, chunk, d), 1, 0)
   tgt_nbc = jnp.moveaxis(targets_bt.reshape(b, n, chunk), 1, 0)
-  nll_nbc = _chunked_nll(x_nbcd, head_dv.astype(x_btd.dtype), tgt_nbc, precision)
+  nll_nbc = _chunked_nll(x_nbcd, head_dv.astype(x_btd.dtype), tgt_nbc, precision,
+                         float(temperature))
   nll = jnp.moveaxis(nll_nbc, 0, 1).reshape(b, n * chunk)[:, :t]
   return jnp.where(mask_bt, nll, 0.0)
 
 
-def _logits(x_bcd, head_dv, precision):
+def _logits(x_bcd, head_dv, precision, temperature=1.0):
   wide = jnp.promote_types(x_bcd.dtype, jnp.float32)
-  return flat_einsum("bcd,dv->bcv", x_bcd, head_dv, precision).astype(wide)
+  logits = flat_einsum("bcd,dv->bcv", x_bcd, head_dv, precision).astype(wide)
+  return logits if temperature == 1.0 else logits / jnp.asarray(temperature, wide)
 
 
 def _picked(logits_bcv, tgt_bc):
   return jnp.take_along_axis(logits_bcv, tgt_bc[..., None], axis=-1)[..., 0]
 
 
-def _nll_fwd(x_nbcd, head_dv, tgt_nbc, precision):
+def _nll_fwd(x_nbcd, head_dv, tgt_nbc, precision, temperature):
   def body(_, xs):
     x_bcd, tgt_bc = xs
-    logits = _logits(x_bcd, head_dv, precision)
+    logits = _logits(x_bcd, head_dv, precision, temperature)
     lse = jax.nn.logsumexp(logits, axis=-1)
     return None, (lse - _picked(logits, tgt_bc), lse)
 
@@ -73,12 +77,12 @@ def _nll_fwd(x_nbcd, head_dv, tgt_nbc, precision):
   return nll, (x_nbcd, head_dv, tgt_nbc, lse)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _chunked_nll(x_nbcd, head_dv, tgt_nbc, precision):
-  return _nll_fwd(x_nbcd, head_dv, tgt_nbc, precision)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _chunked_nll(x_nbcd, head_dv, tgt_nbc, precision, temperature):
+  return _nll_fwd(x_nbcd, head_dv, tgt_nbc, precision, temperature)[0]
 
 
-def _nll_bwd(precision, res, ct_nbc):
+def _nll_bwd(precision, temperature, res, ct_nbc):
   """d nll / d logits = softmax - onehot(target), per chunk from the saved logsumexp: one
   recomputed head matmul per chunk and the two gradient matmuls, written in the layouts they
   are used in (no transposed copy of the [B, C, V] cotangent, no scatter for the target)."""
@@ -88,9 +92,11 @@ def _nll_bwd(precision, res, ct_nbc):
 
   def body(dw_dv, xs):
     x_bcd, tgt_bc, lse_bc, ct_bc = xs
-    logits = _logits(x_bcd, head_dv, precision)
+    logits = _logits(x_bcd, head_dv, precision, temperature)
     g = (jnp.exp(logits - lse_bc[..., None])
          - (vocab == tgt_bc[..., None]).astype(wide)) * ct_bc[..., None].astype(wide)
+    if temperature != 1.0:  # d (z / T) / d z
+      g = g / jnp.asarray(temperature, wide)
     g = g.astype(x_bcd.dtype)
     # as [tokens, .] matrices: one contracted dim each (see layers.flat_einsum)
     b, c, d = x_bcd.shape

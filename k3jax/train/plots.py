@@ -4,6 +4,8 @@
   OUT/plots/expert_load.png  per MoE layer (moving averages): max/mean expert load as routed,
                              the same for the next bias on the same tokens, and the fraction of
                              dead experts
+
+`plot_panels` draws any grid of per-step metrics (k3jax rl's OUT/plots/rl.png).
 """
 
 from __future__ import annotations
@@ -74,6 +76,29 @@ def plot_expert_load(records: list[dict], path: str) -> None:
     ax.grid(alpha=0.3)
   axes[0].axhline(1.0, color="k", lw=0.5)
   axes[1].axhline(1.0, color="k", lw=0.5)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def plot_panels(records: list[dict], panels, path: str, columns: int = 3) -> None:
+  """A grid of per-step line plots: `panels` is a sequence of (title, [(metric key, label),
+  ...]); a key absent from every record leaves its line out (k3jax rl's plot)."""
+  rows = -(-len(panels) // columns)
+  fig, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.3 * rows), squeeze=False)
+  for ax, (title, lines) in zip(axes.flat, panels):
+    for key, label in lines:
+      steps, values = _series(records, key)
+      if steps:
+        ax.plot(steps, values, lw=1, marker="o" if len(steps) < 30 else None, ms=2,
+                label=label)
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    if len(lines) > 1:
+      ax.legend(fontsize=7)
+  for ax in list(axes.flat)[len(panels):]:
+    ax.axis("off")
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)

@@ -143,6 +143,31 @@ def optimizer_for(sc: StepConfig, logical_axes: Any, spec: AdaptSpec | None
   return optax.chain(optax.clip_by_global_norm(sc.clip_norm), adam)
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenNLL:
+  """What `k3jax train` minimises: the summed next-token NLL of a micro-batch's `loss_mask`
+  tokens, divided by the batch's loss tokens in the step.
+
+  An objective is a hashable callable (it keys the compile cache) (model, micro-batch) ->
+  (summed loss, the model's ModelOutput, {name: metric of the micro-batch}). With `per_token`
+  the step divides the summed loss and its gradient by the batch's `loss_mask` tokens; without
+  it the objective's sum over micro-batches is the loss as it stands (its own weights
+  normalise it: k3jax/rl). Metrics whose name starts with `max_` are reduced over
+  micro-batches by max, the others summed. The ModelOutput feeds QK-clip and Quantile
+  Balancing as in plain training."""
+  per_token = True  # a class constant, not a field: every TokenNLL is the same objective
+
+  def __call__(self, model, mb):
+    out, nll_of = model_nll(model, mb["inputs"], mb["segment_ids"])
+    return jnp.sum(nll_of(out, mb["targets"], mb["loss_mask"])), out, {}
+
+
+def _reduce_metrics(extra: dict) -> dict:
+  """Per-micro-batch metrics [A, ...] -> one value each (see TokenNLL)."""
+  return {k: (jnp.max(v, axis=0) if k.startswith("max_") else jnp.sum(v, axis=0))
+          for k, v in extra.items()}
+
+
 class OnMesh:
   """A jitted function that is traced and run under `jax.set_mesh(mesh)` (the context mesh the
   layers' activation constraints read); `lower` too, for compiled-program checks."""
@@ -212,12 +237,15 @@ def state_shardings(tx: optax.GradientTransformation, params_abs: nnx.State,
 
 @functools.lru_cache(maxsize=8)
 def build(cfg: ModelConfig, ex: Execution, sc: StepConfig,
-          mesh: jax.sharding.Mesh | None = None, spec: AdaptSpec | None = None) -> Steps:
+          mesh: jax.sharding.Mesh | None = None, spec: AdaptSpec | None = None,
+          objective: Any = TokenNLL()) -> Steps:
   """The steps of `cfg`'s model run as `ex` says (dtypes, remat, loss chunking, kernels) and
   adapted as `spec` asks, on `mesh` with shardings (raises
   sharding.mesh.MeshError, before any compile, when the mesh cannot split the model). With
   LoRA only the adapters are differentiated and hold optimizer state (AdamW: see
-  optimizer_for); the base passes through the step untouched (bit-identical)."""
+  optimizer_for); the base passes through the step untouched (bit-identical). The train step
+  minimises `objective` (TokenNLL: next-token prediction; k3jax/rl brings policy-gradient
+  ones); its batch holds the arrays the objective reads, each [A, b, T]."""
   abstract = nnx.eval_shape(lambda: make_model(cfg, ex, 0, spec))
   if mesh is not None:
     check_model_fits(nnx.state(abstract), mesh)
@@ -245,8 +273,7 @@ def build(cfg: ModelConfig, ex: Execution, sc: StepConfig,
             jnp.stack([r.experts_nk for r in out.routing]))
 
   def loss_sum(params, bias, mb):
-    out, nll_of = forward(params, bias, mb["inputs"], mb["segment_ids"])
-    total = jnp.sum(nll_of(out, mb["targets"], mb["loss_mask"]))
+    total, out, extra = objective(nnx.merge(graphdef, nnx.State(params), nnx.State(bias)), mb)
     routing = out.routing
     aux = {
         "tokens": jnp.sum(mb["loss_mask"].astype(jnp.int32)),
@@ -254,6 +281,7 @@ def build(cfg: ModelConfig, ex: Execution, sc: StepConfig,
         "experts": jnp.stack([r.experts_nk for r in routing]) if routing else None,
         "max_logits": out.mla_max_logits,
         "dropped": jnp.stack([r.dropped_pairs for r in routing]) if routing else None,
+        "extra": extra,
     }
     return total, aux
 
@@ -277,10 +305,14 @@ def build(cfg: ModelConfig, ex: Execution, sc: StepConfig,
       zeros = jax.tree.map(jnp.zeros_like, params)
       grads, (totals, aux) = jax.lax.scan(micro, zeros, batch)  # over the A micro-batches
     tokens = jnp.sum(aux["tokens"])
-    denom = jnp.maximum(tokens, 1).astype(jnp.float32)
-    grads = jax.tree.map(lambda g: g / denom, grads)
-    metrics = {"loss": jnp.sum(totals) / denom, "grad_norm": optax.tree.norm(grads),
-               "lr": lr_of(state["step"]), "loss_tokens": tokens}
+    loss = jnp.sum(totals)
+    if objective.per_token:
+      denom = jnp.maximum(tokens, 1).astype(jnp.float32)
+      grads = jax.tree.map(lambda g: g / denom, grads)
+      loss = loss / denom
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
+               "lr": lr_of(state["step"]), "loss_tokens": tokens,
+               **_reduce_metrics(aux["extra"])}
 
     updates, opt_state = tx.update(grads, state["opt_state"], params)
     params = optax.apply_updates(params, updates)

@@ -22,8 +22,8 @@ def test_help_lists_the_readme_commands():
     text = f.read()
   section = text[text.index("## Commands"):text.index("\n## ", text.index("## Commands") + 1)]
   documented = set(re.findall(r"^- `k3jax (\w+)", section, flags=re.M))
-  assert commands() == documented == {"info", "train", "generate", "serve", "eval", "convert",
-                                      "export", "parity", "tokenize", "plan"}
+  assert commands() == documented == {"info", "train", "rl", "generate", "serve", "eval",
+                                      "convert", "export", "parity", "tokenize", "plan"}
 
 
 @pytest.mark.parametrize("command", sorted(commands()))

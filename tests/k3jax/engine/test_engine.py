@@ -7,6 +7,7 @@ and whenever it arrives (batch invariance), with and without prefix-cache hits, 
 preemption and aborts.
 """
 
+import dataclasses
 import os
 
 import jax
@@ -20,7 +21,7 @@ from k3jax.engine.config import EngineConfig
 from k3jax.engine.engine import Engine
 from k3jax.engine.request import SamplingParams
 from k3jax.model import lora
-from tests.k3jax.engine.helpers import CONFIG, drain, model, truth
+from tests.k3jax.engine.helpers import CONFIG, drain, log_softmax, model, truth
 from tests.k3jax.model.helpers import F64
 
 TOL = 1e-12
@@ -45,6 +46,8 @@ def prompts(seed: int, lengths):
 
 def check_against_truth(m, prompt, result, params=GREEDY):
   lp = truth(m, prompt + result.tokens)
+  if params.tempered_logprobs and params.temperature > 0:
+    lp = log_softmax(lp / params.temperature)  # = log_softmax(logits / T): a shift of logits
   n = len(prompt)
   for j, tok in enumerate(result.tokens):
     row = lp[n - 1 + j]
@@ -75,6 +78,21 @@ def test_greedy_tokens_and_logprobs_equal_the_full_forward(m):
   np.testing.assert_allclose([g[0] for g in got[1:]], [lp[j - 1, ps[4][j]] for j in
                                                        range(1, len(ps[4]))], rtol=0, atol=TOL)
   assert eng.stats()["pages_used"] == eng.stats()["cached_blocks"]  # only cached blocks stay
+
+
+def test_tempered_logprobs_are_the_sampling_distribution(m):
+  """tempered_logprobs: the drawn tokens' logprobs and alternatives under softmax(logits / T),
+  what they are drawn from (RL's behaviour policy); the same request without it draws the
+  same tokens and reports the model's own log_softmax(logits)."""
+  p = prompts(12, (9,))[0]
+  tempered = SamplingParams(max_tokens=6, temperature=0.7, seed=5, logprobs=2,
+                            tempered_logprobs=True)
+  plain = dataclasses.replace(tempered, tempered_logprobs=False)
+  out = drain(Engine(m, CONFIG), {0: [("t", p, tempered), ("p", p, plain)]})
+  assert out["t"].tokens == out["p"].tokens
+  check_against_truth(m, p, out["t"], tempered)
+  check_against_truth(m, p, out["p"], plain)
+  assert max(abs(a - b) for a, b in zip(out["t"].logprobs, out["p"].logprobs)) > 1e-3
 
 
 def test_max_tokens_zero_scores_the_prompt_only(m):

@@ -126,6 +126,27 @@ def test_latent_cache_attention(make, x64):
   np.testing.assert_allclose(np64(got[:, 4:]), np64(m(x[:, 4:])[0]), atol=1e-12, rtol=0)
 
 
+def test_latent_cache_attention_applies_lora_adapters(x64):
+  """With LoRA adapters on k_b / v_b (nonzero B), the absorbed products (which read the weights,
+  not the projections) still equal the full-sequence attention, which applies the adapters."""
+  cfg = tiny_cfg()
+  m = randomize(MLA(cfg, F64, rngs=nnx.Rngs(5)), 5)
+  rng = np.random.default_rng(3)
+  for proj in (m.k_b_proj, m.v_b_proj):  # as model/lora.py attaches one, B drawn nonzero
+    fan_out = int(np.prod(proj.kernel.shape[1:]))
+    proj.lora = nnx.data(nnx.LoRA(proj.kernel.shape[0], 2, fan_out, param_dtype=jnp.float64,
+                                  rngs=nnx.Rngs(1)))
+    proj.lora.lora_b.set_value(jnp.asarray(rng.standard_normal((2, fan_out))))
+    proj.lora_scale, proj.lora_in_dims = 0.5, 1
+  x = jnp.asarray(rng.standard_normal((2, 9, cfg.hidden_size)))
+  full, _ = m(x)
+  c, rot = m.latent(x)
+  start = jnp.zeros((2,), jnp.int32)
+  for absorb in (True, False):
+    got = m.attend_latent(x, c, rot, jnp.arange(9), start, absorb=absorb)
+    np.testing.assert_allclose(np64(got), np64(full), atol=1e-12, rtol=0)
+
+
 def test_mla_flash_equals_dense(x64):
   """attention="flash" (pallas_kernels.flash_attention) gives the dense path's numbers: float64,
   every value a softmax-weighted sum of O(1) terms over <= 10 keys."""

@@ -46,6 +46,29 @@ def test_chunked_equals_whole_logits(x64, chunk):
   assert np.all(np.asarray(chunked_token_nll(x, w, tg, mask, chunk))[~np.asarray(mask)] == 0)
 
 
+@pytest.mark.parametrize("temperature", [0.7, 1.5])
+def test_chunked_tempered_equals_whole_logits_over_t(x64, temperature):
+  """`temperature` (RL's policy, softmax(x W / T)): the NLL and its gradients equal those of
+  whole logits divided by T."""
+  x, w, tg, mask = _inputs(seed=1)
+  r = jax.random.uniform(jax.random.key(8), tg.shape, jnp.float64)
+
+  def whole(x, w):
+    return jnp.sum(r * token_nll(jnp.einsum("btd,dv->btv", x, w) / temperature, tg, mask))
+
+  def chunked(x, w):
+    return jnp.sum(r * chunked_token_nll(x, w, tg, mask, 5, temperature=temperature))
+
+  np.testing.assert_allclose(
+      chunked_token_nll(x, w, tg, mask, 5, temperature=temperature),
+      token_nll(jnp.einsum("btd,dv->btv", x, w) / temperature, tg, mask), rtol=0, atol=TOL)
+  ref = jax.grad(whole, argnums=(0, 1))(x, w)
+  got = jax.grad(chunked, argnums=(0, 1))(x, w)
+  for a, b in zip(got, ref):
+    assert float(jnp.max(jnp.abs(b))) > 1e-3
+    np.testing.assert_allclose(a, b, rtol=0, atol=TOL)
+
+
 def test_chunked_keeps_no_whole_logits():
   """The backward of the chunked loss holds no [B, T, V] buffer: its jaxpr has no array with
   T*V elements (per row), while the whole-logits loss has one."""

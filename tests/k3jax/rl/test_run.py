@@ -1,0 +1,187 @@
+"""`k3jax rl` end to end through the CLI, on a 2-layer byte-level float64 model
+(tests/k3jax/server/helpers.py): the metrics file, the engine's rollout logprobs against the
+trainer's, exact resume, rewards that fail, LoRA, and bad flags.
+
+Every run has the same shapes (4 prompts of 4 bytes x 2 samples of 4 tokens), so the engine
+step, the reference logprobs and the train step compile once for the file (LoRA: its own step).
+"""
+
+import json
+import math
+import os
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from k3jax import cli
+from k3jax.rl.loop import METRICS
+from k3jax.train.loop import load_init
+from tests.k3jax.model.helpers import F64
+from tests.k3jax.server.helpers import byte_run
+
+TIMING = ("rollout_s", "reward_s", "reference_s", "train_s", "step_time_s", "tokens_per_s")
+MISMATCH = 1e-9  # float64: only the order of the engine's and the trainer's sums differs
+
+# a reward that differs between most completions, so every group trains
+SCORE = """
+def score(prompt, completion, row):
+  return (sum(map(ord, completion)) % 10) / 10
+"""
+# a raise, a NaN and (once: the marker file) a hang past the timeout
+BAD = """
+import os
+import time
+
+def score(prompt, completion, row):
+  if row["mode"] == "raise":
+    raise ValueError("bad sample")
+  if row["mode"] == "nan":
+    return float("nan")
+  if row["mode"] == "hang" and not os.path.exists(row["marker"]):
+    open(row["marker"], "w").close()
+    time.sleep(600)
+  return 1.0
+"""
+
+
+def _write(path, text: str) -> str:
+  path.write_text(text)
+  return str(path)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+  root = tmp_path_factory.mktemp("rl")
+  rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in ((1, 2), (3, 4), (2, 5),
+                                                                      (4, 4))]
+  return {"model": byte_run(str(root / "model")),
+          "data": _write(root / "data.jsonl", "".join(json.dumps(r) + "\n" for r in rows)),
+          "score": _write(root / "score.py", SCORE) + ":score",
+          "bad": _write(root / "bad.py", BAD) + ":score", "root": root}
+
+
+def flags(files, out, steps, *extra):
+  return ["rl", "--init-from", files["model"], "--data", files["data"], "--reward", "numeric",
+          "--reward", files["score"], "--group-size", "2", "--prompts-per-step", "4",
+          "--max-new-tokens", "4", "--steps", str(steps), "--out", str(out), "--dtype",
+          "float64", "--learning-rate", "1e-2", "--compile-cache", "none", "--no-tensorboard",
+          "--no-progress", *extra]
+
+
+def records(out) -> list[dict]:
+  with open(os.path.join(out, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def weights(out) -> list[np.ndarray]:
+  with jax.enable_x64(True):
+    model, _ = load_init(os.path.join(out, "model"), F64)
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model))]
+
+
+@pytest.fixture(scope="module")
+def straight(files):
+  """4 steps in one run, a checkpoint every 2."""
+  out = files["root"] / "straight"
+  assert cli.main(flags(files, out, 4, "--save-every", "2", "--no-plots")) == 0
+  return out
+
+
+def test_metrics_one_finite_line_per_step_and_rollout_logprobs_are_the_trainers(files, capsys):
+  out = files["root"] / "metrics"
+  assert cli.main(flags(files, out, 3, "--json")) == 0
+  summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert summary["last"]["step"] == 3 and os.path.isfile(summary["plots"][0])
+  rs = records(out)
+  assert [r["step"] for r in rs] == [1, 2, 3]
+  for r in rs:
+    assert all(math.isfinite(r[k]) for k in METRICS), r
+    assert r["mismatch_max"] <= MISMATCH and r["reward_errors"] == 0
+    assert r["trained_tokens"] > 0 and r["updates"] == 1
+  assert rs[-1]["kl"] > 0  # the policy moved away from the reference
+  assert summary["last"] == rs[-1]
+  assert os.path.isdir(out / "model")
+
+
+def test_resume_mid_run_equals_the_straight_run(files, straight, capsys):
+  out = files["root"] / "resumed"
+  assert cli.main(flags(files, out, 2, "--no-plots")) == 0
+  capsys.readouterr()
+  assert cli.main(flags(files, out, 4, "--no-plots", "--json")) == 0
+  assert json.loads(capsys.readouterr().out.splitlines()[-1])["start_step"] == 2
+
+  def strip(rs):
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rs]
+
+  assert strip(records(out)) == strip(records(straight))
+  a, b = weights(out), weights(straight)
+  assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def test_failing_rewards_and_long_prompts_are_counted_and_the_run_goes_on(files, tmp_path):
+  marker = str(tmp_path / "hung-once")
+  rows = [{"prompt": f"{i}+{i}=", "mode": mode, "marker": marker}
+          for i, mode in enumerate(("raise", "nan", "hang"))]
+  rows.append({"prompt": "9+9=" * 10, "mode": "ok", "marker": marker})  # past the context
+  data = _write(tmp_path / "bad.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+  out = tmp_path / "out"
+  args = flags(files, out, 1, "--no-plots", "--reward-timeout", "2", "--max-model-len", "16")
+  args[args.index(files["data"])] = data
+  args[args.index("numeric") - 1:args.index(files["score"]) + 1] = ["--reward", files["bad"]]
+  assert cli.main(args) == 0
+  (r,) = records(out)
+  assert all(math.isfinite(r[k]) for k in METRICS), r
+  # raise and nan: both samples each; hang: the first sample only (the second finds the marker)
+  assert r["reward_errors"] == 5 and r["prompts_too_long"] == 1
+  assert r["groups_uniform"] == 2 and r["trained_tokens"] > 0
+  with open(out / "reward_errors.jsonl") as f:
+    errors = [json.loads(line)["error"] for line in f]
+  assert len(errors) == 5
+  assert sum("ValueError: bad sample" in e for e in errors) == 2
+  assert sum("not a finite number" in e for e in errors) == 2
+  assert sum("TimeoutError" in e for e in errors) == 1
+
+
+def test_lora_runs_and_its_reference_is_the_base(files, tmp_path):
+  out = tmp_path / "lora"
+  assert cli.main(flags(files, out, 2, "--no-plots", "--lora", "4")) == 0
+  first, second = records(out)
+  assert all(math.isfinite(r[k]) for r in (first, second) for k in METRICS)
+  assert first["kl"] <= 1e-12 < second["kl"]  # adapters start at zero: the base itself
+  assert first["mismatch_max"] <= MISMATCH and second["mismatch_max"] <= MISMATCH
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--prompts-per-step", "0"], "--prompts-per-step must be >= 1"),
+    (["--updates-per-step", "0"], "--updates-per-step must be >= 1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--reward-timeout", "0"], "--reward-timeout must be > 0"),
+    (["--group-size", "1"], "--group-size must be >= 2"),
+    (["--temperature", "0"], "--temperature must be > 0"),
+    (["--grad-accum", "3"], "not a multiple of --grad-accum 3"),
+    (["--reward", "no-such-reward"], "expected a built-in"),
+    (["--reward", "/nowhere/r.py:f"], "no such file"),
+    (["--algorithm", "grpo", "--clip-eps", "1.5"], "clip ranges"),
+])
+def test_bad_flags_exit_2_with_one_line(files, tmp_path, capsys, extra, message):
+  args = flags(files, tmp_path / "out", 1, "--no-plots")
+  for i in range(0, len(extra), 2):  # replace a flag's value, or append the flag
+    if extra[i] in args and extra[i] != "--reward":
+      args[args.index(extra[i]) + 1] = extra[i + 1]
+    else:
+      args += extra[i:i + 2]
+  assert cli.main(args) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("k3jax rl: error: ") and message in err[0], err
+
+
+def test_bad_paths_exit_2_with_one_line(files, tmp_path, capsys):
+  for bad, message in ((["--init-from", str(tmp_path / "nowhere")], "no such folder"),
+                       (["--data", str(tmp_path / "none.jsonl")], "--data")):
+    args = flags(files, tmp_path / "out", 1, "--no-plots")
+    args[args.index(bad[0]) + 1] = bad[1]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
