@@ -128,12 +128,15 @@ def register(sub) -> None:
   g.add_argument("--updates-per-step", type=int, default=1, metavar="U",
                  help="optimizer steps on each step's rollouts")
   g = p.add_argument_group("optimizer (Per-Head Muon + AdamW; AdamW on LoRA adapters)")
-  g.add_argument("--learning-rate", type=float, default=1e-6, help="Muon learning rate")
-  g.add_argument("--adam-learning-rate", type=float, default=None,
-                 help="AdamW learning rate (none given: --learning-rate)")
-  g.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up updates")
+  # k3jax train's spellings (--lr, --adam-lr, --warmup, --clip) work too
+  g.add_argument("--learning-rate", "--lr", dest="learning_rate", type=float, default=1e-6,
+                 help="Muon learning rate")
+  g.add_argument("--adam-learning-rate", "--adam-lr", dest="adam_learning_rate", type=float,
+                 default=None, help="AdamW learning rate (none given: --learning-rate)")
+  g.add_argument("--warmup-steps", "--warmup", dest="warmup_steps", type=int, default=0,
+                 help="linear warm-up updates")
   g.add_argument("--weight-decay", type=float, default=0.0)
-  g.add_argument("--clip-norm", type=optional_float, default=1.0,
+  g.add_argument("--clip-norm", "--clip", dest="clip_norm", type=optional_float, default=1.0,
                  help="clip the global gradient norm (none: off)")
   g.add_argument("--grad-accum", type=int, default=1,
                  help="micro-batches per update (divides B x G)")

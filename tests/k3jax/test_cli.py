@@ -32,3 +32,16 @@ def test_every_command_has_help(command, capsys):
     cli.main([command, "--help"])
   assert e.value.code == 0
   assert capsys.readouterr().out.startswith(f"usage: k3jax {command}")
+
+
+def test_rl_takes_the_optimizer_flags_as_train_spells_them():
+  base = ["rl", "--init-from", "m", "--data", "d.jsonl", "--reward", "exact", "--group-size",
+          "4", "--steps", "2", "--out", "o"]
+  train = cli.build_parser().parse_args(base + ["--lr", "3e-3", "--adam-lr", "1e-4", "--warmup",
+                                                "5", "--clip", "none"])
+  long = cli.build_parser().parse_args(base + [
+      "--learning-rate", "3e-3", "--adam-learning-rate", "1e-4", "--warmup-steps", "5",
+      "--clip-norm", "none"])
+  for args in (train, long):
+    assert (args.learning_rate, args.adam_learning_rate, args.warmup_steps, args.clip_norm) == (
+        3e-3, 1e-4, 5, None)
