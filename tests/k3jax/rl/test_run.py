@@ -185,3 +185,16 @@ def test_bad_paths_exit_2_with_one_line(files, tmp_path, capsys):
     assert cli.main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_a_mesh_run_equals_one_device(files, straight, tmp_path):
+  """The policy, the optimizer and the engine on a data x fsdp x tensor mesh (the 8 test devices):
+  the same rollouts, rewards and updates as one device (float64: to summation order)."""
+  out = tmp_path / "mesh"
+  assert cli.main(flags(files, out, 2, "--no-plots", "--mesh", "data=2,fsdp=2,tensor=2")) == 0
+  mesh, one = records(out), records(straight)[:2]
+  assert [r["step"] for r in mesh] == [1, 2]
+  for m, o in zip(mesh, one):
+    for k in METRICS:
+      if k not in TIMING:
+        assert m[k] == pytest.approx(o[k], rel=1e-9, abs=1e-12), k
