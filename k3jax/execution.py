@@ -167,6 +167,14 @@ NUMERICS: dict[str, Execution] = {
 }
 
 
+def resolve_dtype(name: str) -> str:
+  """A --dtype flag's value: "auto" is float32 on a CPU (XLA:CPU has no fast bf16 matmul on most
+  CPUs, and fp32 keeps CPU runs exact), bfloat16 on an accelerator."""
+  if name != "auto":
+    return name
+  return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
 def split_fields(d: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
   """(architecture fields, execution fields) of a flat dict, as k3jax config files written
   before the two were separated hold them together."""

@@ -140,11 +140,16 @@ def add_engine_flags(p: argparse.ArgumentParser, *, max_num_seqs: int) -> None:
                  help="persistent XLA compilation cache folder (none: off)")
 
 
+def use_compile_cache(folder: str) -> None:
+  """--compile-cache: JAX's persistent compilation cache in `folder` (none: off)."""
+  if folder.lower() != "none":
+    jax.config.update("jax_compilation_cache_dir", folder)
+
+
 def engine_options(args: argparse.Namespace, **fields):
   """ServeOptions from the flags of `add_engine_flags` (plus `fields`); sets the compilation
   cache."""
-  if args.compile_cache.lower() != "none":
-    jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+  use_compile_cache(args.compile_cache)
   return ServeOptions(model=args.model, tokenizer=args.tokenizer, mesh=args.mesh,
                       dtype=args.dtype,
                       experts=Experts(args.experts) if args.experts else None,

@@ -31,10 +31,11 @@ from k3jax.commands._args import (
   nonneg_int,
   positive_int,
   token_ids,
+  use_compile_cache,
 )
 from k3jax.engine import DEFAULT_MAX_MODEL_LEN, Engine, EngineConfig, SamplingParams
 from k3jax.errors import CheckpointError, UserError
-from k3jax.execution import NUMERICS
+from k3jax.execution import NUMERICS, resolve_dtype
 from k3jax.folders import max_model_len, model_folder
 from k3jax.generate import chat
 from k3jax.generate.chat import find_tokenizer_config
@@ -132,11 +133,8 @@ class _Printer:
 def run(args: argparse.Namespace) -> int:
   if not 0 < args.top_p <= 1:
     raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
-  if args.compile_cache.lower() != "none":
-    jax.config.update("jax_compilation_cache_dir", args.compile_cache)
-  dtype = args.dtype
-  if dtype == "auto":
-    dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+  use_compile_cache(args.compile_cache)
+  dtype = resolve_dtype(args.dtype)
   if not os.path.exists(args.model):
     raise UserError(f"{args.model}: no such model folder")
   folder = model_folder(args.model)

@@ -19,14 +19,13 @@ import sys
 import threading
 import time
 
-import jax
 import uvicorn
 
 import configs
 from convert.load import load_any, stores_packed_experts
 from k3jax.engine import DEFAULT_MAX_MODEL_LEN, Engine, EngineConfig
 from k3jax.errors import UserError
-from k3jax.execution import NUMERICS
+from k3jax.execution import NUMERICS, resolve_dtype
 from k3jax.folders import max_model_len, model_folder
 from k3jax.server.app import build_app
 from k3jax.server.loop import EngineLoop, State
@@ -64,9 +63,7 @@ class ServeOptions:
 def build(options: ServeOptions) -> Server:
   if not os.path.exists(options.model):
     raise UserError(f"{options.model}: no such model folder")
-  dtype = options.dtype
-  if dtype == "auto":
-    dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+  dtype = resolve_dtype(options.dtype)
   folder = model_folder(options.model)
   cfg = configs.resolve(folder.weights)
   if options.tokenizer:

@@ -41,7 +41,7 @@ from convert import load as convert_load
 from convert.hf_load import load_model
 from k3jax.config import ModelConfig
 from k3jax.errors import UserError
-from k3jax.execution import Execution, recorded
+from k3jax.execution import Execution, recorded, resolve_dtype
 from k3jax.folders import (
   MODEL_DIR,
   RUN_FILE,
@@ -121,13 +121,6 @@ class RunOptions:
   experts_qat: bool = False          # routed experts forward with MXFP4-rounded weights
 
 
-def compute_dtype(name: str) -> str:
-  if name != "auto":
-    return name
-  # XLA:CPU has no fast bf16 matmul path on most CPUs, and fp32 keeps CPU runs exact
-  return "float32" if jax.default_backend() == "cpu" else "bfloat16"
-
-
 def step_config(opts: RunOptions) -> step_lib.StepConfig:
   if opts.batch_size % opts.grad_accum:
     raise UserError(f"--batch-size {opts.batch_size} is not a multiple of --grad-accum "
@@ -171,7 +164,7 @@ def adapt_spec(opts: RunOptions, cfg: ModelConfig):
 def execution(opts: RunOptions) -> Execution:
   """How the run computes: bf16 (or fp32) compute over fp32 master weights (fp64 over fp64
   when asked); remat."""
-  return Execution(dtype=compute_dtype(opts.dtype), param_dtype=master_dtype(opts),
+  return Execution(dtype=resolve_dtype(opts.dtype), param_dtype=master_dtype(opts),
                    remat=opts.remat)
 
 
