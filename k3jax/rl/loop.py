@@ -225,9 +225,9 @@ def run(opts: RLOptions, *, on_step=None) -> dict[str, Any]:
     return _run(opts, on_step)
 
 
-def _engine_state(steps: step_lib.Steps, state: dict) -> nnx.State:
-  return nnx.state(nnx.merge(steps.graphdef, nnx.State(state["params"]),
-                             nnx.State(state["router_bias"])))
+def _policy(steps: step_lib.Steps, state: dict) -> nnx.Module:
+  """The train state's policy as a model over the same arrays (no copy): what the engine runs."""
+  return nnx.merge(steps.graphdef, nnx.State(state["params"]), nnx.State(state["router_bias"]))
 
 
 class _Log:
@@ -323,8 +323,7 @@ def _run(opts: RLOptions, on_step) -> dict[str, Any]:
       state = step_lib.place(state)  # fresh and resumed states lower to the same program
     write_run_file(out, opts, cfg, ex)
 
-    engine = Engine(nnx.merge(steps.graphdef, nnx.State(state["params"]),
-                              nnx.State(state["router_bias"])),
+    engine = Engine(_policy(steps, state),
                     engine_config(opts, max(fitting), max_len), mesh=mesh)
     print(f"k3jax rl: {opts.init_from} ({ex.dtype}{f', LoRA r={spec.rank}' if lora else ''}"
           f"{', MXFP4 experts' if spec is not None and spec.base_experts == 'mxfp4' else ''}); "
@@ -449,7 +448,7 @@ class _Step:
         for _ in range(opts.updates_per_step):
           state, metrics = steps.train(state, dev, step_lib.NO_QK_CLIP)
           train.append(jax.device_get(metrics))
-        engine.set_params(_engine_state(steps, state))
+        engine.set_params(nnx.state(_policy(steps, state)))
     t_train = time.perf_counter()
 
     completions = [c for group in groups for c in group]
