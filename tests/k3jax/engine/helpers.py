@@ -32,10 +32,22 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
   return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
 
 
+# One jitted forward for every call: a fresh `jax.jit(lambda ...)` per call traced and compiled
+# the whole model again each time.
+_forward = jax.jit(lambda mm, x: mm(x).logits)
+TRUTH_BUCKET = 32
+
+
 def truth(m: K3Model, ids) -> np.ndarray:
-  """[T, V] float64 log-probabilities of the full forward at every position of `ids`."""
-  logits = jax.jit(lambda mm, x: mm(x).logits)(m, jnp.asarray([list(ids)]))
-  return log_softmax(np.asarray(logits[0], np.float64))
+  """[T, V] float64 log-probabilities of the full forward at every position of `ids`.
+
+  The sequence is right-padded to a multiple of TRUTH_BUCKET tokens so that prompts of many
+  lengths share a few compiled programs: the model is causal (KDA's recurrence, MLA's mask)
+  and its routed experts dropless, so tokens after position t cannot change position t."""
+  ids = [int(t) for t in ids]
+  padded = ids + [0] * (-len(ids) % TRUTH_BUCKET)
+  logits = _forward(m, jnp.asarray([padded]))
+  return log_softmax(np.asarray(logits[0, :len(ids)], np.float64))
 
 
 @dataclasses.dataclass
