@@ -133,20 +133,49 @@ class _EndOnWorkerCrash:
       terminalreporter.write_line(f"worker {worker} crashed: {error}", red=True)
 
 
+def _max_map_count() -> int:
+  try:
+    with open("/proc/sys/vm/max_map_count") as f:
+      return int(f.read())
+  except (OSError, ValueError):
+    return 65530  # the kernel's default
+
+
+# Well below the kernel's limit: one test file can add thousands of mappings before the next
+# check (test_engine.py, one of the largest, adds about 14000).
+_MAPPINGS_LIMIT = _max_map_count() // 3
+
+
+def _mappings() -> int | None:
+  """Memory mappings this process holds now (None where /proc is not there to tell)."""
+  try:
+    with open("/proc/self/maps", "rb") as f:
+      return f.read().count(b"\n")
+  except OSError:
+    return None
+
+
 @pytest.hookimpl(trylast=True)  # after the runner has torn down the file's module fixtures
 def pytest_runtest_teardown(item, nextitem):
-  """Drops every compiled program at the end of each test file.
+  """Drops every compiled program at the end of a test file once the process holds many
+  memory mappings.
 
   Each XLA:CPU executable keeps its JIT-compiled code in memory mappings of its own until it is
   freed, and JAX's caches keep every executable a process ever compiled. An xdist worker runs
   test files for half an hour, compiling thousands of programs: its mappings reach the kernel's
   per-process limit (vm.max_map_count, 65530 by default), an mmap inside XLA's compiler fails,
   and the worker dies with a SIGSEGV or SIGABRT in whatever program it was compiling then.
-  Test files share few compiled programs, so recompiling those costs little.
+  Clearing after every file cost more than it saved: what files do share are the small eager
+  programs (a model's random init compiles about a hundred of them, seconds per file), so the
+  caches are dropped only when the mappings pass a third of the limit.
   """
   if nextitem is None or nextitem.path != item.path:
-    jax.clear_caches()
-    gc.collect()  # the executables held by dropped closures and module fixtures
+    n = _mappings()
+    if os.environ.get("K3JAX_LOG_MAPS"):
+      print(f"\n[maps] {item.path.name}: {n}", file=sys.stderr)
+    if n is None or n > _MAPPINGS_LIMIT:
+      jax.clear_caches()
+      gc.collect()  # the executables held by dropped closures and module fixtures
 
 
 def pytest_configure(config):

@@ -3,6 +3,7 @@ ranked, and the best few compiled; and the plan to report out of several."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable
 
 from k3jax.errors import UserError
@@ -17,7 +18,13 @@ def search(request: PlanRequest, plan_one: Callable, candidates: Iterable[dict],
   the request is analytic) compiled on the first `max_compiles` of them. `nothing_fits`: the
   error when no candidate splits the model."""
   if request.mesh:
-    return [plan_one(request.mesh, request.analytic)]
+    try:
+      return [plan_one(request.mesh, request.analytic)]
+    except (UserError, MeshError):
+      raise
+    except Exception as e:
+      raise UserError(f"mesh {request.mesh}: the program could not be built: {_first_line(e)}"
+                      ) from e
   ranked = []
   for sizes in candidates:  # analytic first: cheap, and orders the compiles
     try:
@@ -29,7 +36,24 @@ def search(request: PlanRequest, plan_one: Callable, candidates: Iterable[dict],
   ranked.sort(key=rank)
   if request.analytic:
     return ranked
-  return [plan_one(p.mesh, False) for p in ranked[:request.max_compiles]]
+  plans, failed = [], []
+  for p in ranked[:request.max_compiles]:
+    try:
+      plans.append(plan_one(p.mesh, False))
+    except UserError:
+      raise
+    except Exception as e:  # noqa: BLE001 - one candidate's failure is reported, the rest go on
+      failed.append(f"{p.mesh}: {_first_line(e)}")
+      print(f"k3jax plan: candidate mesh {failed[-1]} (skipped)", file=sys.stderr)
+  if not plans:
+    raise UserError(f"no candidate mesh could be built ({'; '.join(failed)}); try --analytic "
+                    "or another --mesh")
+  return plans
+
+
+def _first_line(e: Exception) -> str:
+  lines = [line for line in str(e).splitlines() if line.strip()]
+  return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
 
 
 def best(plans: list):

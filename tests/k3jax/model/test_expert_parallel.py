@@ -352,3 +352,45 @@ def test_megablox_expert_parallel_equals_one_device(case, monkeypatch):
     k = cfg32.num_experts_per_token
     assert np.min(biased[..., k - 1] - biased[..., k]) > 1e-4
     assert_same(one, ep, atol=0.015)
+
+
+def test_megablox_expert_parallel_in_a_layer_scan_equals_one_device():
+  """The model scans its layers over stacked weights; differentiating that scan re-evaluates
+  the expert-parallel body (the scan's linearization, the partial evaluation of the dispatch's
+  platform_dependent), which refused megablox's unchecked kernels ("concatenate requires
+  varying manual axes to match", in every `k3jax plan` of a mesh) until the shard_map itself
+  ran unchecked. Two layers' weights, each layer's output summed: the value and every
+  gradient against the same scan on one device in float64 (tolerance as above), and the
+  program lowers for TPU."""
+  cfg32 = tiny_cfg()
+  ex32 = Execution(dtype="float32", param_dtype="float32", moe_grouped_matmul="megablox")
+  graphdef, state = nnx.split(make_moe(cfg32, ex=ex32))
+  layers = jax.tree.map(lambda a: jnp.stack([a, 0.5 * a]), state)
+  x32 = jnp.asarray(np.random.default_rng(2).standard_normal((8, 5, cfg32.hidden_size)),
+                    jnp.float32)
+
+  def loss(graphdef, layers, x):
+    step = lambda c, s: (c + jnp.sum(jnp.sin(nnx.merge(graphdef, s)(x)[0])), None)
+    return jax.lax.scan(step, jnp.zeros((), x.dtype), layers)[0]
+
+  mesh = make_mesh("expert=8")
+  placed_layers = jax.tree.map(
+      lambda v: v.replace(jax.device_put(v.get_value(), NamedSharding(
+          mesh, P(None, *spec_of(v.replace(v.get_value()[0]), mesh))))),
+      layers, is_leaf=lambda v: isinstance(v, nnx.Variable))
+  xs = jax.device_put(x32, NamedSharding(mesh, activation_spec(("batch", None, None), x32.shape,
+                                                               mesh)))
+  fn = jax.jit(jax.value_and_grad(functools.partial(loss, graphdef)))
+  with jax.set_mesh(mesh):
+    fn.trace(placed_layers, xs).lower(lowering_platforms=("tpu",))
+    ep = fn(placed_layers, xs)
+  with jax.enable_x64(True):
+    ex64 = ex32.replace(dtype="float64", param_dtype="float64", moe_grouped_matmul=None)
+    graphdef64, _ = nnx.split(make_moe(cfg32, ex=ex64))
+    layers64 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), layers)
+    one = jax.jit(jax.value_and_grad(functools.partial(loss, graphdef64)))(
+        layers64, jnp.asarray(x32, jnp.float64))
+  np.testing.assert_allclose(np.asarray(ep[0]), np.asarray(one[0]), atol=0.015, rtol=0)
+  for (path, a), (_, b) in zip(nnx.to_flat_state(ep[1]), nnx.to_flat_state(one[1])):
+    np.testing.assert_allclose(np64(a.get_value()), np64(b.get_value()), atol=0.015, rtol=0,
+                               err_msg=str(path))
