@@ -86,8 +86,8 @@ def _group(args: str, sizes: dict[str, int], devices: int) -> tuple[int, tuple[s
     mesh = {k.strip("' "): int(v) for k, v in re.findall(r"([^,=]+)=(\d+)", m.group(1))}
     axes = [a.strip("' ") for a in m.group(2).split(",") if a.strip("' ")]
     n = math.prod(mesh[a] for a in axes)
-    if set(mesh) <= set(sizes) or not sizes:  # the plan's mesh: its axes, in its order
-      return n, tuple(a for a in (sizes or mesh) if a in axes)
+    if set(mesh) <= set(sizes) or not sizes:  # the plan's mesh: its axes (of size > 1) in
+      return n, tuple(a for a, k in (sizes or mesh).items() if a in axes and k > 1)  # order
     # another mesh over the same devices (a shard_map's 'axis_0'...): its groups as ids
     ids = np.arange(math.prod(mesh.values())).reshape(tuple(mesh.values()))
     keep = [i for i, a in enumerate(mesh) if a in axes]

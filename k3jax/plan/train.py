@@ -176,8 +176,9 @@ class TrainPlan:
                   # step (k3jax/plan/comm.py: loops by trip count; none without a compile)
   collective_bytes_per_axis: dict | None = None  # mesh axes ('fsdp', 'expert,tensor') -> kind
                   # -> bytes per device per step
-  step_seconds: list | None = None  # [lower, upper]: compute (work FLOPs / peak) and the
-                  # collectives' bytes / the device's ICI bandwidth fully overlapped, or not
+  step_seconds: list | None = None  # [lower, upper]: compute (step_seconds_estimate, the
+                  # roofline) and the collectives' bytes / the device's ICI bandwidth fully
+                  # overlapped, or not
   mfu: list | None = None  # [lower, upper]: model FLOPs / (step_seconds x devices x peak),
                   # the upper step time giving the lower MFU
   lora_rank: int | None = None         # --mode lora: the adapters' rank
@@ -323,7 +324,9 @@ def plan_one(request: PlanRequest, cfg, ex, devices, mesh_spec, *, analytic: boo
   est = max(work / n / chip.peak_flops, dev_bytes / chip.hbm_bandwidth)
   sent = comm.traffic(text, sizes)
   per_kind = comm.by_kind(sent)
-  bounds = step_bounds(work / n / chip.peak_flops, sum(per_kind.values()), chip)
+  # compute: the roofline above (its HBM term included, so no bound is below the estimate
+  # without communication)
+  bounds = step_bounds(est, sum(per_kind.values()), chip)
   return TrainPlan(**common, analytic=False, loops=text.count(" while("),
                    argument_bytes_per_device=mem.argument_size_in_bytes,
                    temp_bytes_per_device=mem.temp_size_in_bytes,

@@ -82,6 +82,8 @@ def test_groups_written_as_device_ids_name_their_mesh_axes():
   # the plan's axes in the mesh's order; another mesh's (a shard_map's) named by the devices
   assert comm._group("replica_groups=mesh['data'=2,'fsdp'=2,'tensor'=2] {'tensor','data'}",
                      sizes, 8) == (4, ("data", "tensor"))
+  assert comm._group("replica_groups=mesh['data'=1,'fsdp'=4,'tensor'=2] {'data','fsdp'}",
+                     {"data": 1, "fsdp": 4, "tensor": 2}, 8) == (4, ("fsdp",))  # size 1: no
   assert comm._group("replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}", sizes,
                      8) == (4, ("data", "fsdp"))
 
