@@ -3,8 +3,10 @@
 For each topology (smallest first) the real train step (fp32 master weights, bf16 compute,
 Per-Head Muon, the given remat policy and loss chunking) is compiled ahead of time on this CPU
 machine (libtpu) for each candidate mesh, and XLA's per-device memory plan and cost analysis
-are printed next to the chip's HBM and the model FLOPs; the first topology with a fitting mesh
-ends the search for that chip. An analytic pass (no compile) orders the meshes. Slow (minutes
+are printed next to the chip's HBM and the model FLOPs, with the bytes each device sends in
+the collectives (by kind and mesh axis) and the step-time and MFU bounds they give
+(docs/plan.md#communication); the first topology with a fitting mesh ends the search for that
+chip. An analytic pass (no compile) orders the meshes. Slow (minutes
 per compile at full K3 size): a script, not a test.
 
     python benchmarks/plan_k3.py [--seq 8192] [--remat full] [--loss-chunk 2048]
@@ -74,6 +76,12 @@ def main() -> None:
     chosen = plan.best(plans)
     print(f"{topology}: best mesh {chosen.mesh}, fits={chosen.fits} "
           f"({time.perf_counter() - t0:.0f} s)")
+    if chosen.collective_bytes_per_device is not None:  # compiled: the communication too
+      print(f"{topology}: collectives per device per step: " + ", ".join(
+          f"{k} {v / 2**30:.2f} GiB" for k, v in chosen.collective_bytes_per_device.items())
+          + (f"; step {chosen.step_seconds[0]:.2f} - {chosen.step_seconds[1]:.2f} s, MFU "
+             f"{chosen.mfu[0]:.1%} - {chosen.mfu[1]:.1%} (ESTIMATE: overlapped - not)"
+             if chosen.step_seconds else ""))
     print("json:", json.dumps(chosen.to_json()))
     sys.stdout.flush()
 

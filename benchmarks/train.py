@@ -10,7 +10,11 @@ MFU = model FLOPs of the step / step time / peak, where
     excluded, lm_head included) + MLA attention over the causal half + KDA's chunked core +
     AttnRes reads; rematerialisation is not counted;
   * peak = a dense [n, n] @ [n, n] matmul chain in the same dtype, measured in the same run on
-    the same device (the practical peak: what XLA's best kernel reaches here).
+    the same device (the practical peak: what XLA's best kernel reaches here), once before
+    each timed step (`--iters` of them): on a shared machine the peak moves with the load
+    (255 to 305 GFLOP/s between two runs), so each step is set against the peak measured
+    beside it, and the spread (min / median / max of the peak and of that MFU) is printed;
+    the headline MFU is the median.
 The step is the real one (Per-Head Muon with clipping, Quantile Balancing, fp32 loss), on one
 batch of random tokens (full rows, one segment each), timed after compilation.
 `--breakdown` also times the parts of the step (the whole model's loss forward and
@@ -30,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -77,7 +82,14 @@ def timed(fn, *args, iters: int) -> tuple[float, float]:
   return compile_s, median_seconds(lambda: jax.block_until_ready(compiled(*args)), iters)
 
 
-def bench_step(cfg, ex, batch: int, seq: int, iters: int, peak: float, accum: int = 1) -> dict:
+def spread(values: list[float]) -> dict[str, float]:
+  return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def bench_step(cfg, ex, batch: int, seq: int, iters: int, peak, accum: int = 1) -> dict:
+  """The step's figures; `peak()` measures the dense-matmul peak, once before each of the
+  `iters` timed steps (interleaved, so the MFU of each step is against the peak of its
+  moment)."""
   from k3jax.train import flops as flops_lib
   from k3jax.train import step as step_lib
   steps = step_lib.build(cfg, ex, step_lib.StepConfig(decay_steps=1000))
@@ -97,9 +109,16 @@ def bench_step(cfg, ex, batch: int, seq: int, iters: int, peak: float, accum: in
     nonlocal state
     state, m = train(state, data, step_lib.NO_QK_CLIP)
     jax.block_until_ready(m)
-  step_s = median_seconds(one_step, iters)
+  one_step()  # warm-up
+  peaks, steps_s = [], []
+  for _ in range(iters):
+    peaks.append(peak())
+    steps_s.append(_seconds(one_step))
+  step_s = statistics.median(steps_s)
   count = flops_lib.count(cfg, seq)
   tokens = accum * batch * seq
+  flops = count.train_per_token * tokens
+  mfus = [flops / t / p for t, p in zip(steps_s, peaks, strict=True)]
   n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
   return {
       "params": n_params, "active_matmul_params": count.active_matmul_params,
@@ -107,11 +126,19 @@ def bench_step(cfg, ex, batch: int, seq: int, iters: int, peak: float, accum: in
       "tokens_per_s": tokens / step_s,
       "model_tflops_per_step": count.train_per_token * tokens / 1e12,
       "achieved_gflops": count.train_per_token * tokens / step_s / 1e9,
-      "mfu": count.train_per_token * tokens / step_s / peak,
+      "mfu": statistics.median(mfus),
+      "mfu_spread": spread(mfus), "peak_gflops_spread": spread([p / 1e9 for p in peaks]),
+      "step_s_spread": spread(steps_s),
       "newton_schulz_tflops_per_step": flops_lib.newton_schulz_flops(cfg) / 1e12,
       "flops_per_token_fwd": {"matmul": count.matmul, "mla_attention": count.mla_attention,
                               "kda_core": count.kda_core, "attn_res": count.attn_res},
   }
+
+
+def _seconds(call) -> float:
+  t0 = time.perf_counter()
+  call()
+  return time.perf_counter() - t0
 
 
 def breakdown(cfg, ex, batch: int, seq: int, iters: int) -> dict[str, float]:
@@ -193,10 +220,10 @@ def main(argv=None) -> int:
   a = p.parse_args(argv)
   from k3jax.train.flops import measure_matmul_peak
   dtype = jnp.dtype(a.dtype)
-  peak = max(measure_matmul_peak(dtype, n=2048), measure_matmul_peak(dtype, n=1024))
+  peak = lambda: max(measure_matmul_peak(dtype, n=2048), measure_matmul_peak(dtype, n=1024))
   print(f"platform {jax.default_backend()}, {os.cpu_count()} CPUs, {allocator.active()} "
-        f"malloc; dense matmul peak ({a.dtype}, measured now): {peak / 1e9:.1f} GFLOP/s",
-        flush=True)
+        f"malloc; dense matmul peak ({a.dtype}) measured before each of the {a.iters} timed "
+        "steps", flush=True)
   for name in a.configs.split(","):
     big = name == "k3_100m"
     batch, seq = a.batch or (4 if big else 8), a.seq or (512 if big else 128)
@@ -207,6 +234,11 @@ def main(argv=None) -> int:
           f"{r['compile_s']:.0f}s, step "
           f"{r['step_s']:.3f}s, {r['tokens_per_s']:.0f} tokens/s, "
           f"{r['achieved_gflops']:.1f} model GFLOP/s = MFU {100 * r['mfu']:.1f}%", flush=True)
+    pk, mf, st = r["peak_gflops_spread"], r["mfu_spread"], r["step_s_spread"]
+    print(f"  spread over {a.iters} steps (min / median / max): peak {pk['min']:.1f} / "
+          f"{pk['median']:.1f} / {pk['max']:.1f} GFLOP/s, step {st['min']:.3f} / "
+          f"{st['median']:.3f} / {st['max']:.3f} s, MFU {100 * mf['min']:.1f} / "
+          f"{100 * mf['median']:.1f} / {100 * mf['max']:.1f}%", flush=True)
     print(f"  per step: model {r['model_tflops_per_step']:.3f} TFLOP, Per-Head Muon's "
           f"Newton-Schulz {r['newton_schulz_tflops_per_step']:.3f} TFLOP (not in the MFU; once "
           "per step whatever the batch: --grad-accum amortises it)", flush=True)
@@ -221,7 +253,7 @@ def main(argv=None) -> int:
           f"{k.removesuffix('_s')} {v:.3f}" for k, v in b.items()), flush=True)
     if a.json:
       print(json.dumps({"config": name, "batch": batch, "seq": seq, "dtype": a.dtype,
-                        "peak_gflops": peak / 1e9, **r}))
+                        "peak_gflops": r["peak_gflops_spread"]["median"], **r}))
   return 0
 
 

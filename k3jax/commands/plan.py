@@ -3,7 +3,9 @@
 The real jitted step is compiled ahead of time for the topology (libtpu on a CPU machine, no
 TPU needed) and XLA's own figures are read back: per device the argument / temporary / peak
 bytes against the chip's HBM, the compiled matmul FLOPs next to the model FLOPs, and a step
-time ESTIMATE (a roofline of peak FLOP/s and HBM bandwidth, no communication). Without --mesh
+time ESTIMATE (a roofline of peak FLOP/s and HBM bandwidth, no communication), and for a
+compiled train / LoRA step the bytes each device sends in its collectives (by kind and mesh
+axis) with step-time and MFU bounds (communication overlapped or not). Without --mesh
 a small set of meshes is ranked by a hand count and the best few are compiled; --analytic
 counts without compiling.
 

@@ -3,7 +3,8 @@
 `run(PlanRequest(...))` plans any mode: the train step and LoRA fine-tuning (train.py), serving
 (decode.py); each returns one plan per mesh tried, with `to_json()` and `report()`; `best`
 picks the one to report. The modules beside them: chips.py (the chip table), analytic.py (the
-hand counts), hlo.py (matmul FLOPs and collectives of compiled HLO), compiled.py (XLA's memory
+hand counts), hlo.py (matmul FLOPs and collectives of compiled HLO), comm.py (the
+bytes each device sends in those collectives, by kind and mesh axis), compiled.py (XLA's memory
 and cost analysis), search.py (the mesh search), memory.py (fine-tuning state, LoRA vs full),
 xla_heap.py (the buffer assignment of a dump).
 """

@@ -1,10 +1,10 @@
 """The TPU chips `k3jax plan` prices a program on, and the devices of a topology.
 
 One `Chip` per device kind, per device (a tpu7x chip shows as 2 devices): HBM bytes, peak
-bf16 FLOP/s, HBM bytes/s, from the public spec sheets; the step-time estimates are only as
-good as these. A communication model would add its figures here (the ICI bandwidth of one
-link, the links of a device) as further fields, each with a default of None (not known) so
-that the table grows one sourced figure at a time.
+bf16 FLOP/s, HBM bytes/s, and the ICI links of a device with the bytes/s one link carries each
+way, from the public spec sheets (docs/plan.md#the-chip-table says which figure is published
+and which derived); the step-time estimates are only as good as these. A figure not known is
+None, so that the table grows one sourced figure at a time.
 """
 
 from __future__ import annotations
@@ -26,14 +26,31 @@ class Chip:
   hbm_bytes: float       # bytes
   peak_flops: float      # bf16 FLOP/s
   hbm_bandwidth: float   # bytes/s
+  ici_links: int | None = None               # ICI links of one device (a tpu7x chip's 2
+                                             # devices share its links: half each)
+  ici_link_bandwidth: float | None = None    # bytes/s one link carries each way
+
+  @property
+  def ici_bandwidth(self) -> float | None:
+    """bytes/s one device can send over all its links at once (None: not known)."""
+    if self.ici_links is None or self.ici_link_bandwidth is None:
+      return None
+    return self.ici_links * self.ici_link_bandwidth
 
 
 CHIPS: dict[str, Chip] = {c.kind: c for c in (
     Chip(kind="v4", hbm_bytes=32 * GIB, peak_flops=275e12, hbm_bandwidth=1.2e12),
-    Chip(kind="v5e", hbm_bytes=16 * GIB, peak_flops=197e12, hbm_bandwidth=0.82e12),
-    Chip(kind="v5p", hbm_bytes=95 * GIB, peak_flops=459e12, hbm_bandwidth=2.76e12),
-    Chip(kind="v6e", hbm_bytes=32 * GIB, peak_flops=918e12, hbm_bandwidth=1.64e12),
-    Chip(kind="tpu7x", hbm_bytes=96e9, peak_flops=1153e12, hbm_bandwidth=3.69e12),
+    # ICI: the pages give the bidirectional bandwidth of a chip; per link each way = that /
+    # links / 2 (v5e 400 GB/s over 4 ports, v6e 800 over 4, v5p and tpu7x 1200 over the 6
+    # links of a 3D torus: their link count is not published)
+    Chip(kind="v5e", hbm_bytes=16 * GIB, peak_flops=197e12, hbm_bandwidth=0.82e12,
+         ici_links=4, ici_link_bandwidth=50e9),
+    Chip(kind="v5p", hbm_bytes=95 * GIB, peak_flops=459e12, hbm_bandwidth=2.76e12,
+         ici_links=6, ici_link_bandwidth=100e9),
+    Chip(kind="v6e", hbm_bytes=32 * GIB, peak_flops=918e12, hbm_bandwidth=1.64e12,
+         ici_links=4, ici_link_bandwidth=100e9),
+    Chip(kind="tpu7x", hbm_bytes=96e9, peak_flops=1153e12, hbm_bandwidth=3.69e12,
+         ici_links=3, ici_link_bandwidth=100e9),
 )}
 
 # the devices' own kind strings ("TPU v5 lite", "TPU7x") for the topology names above
@@ -60,5 +77,7 @@ def topology_devices(topology: str) -> list:
   try:
     topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
   except Exception as e:  # noqa: BLE001 - libtpu raises XlaRuntimeError / ValueError
-    raise UserError(f"--topology {topology!r}: {str(e).splitlines()[0]}") from None
+    raise UserError(f"--topology {topology!r}: {str(e).splitlines()[0]}; known chips: "
+                    f"{', '.join(CHIPS)} (as CHIP:TOPOLOGY, e.g. v5e:2x2, v5p:8x8x16, "
+                    "tpu7x:8x8x8)") from None
   return list(topo.devices)

@@ -67,6 +67,42 @@ _INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*)$")
 _DIMS = re.compile(r"\b[a-z]+\d*\[([\d,]*)\]")
 
 
+Computations = dict[str, list[tuple[str, str, str, str]]]
+
+
+def computations(hlo_text: str) -> tuple[Computations, str | None]:
+  """({computation: [(name, type, opcode, args)]}, the entry computation's name)."""
+  comps: Computations = {}
+  entry, current = None, None
+  for line in hlo_text.splitlines():
+    m = _COMP.match(line)
+    if m and not line.startswith(" "):
+      current = comps.setdefault(m.group(1), [])
+      entry = m.group(1) if line.startswith("ENTRY") else entry
+      continue
+    m = _INSTR.match(line)
+    if m and current is not None:
+      typ, op, args = _split_type(m.group(2))
+      current.append((m.group(1), typ, op, args))
+  return comps, entry
+
+
+def trip_count(comps: Computations, cond: str, args: str) -> int:
+  """The trip count of a while loop (its condition `cond`, its own attributes `args`)."""
+  known = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', args)
+  if known:  # XLA:CPU / GPU annotate it
+    return int(known.group(1))
+  # TPU: the condition compares the counter (from 0) with a constant, LT, maybe in a fusion
+  body = comps.get(cond, ())
+  called = [c for _, _, _, a in body for c in re.findall(r"calls=%([\w.\-]+)", a)]
+  if not any(op == "compare" and "direction=LT" in a
+             for c in (cond, *called) for _, _, op, a in comps.get(c, ())):
+    return 1
+  consts = [int(a.split(")")[0]) for _, typ, op, a in body
+            if op == "constant" and typ.startswith("s32[]")]
+  return max(consts, default=1)
+
+
 def _split_type(rest: str) -> tuple[str, str, str]:
   """'TYPE opcode(args), attrs' -> (TYPE, opcode, the rest after 'opcode(')."""
   if rest.startswith("("):
@@ -136,34 +172,10 @@ def matmul_flops(hlo_text: str, by_op: dict | None = None) -> float:
   device's program), loops times their trip counts (see above). `by_op`, a dict, receives
   the same FLOPs by the JAX op each came from (its metadata op_name, without the jit(...)
   prefix)."""
-  comps: dict[str, list[tuple[str, str, str, str]]] = {}
-  entry, current = None, None
-  for line in hlo_text.splitlines():
-    m = _COMP.match(line)
-    if m and not line.startswith(" "):
-      current = comps.setdefault(m.group(1), [])
-      entry = m.group(1) if line.startswith("ENTRY") else entry
-      continue
-    m = _INSTR.match(line)
-    if m and current is not None:
-      typ, op, args = _split_type(m.group(2))
-      current.append((m.group(1), typ, op, args))
+  comps, entry = computations(hlo_text)
   shapes = {name: typ for body in comps.values() for name, typ, _, _ in body}
   memo: dict[str, float] = {}
-
-  def trips(cond: str, args: str) -> int:
-    known = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', args)
-    if known:  # XLA:CPU / GPU annotate it
-      return int(known.group(1))
-    # TPU: the condition compares the counter (from 0) with a constant, LT, maybe in a fusion
-    body = comps.get(cond, ())
-    called = [c for _, _, _, a in body for c in re.findall(r"calls=%([\w.\-]+)", a)]
-    if not any(op == "compare" and "direction=LT" in a
-               for c in (cond, *called) for _, _, op, a in comps.get(c, ())):
-      return 1
-    consts = [int(a.split(")")[0]) for _, typ, op, a in body
-              if op == "constant" and typ.startswith("s32[]")]
-    return max(consts, default=1)
+  trips = lambda cond, args: trip_count(comps, cond, args)
 
   def cost(name: str, mult: float = 1.0, record: bool = True) -> float:
     """FLOPs of one run of computation `name`; with by_op (and `record`), attributed `mult`

@@ -24,3 +24,24 @@ def peak(plan) -> str:
 def refused(plan, what: str) -> str:
   return (f"  compile         {plan.compile_seconds:8.1f} s: refused by the TPU compiler "
           f"(HBM); {what}")
+
+
+def communication(plan) -> list[str]:
+  """The collectives' bytes per device by kind and the step time / MFU bounds (compiled train
+  and LoRA plans; none otherwise)."""
+  sent = plan.collective_bytes_per_device
+  if sent is None:
+    return []
+  total = sum(sent.values())
+  kinds = ", ".join(f"{k} {v / GIB:.3f}" for k, v in sent.items() if v)
+  lines = [f"  collectives     {total / GIB:8.3f} GiB sent per device per step"
+           + (f" ({kinds} GiB)" if kinds else "")]
+  lines += [f"    over {axis:10s} " + ", ".join(f"{k} {v / GIB:.3f} GiB" for k, v in per.items())
+            for axis, per in (plan.collective_bytes_per_axis or {}).items()]
+  if plan.step_seconds:
+    lo, hi = plan.step_seconds
+    lines.append(f"  step bounds     {lo:.3f} - {hi:.3f} s, MFU {plan.mfu[0]:.1%} - "
+                 f"{plan.mfu[1]:.1%} (ESTIMATE: compute and ICI fully overlapped - not at all)")
+  else:
+    lines.append("  step bounds     unknown: no ICI figures for this chip")
+  return lines

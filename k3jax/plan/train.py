@@ -12,7 +12,11 @@ machine, no TPU needed) and compiled ahead of time. XLA's own figures are then r
   cost_analysis()    FLOPs and bytes of the per-device program; times the device count next
                      to the model FLOPs of the step (k3jax/train/flops.py), as a ratio;
   step time          an ESTIMATE: max(FLOPs / peak FLOP/s, bytes / HBM bandwidth) per device,
-                     a roofline bound that ignores communication and overlap.
+                     a roofline bound that ignores communication and overlap;
+  communication      the bytes each device sends per step in the program's collectives, by
+                     kind and mesh axis (k3jax/plan/comm.py), and with them the step time
+                     bounds [max(compute, communication), compute + communication] (fully
+                     overlapped, not at all) and the MFU range they give.
 
 Without `--mesh` a small set of meshes the model can be split on is tried (smallest analytic
 footprint first) and the fastest estimate that fits is reported. `--analytic` skips the
@@ -48,7 +52,7 @@ from k3jax.errors import UserError
 from k3jax.execution import Execution, GroupedMatmul, KdaBackend, Remat
 from k3jax.model import lora
 from k3jax.model.transformer import K3Model
-from k3jax.plan import hlo, report
+from k3jax.plan import comm, hlo, report
 from k3jax.plan.analytic import (
   bytes_per_device,
   dequantised_layer_bytes,
@@ -168,6 +172,15 @@ class TrainPlan:
                   # matmuls (and Pallas kernels' estimates) with loops by their trip counts
   work_flops: float | None = None  # compiled_matmul_flops - skipped_row_flops: the work the
                   # program does; flops_ratio, the split and the estimate use this
+  collective_bytes_per_device: dict | None = None  # kind -> bytes each device sends per
+                  # step (k3jax/plan/comm.py: loops by trip count; none without a compile)
+  collective_bytes_per_axis: dict | None = None  # mesh axes ('fsdp', 'expert,tensor') -> kind
+                  # -> bytes per device per step
+  step_seconds: list | None = None  # [lower, upper]: compute (step_seconds_estimate, the
+                  # roofline) and the collectives' bytes / the device's ICI bandwidth fully
+                  # overlapped, or not
+  mfu: list | None = None  # [lower, upper]: model FLOPs / (step_seconds x devices x peak),
+                  # the upper step time giving the lower MFU
   lora_rank: int | None = None         # --mode lora: the adapters' rank
   trainable_param_count: int | None = None  # --mode lora: the adapters' parameters
 
@@ -216,6 +229,7 @@ class TrainPlan:
                    f"{p.remat_flops / p.model_flops:.3f} and optimizer "
                    f"{p.optimizer_flops / p.model_flops:.3f} of that on top")
     lines.append(f"  step time       {p.step_seconds_estimate:.3f} s  {report.ESTIMATE}")
+    lines += report.communication(p)
     return "\n".join(lines)
 
 
@@ -308,6 +322,11 @@ def plan_one(request: PlanRequest, cfg, ex, devices, mesh_spec, *, analytic: boo
     skipped = grouped * (1.0 - grouped_rows_run(cfg, ex, mesh, tokens))
   work, buffer_rows = counted - skipped, buffer_rows - skipped
   est = max(work / n / chip.peak_flops, dev_bytes / chip.hbm_bandwidth)
+  sent = comm.traffic(text, sizes)
+  per_kind = comm.by_kind(sent)
+  # compute: the roofline above (its HBM term included, so no bound is below the estimate
+  # without communication)
+  bounds = step_bounds(est, sum(per_kind.values()), chip)
   return TrainPlan(**common, analytic=False, loops=text.count(" while("),
                    argument_bytes_per_device=mem.argument_size_in_bytes,
                    temp_bytes_per_device=mem.temp_size_in_bytes,
@@ -318,8 +337,30 @@ def plan_one(request: PlanRequest, cfg, ex, devices, mesh_spec, *, analytic: boo
                    compiled_matmul_flops=counted, work_flops=work, skipped_row_flops=skipped,
                    flops_ratio=work / model_flops if model_flops else None,
                    step_seconds_estimate=est,
+                   collective_bytes_per_device=per_kind,
+                   collective_bytes_per_axis=comm.by_axis(sent),
+                   step_seconds=bounds,
+                   mfu=mfu_range(model_flops, bounds, n, chip),
                    buffer_row_flops=buffer_rows,
                    other_flops=work - model_flops - remat_flops - optimizer_flops - buffer_rows)
+
+
+def step_bounds(compute_s: float, sent_bytes: float, chip) -> list | None:
+  """[lower, upper] step seconds: compute and communication (the bytes one device sends over
+  all its ICI links at once) fully overlapped, and not overlapped; None when the chip's ICI
+  figures are not known."""
+  if chip.ici_bandwidth is None:
+    return None
+  comm_s = sent_bytes / chip.ici_bandwidth
+  return [max(compute_s, comm_s), compute_s + comm_s]
+
+
+def mfu_range(model_flops: float, bounds: list | None, devices: int, chip) -> list | None:
+  """[lower, upper] MFU: model FLOPs over the devices' peak for the upper and lower step."""
+  if not bounds or not bounds[0]:
+    return None
+  peak = devices * chip.peak_flops
+  return [model_flops / (bounds[1] * peak), model_flops / (bounds[0] * peak)]
 
 
 def candidate_meshes(cfg, n: int, rows: int) -> list[dict]:

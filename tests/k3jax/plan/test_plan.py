@@ -55,6 +55,10 @@ def test_plan_compiled_and_analytic(config_file, capsys):
   assert got["peak_bytes_per_device"] >= got["argument_bytes_per_device"]
   assert got["fits"] is False and got["peak_bytes_per_device"] > 16 * GIB
   assert got["fits"] == (got["peak_bytes_per_device"] <= got["hbm_bytes_per_device"])
+  # refused by the compiler: no program to read collectives from, so no bounds either
+  for key in ("collective_bytes_per_device", "collective_bytes_per_axis", "step_seconds",
+              "mfu"):
+    assert key in got and got[key] is None
 
   ana = _plan(capsys, path, "--analytic")
   assert ana["analytic"] is True and ana["compile_seconds"] is None
@@ -70,7 +74,7 @@ def test_plan_compiled_and_analytic(config_file, capsys):
 def test_plan_bad_topology(capsys):
   assert main(["plan", "--config", "tiny", "--topology", "v99:2x2", "--analytic"]) == 2
   err = capsys.readouterr().err.strip().splitlines()
-  assert len(err) == 1 and "--topology" in err[0]
+  assert len(err) == 1 and "--topology" in err[0] and "v5p:8x8x16" in err[0]
 
 
 def test_plan_lora_holds_a_frozen_bf16_base_and_mxfp4_experts(config_file, capsys):
