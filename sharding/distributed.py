@@ -7,7 +7,8 @@ when the three are given (`--coordinator HOST:PORT --num-processes N --process-i
 `TPU_WORKER_HOSTNAMES`, `TPU_PROCESS_ADDRESSES` or `MEGASCALE_COORDINATOR_ADDRESS`), it calls
 `jax.distributed.initialize()` without arguments and JAX's cluster detection fills them in.
 On CPU, processes exchange collectives through gloo. Afterwards `jax.devices()` lists every
-process's devices and meshes span them all.
+process's devices and meshes span them all. `barrier` holds every process until all reach it
+(the train loop calls it after compiling its step, before the first collective).
 
 Data: a global batch [A, b, T] is split by rows over the batch mesh axes; each process supplies
 only the rows its devices hold (`process_rows`) and `global_batch` assembles the jax.Array
@@ -24,6 +25,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax._src import distributed as _jax_distributed  # the coordination client (barriers)
 
 from sharding.mesh import MeshError
 
@@ -65,6 +67,22 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
   else:
     jax.distributed.initialize()
   return True
+
+
+def barrier(name: str, timeout_s: float) -> None:
+  """Wait until every process reaches `name` (at most `timeout_s`), through the coordination
+  service, not a collective: gloo gives a peer only 30 s (its rendezvous store's default
+  timeout) to join a communicator, and the first collective on a set of devices builds one, so a
+  process that compiles more slowly than another would kill the run."""
+  client = _jax_distributed.global_state.client
+  if client is None or jax.process_count() == 1:
+    return
+  try:
+    client.wait_at_barrier(name, int(timeout_s * 1000))
+  except Exception as e:  # noqa: BLE001 - jaxlib raises its runtime error type; one line instead
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    raise MeshError(f"not every process reached {name!r} within {timeout_s:g} s (a process "
+                    f"died or is slower: raise --startup-timeout): {first}") from None
 
 
 def _platforms_include_cpu() -> bool:

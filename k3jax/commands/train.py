@@ -12,8 +12,9 @@ Scale-out (docs/sharding.md): --mesh data=2,fsdp=1,expert=2,tensor=2 runs the st
 devices (axes left out have size 1; one axis may be -1: the devices left over; the sizes must
 multiply to the device count). Several processes (hosts): start the same command on each with
 --coordinator HOST:PORT --num-processes N --process-id I (on Cloud TPU the environment
-provides them: nothing to add, or --coordinator auto); each process reads only its data
-shards, saves and restores its own checkpoint shards, and process 0 writes the metrics.
+provides them: nothing to add, or --coordinator auto); every process reads the same global
+batch stream and keeps its rows (the batches never depend on the process count), saves and
+restores its own checkpoint shards, and process 0 writes the metrics.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def options_from_args(args: argparse.Namespace):
       qb=not args.no_qb, qb_method=args.qb_method, qb_rule=args.qb_rule,
       qk_clip=args.qk_clip, remat=args.remat, mesh=args.mesh, data_shards=args.data_shards,
       coordinator=args.coordinator, num_processes=args.num_processes,
-      process_id=args.process_id,
+      process_id=args.process_id, startup_timeout=args.startup_timeout,
       dtype=args.dtype, eval_every=args.eval_every, eval_batches=args.eval_batches,
       save_every=args.save_every, keep=args.keep, log_every=args.log_every, seed=args.seed,
       peak_tflops=args.peak_tflops, progress=not args.no_progress,
@@ -158,14 +159,17 @@ def register(sub) -> None:
   g.add_argument("--mesh", default=None, metavar="MESH",
                  help="device mesh, e.g. data=2,expert=2,tensor=2 (axes data, fsdp, expert, "
                       "tensor; omitted axes 1; one may be -1); none given: one device")
-  g.add_argument("--data-shards", type=positive_int, default=None,
-                 help="data pipelines per step, a property of the run (none given: the "
-                      "process count); a resume keeps it")
+  g.add_argument("--data-shards", type=positive_int, default=1,
+                 help="independent data pipelines of the run, each supplying 1/N of every "
+                      "micro-batch's rows; never tied to the process count; a resume keeps it")
   g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                  help="multi-process: process 0's address (auto: jax.distributed's own "
                       "detection, e.g. Cloud TPU)")
   g.add_argument("--num-processes", type=positive_int, default=None)
   g.add_argument("--process-id", type=int, default=None)
+  g.add_argument("--startup-timeout", type=positive_float, default=3600.0, metavar="SECONDS",
+                 help="multi-process: how long a process waits for the others to compile the "
+                      "train step before the first collective")
   g = p.add_argument_group("eval, logging, checkpoints")
   g.add_argument("--eval-every", type=positive_int, default=50)
   g.add_argument("--eval-batches", type=positive_int, default=4)

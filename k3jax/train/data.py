@@ -15,12 +15,14 @@ given `segment_ids`, keeps packed pieces apart (MLA mask, KDA state and conv res
 A step's batch has shape [A, b, T]: A micro-batches of b rows (gradient accumulation).
 The iterator is resumable: its grain state (a small JSON dict) goes into every checkpoint.
 
-Data shards (many processes, docs/sharding.md#multi-host): with `num_shards` S the pieces are dealt
-out round-robin to S independent pipelines (piece i to shard i mod S, each shuffled and packed on
-its own), shard s supplies rows [s b/S, (s+1) b/S) of every micro-batch, and a process reads
-only the shards whose rows its devices hold (`shards_for_rows`, `ShardIterator`). S is a property
-of the run, not of the process count: one process reading all S shards produces exactly the batches
-that S processes produce together. S = 1 is the single pipeline above.
+Data shards (docs/sharding.md#multi-host): with `num_shards` S (default 1: one pipeline for the
+run) the pieces are dealt out round-robin to S independent pipelines (piece i to shard i mod S,
+each shuffled and packed on its own), and shard s supplies rows [s b/S, (s+1) b/S) of every
+micro-batch. S is a property of the run, never of the process count: a process reads the shards
+that overlap the rows its devices hold and keeps only those rows (`shards_for_rows`,
+`ShardIterator`), so the global batch of every step, and the saved data position (one grain state
+per shard), are the same on any number of processes. S = 1 is the single pipeline above (every
+process packs the whole global batch and keeps its rows: packing is cheap next to a step).
 
 Default corpus: the running interpreter's standard-library `*.py` files (top level of the
 stdlib folder, sorted by name), so the embedded default needs no download.
@@ -215,24 +217,31 @@ def train_dataset(docs_tokens: Sequence[np.ndarray], cfg: PipelineConfig,
 
 
 class ShardIterator:
-  """The batches of the data shards one process reads, rows concatenated in shard order:
-  [A, b/S * len(shards), T]. State: {shard: grain state} (resumable per shard)."""
+  """Micro-batch rows [start, stop) (of b) of every step's global batch, cut from the data
+  shards that overlap them: [A, stop - start, T]. State: {shard: grain state} of those shards
+  (resumable per shard; the same whichever rows, hence process count, read them)."""
 
   def __init__(self, docs_tokens: Sequence[np.ndarray], cfg: PipelineConfig,
-               shards: Sequence[int], state: dict | None = None,
+               rows: tuple[int, int] | None = None, state: dict | None = None,
                weights: Sequence[np.ndarray] | None = None):
-    self.shards = list(shards)
-    self._its = {s: iterate(train_dataset(docs_tokens, cfg, weights, shard=s),
-                            None if state is None else state[str(s)]) for s in self.shards}
+    b = cfg.batch_rows // cfg.micro_batches
+    self.rows = (0, b) if rows is None else tuple(rows)
+    self.shards = shards_for_rows(cfg, self.rows)
+    # offset of the rows kept inside the concatenated shards' rows
+    first = self.shards[0] * (b // cfg.num_shards)
+    self._keep = slice(self.rows[0] - first, self.rows[1] - first)
+    states = {s: None if state is None else _shard_state(state, s) for s in self.shards}
+    self._its = {s: iterate(train_dataset(docs_tokens, cfg, weights, shard=s), states[s])
+                 for s in self.shards}
 
   def __iter__(self):
     return self
 
   def __next__(self) -> dict[str, np.ndarray]:
     parts = [next(self._its[s]) for s in self.shards]
-    if len(parts) == 1:
-      return parts[0]
-    return {k: np.concatenate([p[k] for p in parts], axis=1) for k in parts[0]}
+    whole = parts[0] if len(parts) == 1 else {
+        k: np.concatenate([p[k] for p in parts], axis=1) for k in parts[0]}
+    return {k: v[:, self._keep] for k, v in whole.items()}
 
   def get_state(self) -> dict[str, dict]:
     return {str(s): it.get_state() for s, it in self._its.items()}
@@ -244,15 +253,31 @@ class ShardIterator:
         close()
 
 
+def _shard_state(state: dict, shard: int) -> dict:
+  if str(shard) not in state:
+    raise UserError(f"the checkpoint holds no data position for data shard {shard} (it has "
+                    f"{sorted(state, key=int)}): a checkpoint of another --data-shards")
+  return state[str(shard)]
+
+
 def shards_for_rows(cfg: PipelineConfig, rows: tuple[int, int]) -> list[int]:
-  """The data shards that supply micro-batch rows [start, stop) (of b per micro-batch)."""
-  per = cfg.batch_rows // cfg.micro_batches // cfg.num_shards
+  """The data shards that supply (some of) micro-batch rows [start, stop) (of b)."""
+  b = cfg.batch_rows // cfg.micro_batches
+  per = b // cfg.num_shards
   start, stop = rows
-  if start % per or stop % per:
-    raise UserError(f"this process holds rows [{start}, {stop}) of each micro-batch, which is "
-                    f"not a whole number of data shards of {per} rows; choose --data-shards "
-                    "so that every process's rows are whole shards")
-  return list(range(start // per, stop // per))
+  if not 0 <= start < stop <= b:
+    raise ValueError(f"rows [{start}, {stop}) of a {b}-row micro-batch")
+  return list(range(start // per, -(-stop // per)))
+
+
+def shard_writers(cfg: PipelineConfig, rows_by_process: dict[int, tuple[int, int]]
+                  ) -> dict[int, int]:
+  """shard -> the lowest process that reads it: the one that saves its data position."""
+  out: dict[int, int] = {}
+  for proc in sorted(rows_by_process):
+    for shard in shards_for_rows(cfg, rows_by_process[proc]):
+      out.setdefault(shard, proc)
+  return out
 
 
 def eval_batches(docs_tokens: Sequence[np.ndarray], cfg: PipelineConfig, max_batches: int,

@@ -98,10 +98,11 @@ class RunOptions:
   dtype: str = "auto"                # compute dtype; auto: bfloat16 on TPU/GPU, float32 on CPU;
                                      #   float64: float64 weights and compute (exactness checks)
   mesh: str | None = None            # device mesh spec, e.g. "data=2,expert=2,tensor=2"
-  data_shards: int | None = None     # data pipelines per step (default: the process count)
+  data_shards: int = 1               # data pipelines of the run (never the process count)
   coordinator: str | None = None     # multi-process: HOST:PORT of process 0, or "auto"
   num_processes: int | None = None
   process_id: int | None = None
+  startup_timeout: float = 3600.0    # seconds a process waits for the others to compile
   eval_every: int = 50
   eval_batches: int = 4
   save_every: int = 100
@@ -258,6 +259,15 @@ def _eval_loss(steps, state, batches) -> float:
   return total / max(tokens, 1)
 
 
+def _compile_then_meet(steps, state, batch, eval_batch, qk_threshold, timeout_s: float) -> None:
+  """Compile the train and eval steps (their first calls reuse the executables), then wait for
+  every process: a first collective must not start while another process still compiles (on
+  CPU gloo gives a peer 30 s to join; docs/sharding.md#multi-host)."""
+  steps.train.lower(state, batch, qk_threshold).compile()
+  steps.eval.lower(state["params"], state["router_bias"], eval_batch).compile()
+  distributed.barrier("k3jax-train-compiled", timeout_s)
+
+
 def run(opts: RunOptions, *, on_step=None) -> dict[str, Any]:
   """Train; returns a summary. `on_step(step, record)` is called after each logged step."""
   with jax.enable_x64(True) if opts.dtype == "float64" else contextlib.nullcontext():
@@ -279,16 +289,14 @@ def _process_rows_and_shards(steps: step_lib.Steps, pipe: data_lib.PipelineConfi
   state it writes into checkpoints: each shard by the lowest process reading it)."""
   rows_per_micro = opts.batch_size // opts.grad_accum
   if steps.mesh is None:
-    return (0, rows_per_micro), list(range(pipe.num_shards)), list(range(pipe.num_shards))
-  shape = (opts.grad_accum, rows_per_micro, opts.seq_len)
-  by_process = distributed.rows_by_process(steps.batch_sharding, shape)
-  readers: dict[int, int] = {}
-  for proc in sorted(by_process):
-    for shard in data_lib.shards_for_rows(pipe, by_process[proc]):
-      readers.setdefault(shard, proc)
+    by_process = {0: (0, rows_per_micro)}
+  else:
+    shape = (opts.grad_accum, rows_per_micro, opts.seq_len)
+    by_process = distributed.rows_by_process(steps.batch_sharding, shape)
   me = jax.process_index()
+  writers = data_lib.shard_writers(pipe, by_process)
   mine = data_lib.shards_for_rows(pipe, by_process[me])
-  return by_process[me], mine, [s for s in mine if readers[s] == me]
+  return by_process[me], mine, [s for s in mine if writers[s] == me]
 
 
 class _NoWriter:
@@ -310,8 +318,6 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
   main_process = distributed.is_main_process()
   if jax.process_count() > 1 and not opts.mesh:
     raise UserError(f"{jax.process_count()} processes need --mesh (e.g. data=-1)")
-  if opts.data_shards is None:
-    opts = dataclasses.replace(opts, data_shards=jax.process_count())
   mesh = make_mesh(opts.mesh) if opts.mesh else None
   out = os.path.abspath(opts.out)
   opts = dataclasses.replace(opts, **{k: fn(getattr(opts, k)) for k, fn in _PATHS.items()})
@@ -400,7 +406,7 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
           flush=True)
   writer = (MetricsWriter(out, resume_step=resume_step, tensorboard=opts.tensorboard)
             if main_process else _NoWriter())
-  iterator = data_lib.ShardIterator(data.train_tokens, pipe, read_shards, data_state,
+  iterator = data_lib.ShardIterator(data.train_tokens, pipe, rows, data_state,
                                     data.train_weights)
   bar = tqdm(total=opts.steps, initial=start, disable=not (opts.progress and main_process),
              unit="step", dynamic_ncols=True)
@@ -412,6 +418,9 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
   try:
     for s in range(start + 1, opts.steps + 1):
       batch = to_device(next(iterator))
+      if s == start + 1 and jax.process_count() > 1:
+        _compile_then_meet(steps, state, batch, eval_batches[0], qk_threshold,
+                           opts.startup_timeout)
       state, metrics = steps.train(state, batch, qk_threshold)
       metrics = jax.device_get(metrics)
       now = time.perf_counter()

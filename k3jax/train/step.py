@@ -443,12 +443,16 @@ def init_params(cfg: ModelConfig, ex: Execution, seed: int, spec: AdaptSpec | No
 
 def abstract_state(steps: Steps, params: Any, bias: Any) -> Any:
   """Shapes and dtypes of the TrainState for `params` (for an Orbax restore target); on a mesh
-  each leaf carries its NamedSharding, so Orbax restores every array straight into its shards."""
+  each leaf carries its NamedSharding, so Orbax restores every array straight into its shards;
+  without one, the default device (not the saved sharding: a checkpoint of a multi-process
+  mesh then restores on one device)."""
   rng = jax.ShapeDtypeStruct((2,), jnp.uint32)
   shapes = jax.eval_shape(steps.init.jitted if isinstance(steps.init, OnMesh) else steps.init,
                           params, bias, rng)
   if steps.shardings is None:
-    return shapes
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
+                        shapes)
   return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
                       shapes, steps.shardings)
 

@@ -188,3 +188,64 @@ def test_folder_bpe_encodes_with_its_merges_and_special_tokens(tmp_path):
   assert tok.encode("<|eos|>").tolist() == [259]
   assert 259 not in tok.encode("<|eos|>", allow_special=False)
   assert 259 not in data.tokenize([data.Document("d", b"<|eos|>")], tok)[0]
+
+
+def _process_rows(b: int, n: int) -> dict[int, tuple[int, int]]:
+  """The rows each of n processes holds on a data mesh axis (contiguous, equal blocks)."""
+  return {p: (p * b // n, (p + 1) * b // n) for p in range(n)}
+
+
+def _global_batches(its, steps, close=True):
+  """`steps` batches of every process's iterator, rows concatenated in process order (the
+  iterators closed afterwards unless `close` is False: their prefetch threads stop)."""
+  out = []
+  for _ in range(steps):
+    parts = [next(it) for it in its]
+    out.append({k: np.concatenate([p[k] for p in parts], axis=1) for k in parts[0]})
+  for it in its if close else ():
+    it.close()
+  return out
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_global_batch_and_data_position_do_not_depend_on_the_process_count(shards):
+  lengths = [3, 7, 40, 9, 33, 2, 25, 60, 4, 11, 50, 18]
+  docs = docs_tokens(lengths, seed=2)
+  b = 4
+  cfg = data.PipelineConfig(seq_len=T, batch_rows=2 * b, micro_batches=2, seed=5,
+                            num_shards=shards)
+  # the reference: the shard pipelines themselves, read whole, rows in shard order
+  pipes = [data.iterate(data.train_dataset(docs, cfg, shard=s)) for s in range(shards)]
+  want = _global_batches(pipes, 5, close=False)
+  for it in pipes:
+    it.close()
+  for n in (1, 2, 4):
+    its = [data.ShardIterator(docs, cfg, rows) for rows in _process_rows(b, n).values()]
+    got = _global_batches(its, 5)
+    for g, w in zip(got, want):
+      for k in w:
+        np.testing.assert_array_equal(g[k], w[k], err_msg=f"{n} processes, {k}")
+  # a data position saved under n processes (each shard's state from its lowest reader)
+  # resumes under m with the same next batches
+  for n, m in ((2, 1), (1, 4), (4, 2)):
+    by_process = _process_rows(b, n)
+    its = [data.ShardIterator(docs, cfg, rows) for rows in by_process.values()]
+    _global_batches(its, 2, close=False)
+    writers = data.shard_writers(cfg, by_process)
+    saved = {}
+    for p, it in enumerate(its):
+      saved.update({k: v for k, v in it.get_state().items() if writers[int(k)] == p})
+      it.close()
+    assert sorted(saved) == [str(s) for s in range(shards)]
+    resumed = [data.ShardIterator(docs, cfg, rows, state=saved)
+               for rows in _process_rows(b, m).values()]
+    for g, w in zip(_global_batches(resumed, 3), want[2:5]):
+      for k in w:
+        np.testing.assert_array_equal(g[k], w[k], err_msg=f"saved on {n}, resumed on {m}")
+
+
+def test_a_data_position_of_other_shards_is_refused():
+  docs = docs_tokens([40, 33, 60, 25], seed=2)
+  cfg = data.PipelineConfig(seq_len=T, batch_rows=4, micro_batches=1, seed=0, num_shards=2)
+  with pytest.raises(UserError, match="no data position for data shard 1"):
+    data.ShardIterator(docs, cfg, state={"0": {}})
