@@ -35,7 +35,7 @@ from k3jax.train.loop import adapt_spec, run, step_config
 from k3jax.train.metrics import read_records
 from pallas_kernels import mxfp4 as mx
 
-from .helpers import options
+from .helpers import MICRO, options
 
 STEPS = 12
 TARGETS = ("mla.*", "moe.experts.*")
@@ -322,7 +322,6 @@ def test_frozen_base_is_held_in_the_compute_dtype():
   """bf16 compute over fp32 masters (TPU/GPU): under LoRA the frozen base is held in bf16 (no
   master copy: half the bytes), the adapters and their AdamW moments in fp32, MXFP4 codes
   as uint8; a train step keeps every dtype (traced, not compiled)."""
-  from .helpers import MICRO
   cfg, ex = MICRO, Execution(dtype="bfloat16", param_dtype="float32")
   spec = lora.AdaptSpec(rank=4, targets=TARGETS, base_experts="mxfp4")
   params, bias = jax.eval_shape(lambda: step_lib.init_params(cfg, ex, 0, spec))
@@ -342,3 +341,47 @@ def test_frozen_base_is_held_in_the_compute_dtype():
   new_state, _ = jax.eval_shape(steps.train, state, batch, jax.ShapeDtypeStruct((), jnp.float32))
   assert jax.tree.map(lambda x: x.dtype, new_state["params"]) == jax.tree.map(
       lambda x: x.dtype, params)
+
+
+def test_float64_resume_over_a_k3jax_base_equals_the_straight_run(tmp_path, monkeypatch):
+  """LoRA over a k3jax model folder (Orbax) in float64: stopped at its first checkpoint and
+  resumed, the run computes the straight run's losses exactly, its checkpoints hold the
+  adapters only and the fingerprint covers the Orbax files; a run whose first checkpoint holds
+  the whole state (as LoRA checkpoints did before they left the base out) resumes the same."""
+  ex = Execution(dtype="float64", param_dtype="float64")
+  with jax.enable_x64(True):
+    params, bias = step_lib.init_params(MICRO, ex, 0)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: step_lib.make_model(MICRO, ex, 0)))
+    base = str(tmp_path / "base")
+    ckpt_lib.save_model(base, graphdef, params, bias, MICRO)
+  data = tmp_path / "sums.txt"
+  data.write_text(conversations(100))
+  common = dict(init_from=base, data=str(data), dtype="float64", steps=4, decay_steps=4,
+                save_every=2, eval_every=4, warmup_steps=1, plots=False, tensorboard=False,
+                lora_rank=4, lora_alpha=8.0, lora_targets=("mla.*", "moe.shared_experts.*"))
+  straight = run(options(tmp_path / "straight", None, **common))
+  want = [r["loss"] for r in read_records(straight["out"])]
+  assert want[0] != want[-1]
+  ckpt = os.path.join(straight["out"], "checkpoints", "4")
+  assert all(p[0] != "params" or is_adapter(p[1:])
+             for p in orbax_io.saved_paths(os.path.join(ckpt, "state")))
+  checkpointer = ckpt_lib.Checkpointer(os.path.dirname(ckpt), keep=3)
+  ref = checkpointer.base_reference(4)
+  checkpointer.close()
+  assert ref["folder"] == base and ref["fingerprint"] == fingerprint.fingerprint(base)
+  assert "k3jax_config.json" in ref["fingerprint"] and ref["bytes"] == straight["base_bytes"]
+  assert straight["checkpoint_bytes"] < straight["base_bytes"] / 2
+
+  for name, whole_state in (("resumed", False), ("resumed_old", True)):
+    out = tmp_path / name
+    with monkeypatch.context() as m:
+      if whole_state:  # checkpoints as before: no reference, the base inside
+        m.setattr(frozen_base, "has_frozen", lambda mask: False)
+      run(options(out, None, **{**common, "steps": 2}))
+    checkpointer = ckpt_lib.Checkpointer(os.path.join(out, "checkpoints"), keep=3)
+    assert (checkpointer.base_reference(2) is None) == whole_state
+    checkpointer.close()
+    resumed = run(options(out, None, **common))
+    assert resumed["start_step"] == 2
+    np.testing.assert_array_equal([r["loss"] for r in read_records(str(out))], want,
+                                  err_msg=name)
