@@ -10,6 +10,9 @@ A checkpoint `OUT/checkpoints/<step>/` holds three items:
          position. Each shard's state is written by the lowest process that reads that shard,
          and read by every process that reads it (data.py: shards are a property of the run)
   meta   small JSON (tokens seen, wall time so far), written by process 0
+  base   (runs with a frozen base: LoRA, packed MXFP4 experts) the JSON reference to the base
+         (its folder and fingerprint, frozen_base.py), written by process 0; `state` then
+         holds only the trainable params (and their optimizer state), not the base
 Orbax writes a checkpoint into a temporary folder and renames it only once every item is
 committed, so a run killed mid-save leaves no checkpoint for that step: `latest_step()` is the
 last complete one, and the leftover temporary folder is removed when the next run opens the
@@ -123,7 +126,7 @@ class Checkpointer:
   def __init__(self, directory: str, *, keep: int, async_save: bool = True):
     directory = os.path.abspath(directory)
     handlers = {"state": ocp.StandardCheckpointHandler(), "data": _ShardStatesHandler(),
-                "meta": ocp.JsonCheckpointHandler()}
+                "meta": ocp.JsonCheckpointHandler(), "base": ocp.JsonCheckpointHandler()}
     delay = os.environ.get(SAVE_DELAY_ENV)
     self._hold = bool(delay)
     if self._hold:
@@ -132,6 +135,7 @@ class Checkpointer:
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
         cleanup_tmp_directories=True)
+    self.directory = directory
     self.manager = ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
 
   def latest_step(self) -> int | None:
@@ -140,10 +144,14 @@ class Checkpointer:
   def all_steps(self) -> list[int]:
     return list(self.manager.all_steps())
 
-  def save(self, step: int, state: Any, data_states: dict, meta: dict) -> None:
-    """data_states: {shard: grain state} of the data shards this process writes."""
+  def save(self, step: int, state: Any, data_states: dict, meta: dict,
+           base: dict | None = None) -> None:
+    """data_states: {shard: grain state} of the data shards this process writes; base: the
+    reference to a frozen base `state` leaves out (frozen_base.py), or None."""
     items = {"state": ocp.args.StandardSave(state), "data": _DataSave(data_states),
              "meta": ocp.args.JsonSave(meta)}
+    if base is not None:
+      items["base"] = ocp.args.JsonSave(base)
     if self._hold:
       items["hold"] = _HoldSave({"step": step})
     self.manager.save(step, args=ocp.args.Composite(**items), force=True)
@@ -154,6 +162,19 @@ class Checkpointer:
         state=ocp.args.StandardRestore(abstract_state), data=_DataRestore(list(shards)),
         meta=ocp.args.JsonRestore()))
     return out.state, out.data, out.meta
+
+  def base_reference(self, step: int) -> dict | None:
+    """The base reference checkpoint `step` holds, or None (a checkpoint of the whole state:
+    plain training, or a LoRA run saved before checkpoints left the base out)."""
+    if not os.path.isdir(os.path.join(self.directory, str(step), "base")):
+      return None
+    return self.manager.restore(step, args=ocp.args.Composite(base=ocp.args.JsonRestore())).base
+
+  def step_bytes(self, step: int) -> int:
+    """Bytes on disk of checkpoint `step` (every file of its folder)."""
+    root = os.path.join(self.directory, str(step))
+    return sum(os.path.getsize(os.path.join(d, name))
+               for d, _, files in os.walk(root) for name in files)
 
   def wait(self) -> None:
     self.manager.wait_until_finished()

@@ -2,7 +2,9 @@
 
     OUT/run.json          options, model config and execution of the run (a resume must
                           match them)
-    OUT/checkpoints/<s>/  Orbax checkpoints (checkpoint.py), the last `keep` of them
+    OUT/checkpoints/<s>/  Orbax checkpoints (checkpoint.py), the last `keep` of them; with a
+                          frozen base (LoRA, packed experts) only what is trained and a
+                          reference to the base (frozen_base.py)
     OUT/metrics.jsonl     one JSON object per logged step (metrics.py)
     OUT/tb/               TensorBoard events
     OUT/plots/*.png       loss and expert load (plots.py), written at the end
@@ -38,6 +40,7 @@ from tqdm import tqdm
 
 import configs
 from convert import load as convert_load
+from convert.fingerprint import weight_bytes
 from convert.hf_load import load_model
 from k3jax.config import ModelConfig
 from k3jax.errors import UserError
@@ -55,6 +58,7 @@ from k3jax.model.transformer import K3Model
 from k3jax.tokenizer import load_tokenizer
 from k3jax.train import data as data_lib
 from k3jax.train import flops as flops_lib
+from k3jax.train import frozen_base
 from k3jax.train import step as step_lib
 from k3jax.train.checkpoint import Checkpointer, save_model
 from k3jax.train.metrics import MetricsWriter, read_records
@@ -283,6 +287,34 @@ def _path_shardings(steps: step_lib.Steps) -> dict:
   return out
 
 
+def _initial_params(steps: step_lib.Steps, cfg: ModelConfig, ex: Execution, spec,
+                    init: str | None, seed: int) -> tuple[Any, Any]:
+  """(params, router_bias) a run starts from, placed: the weights folder `init` loaded and
+  adapted as `spec` asks (MXFP4 packing, fresh adapters from `seed`), else a fresh model from
+  `seed`. A resume rebuilds a frozen base with it, bit for bit."""
+  mesh = steps.mesh
+  if init is None:
+    return steps.init_params(seed)  # on a mesh: created in its shardings
+  shardings = _path_shardings(steps) if mesh is not None and spec is None else None
+  _, params, bias = step_lib.split_model(load_init(init, ex, shardings)[0])
+  if spec is not None:
+    params = step_lib.adapt_params(cfg, ex, params, bias, spec, seed)
+  if mesh is not None:  # an official-layout folder (or an adapted model) arrives whole
+    params = jax.device_put(params, steps.shardings["params"])
+    bias = jax.device_put(bias, steps.shardings["router_bias"])
+  return params, bias
+
+
+def _sizes(step: int, checkpoint_bytes: int, base_bytes: int | None, base: dict | None) -> str:
+  """The log line on what the last checkpoint holds next to the base."""
+  line = f"checkpoint {step} holds {checkpoint_bytes / 1e6:.3f} MB"
+  if base is not None and base["folder"]:
+    return line + f", the frozen base it refers to ({base['folder']}) {base_bytes / 1e6:.3f} MB"
+  if base is not None:
+    return line + " (the frozen base is rebuilt from --seed)"
+  return line + (f", --init-from {base_bytes / 1e6:.3f} MB" if base_bytes else "")
+
+
 def _process_rows_and_shards(steps: step_lib.Steps, pipe: data_lib.PipelineConfig,
                              opts: RunOptions):
   """(rows of each micro-batch this process supplies, the data shards it reads, those whose
@@ -322,6 +354,7 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
   out = os.path.abspath(opts.out)
   opts = dataclasses.replace(opts, **{k: fn(getattr(opts, k)) for k, fn in _PATHS.items()})
   os.makedirs(out, exist_ok=True)
+  frozen_base.check_present(out, opts.init_from)
   cfg, ex = _model_config(opts), execution(opts)
   check_resume(out, opts, cfg, ex)
   sc = step_config(opts)
@@ -336,6 +369,15 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
 
   ckpt = Checkpointer(os.path.join(out, "checkpoints"), keep=opts.keep)
   resume_step = ckpt.latest_step()
+  # a frozen base (LoRA, packed experts) stays out of the checkpoints, referenced by `base`
+  frozen = frozen_base.has_frozen(steps.trainable)
+  # (a checkpoint without a reference holds the whole state: plain training, older runs)
+  base = saved_base = None if resume_step is None else ckpt.base_reference(resume_step)
+  if saved_base is not None:  # refuse a changed base before anything is loaded or compiled
+    frozen_base.check(saved_base, f"checkpoint {resume_step} of {out}")
+  elif frozen:
+    base = frozen_base.reference(
+        model_folder(opts.init_from).weights if opts.init_from else None, opts.seed)
   source = tokenizer_source(opts.tokenizer, opts.init_from)
   tokenizer = load_tokenizer(source.kind, source.folder)
   if tokenizer.vocab_size > cfg.vocab_size:
@@ -356,22 +398,18 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
 
   if resume_step is not None:
     params, bias = jax.eval_shape(lambda: step_lib.init_params(cfg, ex, opts.seed, spec))
-    state, data_state, meta = ckpt.restore(
-        resume_step, step_lib.abstract_state(steps, params, bias), read_shards)
+    target = step_lib.abstract_state(steps, params, bias)
+    if saved_base is not None:
+      target = frozen_base.trainable_state(target, steps.trainable)
+    state, data_state, meta = ckpt.restore(resume_step, target, read_shards)
+    if saved_base is not None:  # the frozen leaves, rebuilt as the run first built them
+      params, _ = _initial_params(steps, cfg, ex, spec, base["folder"], opts.seed)
+      state = frozen_base.with_base(state, params, steps.trainable)
     start = int(state["step"])
   else:
     rng = step_lib.new_rng(opts.seed)
-    if opts.init_from:
-      shardings = _path_shardings(steps) if mesh is not None and spec is None else None
-      init = model_folder(opts.init_from).weights
-      _, params, bias = step_lib.split_model(load_init(init, ex, shardings)[0])
-      if spec is not None:
-        params = step_lib.adapt_params(cfg, ex, params, bias, spec, opts.seed)
-      if mesh is not None:  # an official-layout folder (or an adapted model) arrives whole
-        params = jax.device_put(params, steps.shardings["params"])
-        bias = jax.device_put(bias, steps.shardings["router_bias"])
-    else:
-      params, bias = steps.init_params(opts.seed)  # on a mesh: created in its shardings
+    init = model_folder(opts.init_from).weights if opts.init_from else None
+    params, bias = _initial_params(steps, cfg, ex, spec, init, opts.seed)
     if mesh is not None:
       rng = np.asarray(rng)  # the same value on every process: replicated by the jit
     state = steps.init(params, bias, rng)
@@ -448,8 +486,9 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
           on_step(s, record)
       if s % opts.save_every == 0 or s == opts.steps:
         data_states = iterator.get_state()
-        ckpt.save(s, state, {k: v for k, v in data_states.items() if int(k) in write_shards},
-                  meta)
+        ckpt.save(s, frozen_base.trainable_state(state, steps.trainable) if frozen else state,
+                  {k: v for k, v in data_states.items() if int(k) in write_shards}, meta,
+                  base=base if frozen else None)
         t_prev = time.perf_counter()  # the blocking part of a save is not step time
       bar.update(1)
       bar.set_postfix(loss=f"{loss:.3f}", **({"eval": f"{eval_loss:.3f}"} if eval_loss else {}),
@@ -459,11 +498,17 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
     iterator.close()
     ckpt.wait()  # the last async save completes before the run reports
     saved_steps = ckpt.all_steps()
+    checkpoint_bytes = ckpt.step_bytes(saved_steps[-1]) if saved_steps else None
     ckpt.close()
     writer.close()
   if first_loss is not None:  # the final weights, exportable (`k3jax export`) and fine-tunable
     save_model(os.path.join(out, MODEL_DIR), steps.graphdef, state["params"],
                state["router_bias"], cfg, adapters=None if spec is None else spec.to_dict())
+  base_bytes = (base["bytes"] if base is not None and base["folder"] else
+                weight_bytes(model_folder(opts.init_from).weights) if opts.init_from else None)
+  if main_process and checkpoint_bytes is not None:
+    print(f"k3jax train: {_sizes(saved_steps[-1], checkpoint_bytes, base_bytes, base)}",
+          flush=True)
   plots = []
   if opts.plots and main_process:
     from k3jax.train.plots import write_plots  # noqa: PLC0415 - matplotlib is slow to import; only the end of a run plots
@@ -477,5 +522,6 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
       "mfu": (flop_count.train_per_token * tokens_per_step / median / peak) if median else None,
       "peak_flops": peak, "plots": plots, "checkpoints": saved_steps, "data": data.summary,
       "trainable_params": n_trainable, "total_params": n_params,
+      "checkpoint_bytes": checkpoint_bytes, "base_bytes": base_bytes,
   }
   return summary

@@ -1,6 +1,8 @@
 """LoRA fine-tuning end to end on k3_tiny_a (the released layout, MXFP4 experts): adapters on
 MLA and per routed expert over MXFP4-packed frozen experts with QAT. The base stays bit for
-bit what it was, only adapters hold optimizer state, the loss falls, and `k3jax export
+bit what it was, only adapters hold optimizer state, the loss falls, checkpoints hold the
+adapters and a reference to the base (not the base), a resume rebuilds the base and goes on
+exactly as the straight run, a changed or missing base is refused, and `k3jax export
 --merge-lora` writes base + scale * A B (float64, then the official dtypes) whose loaded model
 computes the trained model's logits (float64)."""
 
@@ -18,18 +20,22 @@ import torch
 from flax import nnx
 from safetensors.torch import load_file
 
-from convert import orbax_io
+from convert import fingerprint, orbax_io, safetensors_io
 from convert.hf_load import load_model
 from convert.lora_export import ADAPTER_CONFIG, ADAPTER_FILE, is_adapter
 from k3jax.cli import main
+from k3jax.errors import UserError
 from k3jax.execution import Execution
 from k3jax.info import param_breakdown
 from k3jax.model import lora
+from k3jax.train import checkpoint as ckpt_lib
+from k3jax.train import frozen_base
 from k3jax.train import step as step_lib
 from k3jax.train.loop import adapt_spec, run, step_config
+from k3jax.train.metrics import read_records
 from pallas_kernels import mxfp4 as mx
 
-from .helpers import options
+from .helpers import MICRO, options
 
 STEPS = 12
 TARGETS = ("mla.*", "moe.experts.*")
@@ -51,10 +57,14 @@ def trained(tmp_path_factory, reference_dir):
   tmp = tmp_path_factory.mktemp("lora")
   data = tmp / "sums.txt"
   data.write_text(conversations(400))
-  base = os.path.join(reference_dir, "k3_tiny_a")
+  # a writable copy: the tampering test changes it (and puts it back)
+  base = str(tmp / "k3_tiny_a")
+  shutil.copytree(os.path.join(reference_dir, "k3_tiny_a"), base,
+                  copy_function=shutil.copyfile)
+  os.chmod(base, 0o755)
   opts = options(tmp / "run", None, init_from=base, data=str(data), steps=STEPS,
                  decay_steps=STEPS, warmup_steps=2, seq_len=64, eval_every=STEPS,
-                 save_every=STEPS, plots=False, tensorboard=False, learning_rate=1e-2,
+                 save_every=STEPS // 2, plots=False, tensorboard=False, learning_rate=1e-2,
                  lora_rank=4, lora_alpha=8.0, lora_targets=TARGETS, base_experts="mxfp4",
                  experts_qat=True)
   summary = run(opts)
@@ -111,17 +121,104 @@ def test_lora_run_trains_adapters_only(trained):
   # margin either side, far above float32 differences between machines.
   assert summary["last_loss"] < summary["first_loss"] - 0.25, summary
   assert summary["eval_loss"] < summary["first_loss"] - 0.25, summary
-  # a resumed run (same OUT, more steps) restores the adapters' optimizer state and goes on;
-  # the base is still the one it started from
-  # (in a copy: the export test reads this run's model, and TensorStore caches what it read)
+  # a checkpoint holds the adapters (+ their AdamW moments, biases, step, RNG, data position)
+  # and a reference to the base, not the base: every params array in it is an adapter
+  ckpt = os.path.join(summary["out"], "checkpoints", str(STEPS))
+  in_ckpt = orbax_io.saved_paths(os.path.join(ckpt, "state"))
+  assert {p[1:] for p in in_ckpt if p[0] == "params"} == adapters
+  assert summary["checkpoints"] == [STEPS // 2, STEPS]
+  shards = [f for f in os.listdir(base) if f.endswith(".safetensors")]
+  assert summary["base_bytes"] == sum(os.path.getsize(os.path.join(base, f)) for f in
+                                      shards + ["config.json", "model.safetensors.index.json"])
+  assert summary["checkpoint_bytes"] == sum(
+      os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(ckpt) for f in fs)
+  # the adapters' fp32 values and two AdamW moments (Orbax compresses them a little) and
+  # metadata: no room for the base's 1.26 MB. (Rank 4 on each of this tiny model's experts
+  # is about as large as its MXFP4 base; for K3, docs/training.md gives the figures.)
+  assert summary["checkpoint_bytes"] < 3 * 4 * n_adapter + 100_000
+  assert summary["base_bytes"] > 1_000_000
+  # stopped after the first checkpoint and resumed (a copy without the last checkpoint: the
+  # export test reads this run's model, and TensorStore caches what it read), the run rebuilds
+  # the base from its folder (MXFP4 packing included), restores the adapters and their
+  # optimizer state, and computes the straight run's steps bit for bit; the base is still
+  # the one it started from
   copy = summary["out"] + "_resumed"
   shutil.copytree(summary["out"], copy)
-  resumed = run(dataclasses.replace(opts, out=copy, steps=STEPS + 2))
-  assert resumed["start_step"] == STEPS and resumed["trainable_params"] == n_adapter
+  shutil.rmtree(os.path.join(copy, "checkpoints", str(STEPS)))
+  resumed = run(dataclasses.replace(opts, out=copy))
+  assert resumed["start_step"] == STEPS // 2 and resumed["trainable_params"] == n_adapter
+  want, got = read_records(summary["out"]), read_records(copy)
+  assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
+  for key in ("loss", "grad_norm", "load_max_mean_after"):
+    np.testing.assert_array_equal([r[key] for r in got], [r[key] for r in want], err_msg=key)
+  assert resumed["eval_loss"] == summary["eval_loss"]
   saved = saved_arrays(os.path.join(copy, "model"))
+  straight = saved_arrays(os.path.join(summary["out"], "model"))
   for path, value in start_flat.items():
-    if not is_adapter(path):
-      np.testing.assert_array_equal(saved[path], value, err_msg=".".join(path))
+    np.testing.assert_array_equal(saved[path], straight[path] if is_adapter(path) else value,
+                                  err_msg=".".join(path))
+
+
+def test_a_changed_or_missing_base_is_refused(trained, tmp_path):
+  """A resume recomputes the base's fingerprint: a changed header byte, a changed byte in a
+  sampled range (same size), a resized file or a missing folder each stop it with one line
+  naming the folder and what differs, before anything is loaded; a change outside the
+  sampled ranges of a same-size shard is the documented blind spot."""
+  opts, summary, base = trained
+  out = str(tmp_path / "run")
+  shutil.copytree(summary["out"], out)
+  resume = dataclasses.replace(opts, out=out, steps=STEPS + 2)
+  shard = os.path.join(base, "model-00002-of-00003.safetensors")
+  header = safetensors_io.read_header(shard)
+  sampled = fingerprint.sampled_ranges(header.data_start, os.path.getsize(shard))
+  unsampled = sampled[1][1] + 1  # between the second and the third sampled range
+  assert all(not start <= unsampled < stop for start, stop in sampled)
+
+  def refused(offset, what):
+    with open(shard, "r+b") as f:
+      f.seek(offset)
+      old = f.read(1)
+      f.seek(offset)
+      f.write(bytes([old[0] ^ 0x01]))
+    try:
+      if what is None:  # not in the fingerprint: the resume would go on
+        ckpt = ckpt_lib.Checkpointer(os.path.join(out, "checkpoints"), keep=3)
+        ref = ckpt.base_reference(STEPS)
+        ckpt.close()
+        frozen_base.check(ref, "the checkpoint")
+        return
+      with pytest.raises(UserError) as e:
+        run(resume)
+      msg = str(e.value)
+      assert "\n" not in msg and msg.startswith(f"{base}: not the base checkpoint {STEPS}")
+      assert f"model-00002-of-00003.safetensors: {what}" in msg, msg
+    finally:
+      with open(shard, "r+b") as f:
+        f.seek(offset)
+        f.write(old)
+
+  refused(20, "header differs")                       # inside the header's JSON
+  refused((sampled[5][0] + sampled[5][1]) // 2, "sampled bytes differ")
+  refused(unsampled, None)
+  with open(shard, "ab") as f:                        # one byte more
+    f.write(b"\0")
+  try:
+    with pytest.raises(UserError, match="size differs"):
+      run(resume)
+  finally:
+    with open(shard, "r+b") as f:
+      f.truncate(os.path.getsize(shard) - 1)
+  moved = base + "_moved"
+  os.rename(base, moved)
+  try:
+    with pytest.raises(UserError, match=f"^{base}: the base of the run in {out} is missing"):
+      run(resume)
+  finally:
+    os.rename(moved, base)
+  # the refused resumes left the run as it was
+  assert sorted(os.listdir(os.path.join(out, "checkpoints")), key=int) == [
+      str(STEPS // 2), str(STEPS)]
+  assert read_records(out) == read_records(summary["out"])
 
 
 
@@ -225,7 +322,6 @@ def test_frozen_base_is_held_in_the_compute_dtype():
   """bf16 compute over fp32 masters (TPU/GPU): under LoRA the frozen base is held in bf16 (no
   master copy: half the bytes), the adapters and their AdamW moments in fp32, MXFP4 codes
   as uint8; a train step keeps every dtype (traced, not compiled)."""
-  from .helpers import MICRO
   cfg, ex = MICRO, Execution(dtype="bfloat16", param_dtype="float32")
   spec = lora.AdaptSpec(rank=4, targets=TARGETS, base_experts="mxfp4")
   params, bias = jax.eval_shape(lambda: step_lib.init_params(cfg, ex, 0, spec))
@@ -245,3 +341,74 @@ def test_frozen_base_is_held_in_the_compute_dtype():
   new_state, _ = jax.eval_shape(steps.train, state, batch, jax.ShapeDtypeStruct((), jnp.float32))
   assert jax.tree.map(lambda x: x.dtype, new_state["params"]) == jax.tree.map(
       lambda x: x.dtype, params)
+
+
+def test_float64_resume_over_a_k3jax_base_equals_the_straight_run(tmp_path, monkeypatch):
+  """LoRA over a k3jax model folder (Orbax) in float64: stopped at its first checkpoint and
+  resumed, the run computes the straight run's losses exactly, its checkpoints hold the
+  adapters only and the fingerprint covers the Orbax files; a run whose first checkpoint holds
+  the whole state (as LoRA checkpoints did before they left the base out) resumes the same."""
+  ex = Execution(dtype="float64", param_dtype="float64")
+  with jax.enable_x64(True):
+    params, bias = step_lib.init_params(MICRO, ex, 0)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: step_lib.make_model(MICRO, ex, 0)))
+    base = str(tmp_path / "base")
+    ckpt_lib.save_model(base, graphdef, params, bias, MICRO)
+  data = tmp_path / "sums.txt"
+  data.write_text(conversations(100))
+  common = dict(init_from=base, data=str(data), dtype="float64", steps=4, decay_steps=4,
+                save_every=2, eval_every=4, warmup_steps=1, plots=False, tensorboard=False,
+                lora_rank=4, lora_alpha=8.0, lora_targets=("mla.*", "moe.shared_experts.*"))
+  straight = run(options(tmp_path / "straight", None, **common))
+  want = [r["loss"] for r in read_records(straight["out"])]
+  assert want[0] != want[-1]
+  ckpt = os.path.join(straight["out"], "checkpoints", "4")
+  assert all(p[0] != "params" or is_adapter(p[1:])
+             for p in orbax_io.saved_paths(os.path.join(ckpt, "state")))
+  checkpointer = ckpt_lib.Checkpointer(os.path.dirname(ckpt), keep=3)
+  ref = checkpointer.base_reference(4)
+  checkpointer.close()
+  assert ref["folder"] == base and ref["fingerprint"] == fingerprint.fingerprint(base)
+  assert "k3jax_config.json" in ref["fingerprint"] and ref["bytes"] == straight["base_bytes"]
+  assert straight["checkpoint_bytes"] < straight["base_bytes"] / 2
+
+  for name, whole_state in (("resumed", False), ("resumed_old", True)):
+    out = tmp_path / name
+    with monkeypatch.context() as m:
+      if whole_state:  # checkpoints as before: no reference, the base inside
+        m.setattr(frozen_base, "has_frozen", lambda mask: False)
+      run(options(out, None, **{**common, "steps": 2}))
+    checkpointer = ckpt_lib.Checkpointer(os.path.join(out, "checkpoints"), keep=3)
+    assert (checkpointer.base_reference(2) is None) == whole_state
+    checkpointer.close()
+    resumed = run(options(out, None, **common))
+    assert resumed["start_step"] == 2
+    np.testing.assert_array_equal([r["loss"] for r in read_records(str(out))], want,
+                                  err_msg=name)
+
+
+@pytest.mark.long
+@pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
+def test_resume_on_a_mesh_restores_adapters_into_their_shards(tmp_path):
+  """The same stop-and-resume on a data x fsdp x tensor mesh: the adapters and their moments are
+  restored into their shards, the base is loaded again and placed, and the losses equal the
+  straight run's (float64)."""
+  ex = Execution(dtype="float64", param_dtype="float64")
+  with jax.enable_x64(True):
+    params, bias = step_lib.init_params(MICRO, ex, 0)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: step_lib.make_model(MICRO, ex, 0)))
+    base = str(tmp_path / "base")
+    ckpt_lib.save_model(base, graphdef, params, bias, MICRO)
+  data = tmp_path / "sums.txt"
+  data.write_text(conversations(100))
+  common = dict(init_from=base, data=str(data), dtype="float64", steps=4, decay_steps=4,
+                save_every=2, eval_every=4, warmup_steps=1, plots=False, tensorboard=False,
+                lora_rank=4, lora_alpha=8.0, lora_targets=("mla.*", "moe.shared_experts.*"),
+                mesh="data=2,fsdp=2,tensor=2")
+  straight = run(options(tmp_path / "straight", None, **common))
+  out = tmp_path / "resumed"
+  run(options(out, None, **{**common, "steps": 2}))
+  resumed = run(options(out, None, **common))
+  assert resumed["start_step"] == 2 and resumed["checkpoint_bytes"] < resumed["base_bytes"]
+  np.testing.assert_array_equal([r["loss"] for r in read_records(str(out))],
+                                [r["loss"] for r in read_records(straight["out"])])
