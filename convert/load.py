@@ -297,9 +297,13 @@ def load_any(path: str, ex: Execution | None = None, *, mesh=None, keep_packed: 
   else:  # each process reads the boxes of its own devices' blocks (convert/stream.py)
     source, ex = open_source(path, **overrides), ex or Execution()
     cfg = source.cfg
-    model = build_model(cfg, ex, load_folder_sharded(source, cfg, ex, shardings))
+    if keep_packed and stores_packed_experts(path):  # the codes and scales as released
+      arrays = load_folder_sharded(source, cfg, ex, shardings, packed_variables(cfg, ex))
+      model = build_model(cfg, ex, arrays, abstract=nnx.eval_shape(lambda: _pack(_model(cfg, ex))))
+    else:
+      model = build_model(cfg, ex, load_folder_sharded(source, cfg, ex, shardings))
+      if keep_packed:
+        model = _pack(model)
     source.reader.close()
-    if keep_packed:
-      model = _pack(model)
   place_model(model, mesh)  # a no-op for arrays already in their shardings
   return model, cfg

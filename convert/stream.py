@@ -61,17 +61,23 @@ def addressable_boxes(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -
 
 # ---- a whole model from an official-layout folder ------------------------------------------
 
-def load_folder_sharded(source: Source, cfg: ModelConfig, ex: Execution,
-                        shardings: dict) -> dict:
-  """k3jax path -> global jax.Array in `shardings[path]` (absent: replicated on the first
-  sharding's mesh) of every variable, read from the folder box by box: each device block of a
-  stacked array is made from the HF tensors of its layers / experts only, each read as the box
-  of it that the block needs (see `_hf_block`), cast to the variable's dtype."""
-  variables = abstract_variables(cfg, ex)
+def load_folder_sharded(source: Source, cfg: ModelConfig, ex: Execution, shardings: dict,
+                        variables: dict | None = None) -> dict:
+  """k3jax path -> global jax.Array in `shardings[path]` of every variable, read from the
+  folder box by box: each device block of a stacked array is made from the HF tensors of its
+  layers / experts only, each read as the box of it that the block needs (see `_hf_block`),
+  cast to the variable's dtype. `variables` (path -> abstract variable; default the model's):
+  a packed model's (`convert.load.packed_variables`) takes the `w1_packed` / `w1_scale` blocks
+  of MXFP4 experts straight from the boxes of their codes and scales."""
+  variables = abstract_variables(cfg, ex) if variables is None else variables
   by_path: dict[tuple, dict[tuple, tuple[Item, int]]] = {}
-  for item in items_to_read(source, shapes={p: tuple(v.shape) for p, v in variables.items()}):
+  shapes = {p: tuple(v.shape) for p, v in abstract_variables(cfg, ex).items()}
+  for item in items_to_read(source, shapes=shapes):
     for n, path in enumerate(item.slot.entry.paths):
       by_path.setdefault(path, {})[item.slot.index] = (item, n)
+      if item.mxfp4:  # the packed model's codes and scales: parts 0 and 1, as stored
+        for k, suffix in enumerate(("_packed", "_scale")):
+          by_path.setdefault((*path[:-1], path[-1] + suffix), {})[item.slot.index] = (item, -1 - k)
   out = {}
   for path, var in variables.items():
     shape, dtype = tuple(var.shape), np.dtype(var.get_value().dtype)
@@ -105,6 +111,9 @@ def _hf_block(source: Source, cfg: ModelConfig, item: Item, n: int, bounds,
   read and gathered (a box on the k3jax axes is a box on the HF axes for transposes and head
   splits; an interleaved layout, kv_b's per-head [nope | v] rows, reads the rows between)."""
   box = tuple(slice(a, b) for a, b in bounds)
+  if n < 0:  # kept packed: the codes (-1) or scales (-2) as stored, [out, in/2 or in/32]
+    part = item.parts[-1 - n]
+    return source.reader.read_box(part.path, part.info.name, box)
   whole = all((a, b) == (0, d) for (a, b), d in zip(bounds, inner_shape))
   where = None if whole else _coordinates(item, n, box, cfg)
   if where is None:  # whole, or A_log, whose transform checks values (a vector)

@@ -202,6 +202,22 @@ def test_model_from_folder_box_by_box_equals_the_in_memory_load(reference_dir, x
     path = tuple(map(str, p))
     assert v.get_value().sharding == shardings[path]
     np.testing.assert_array_equal(np.asarray(v.get_value()), np.asarray(want[path]))
+  # kept packed: the released codes and scales, block by block, byte for byte (safetensors'
+  # own reader; repacking the dequantised values may encode a row differently)
+  packed = load_any(folder, F64, mesh=mesh, keep_packed=True)[0]
+  packed = {tuple(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(nnx.state(packed))}
+  shardings = named_shardings(source.cfg, mesh, keep_packed=True)
+  expect = {}  # the stacked codes and scales as released
+  for item in items_to_read(source):
+    for part, suffix in zip(item.parts if item.mxfp4 else (), ("_packed", "_scale")):
+      path = (*item.slot.entry.paths[0][:-1], item.slot.entry.paths[0][-1] + suffix)
+      stack = expect.setdefault(path, np.zeros(packed[path].shape, np.uint8))
+      stack[item.slot.index] = load_file(part.path)[part.info.name]
+  assert expect and set(expect) <= set(packed)
+  for path, want_codes in expect.items():
+    assert packed[path].sharding == shardings[path], path
+    for shard in packed[path].addressable_shards:
+      np.testing.assert_array_equal(np.asarray(shard.data), want_codes[shard.index])
 
 
 def test_block_coordinates_never_materialise_a_tensor(reference_dir):
