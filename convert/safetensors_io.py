@@ -1,11 +1,13 @@
 """safetensors files: a strict header check before any read, and a streaming writer.
 
-Reading goes through `safetensors.safe_open` only (never pickle), and only after `read_header`
-has validated the file against everything safetensors' own reader requires (the 8-byte header
-length and its bound, a UTF-8 JSON object, known dtypes, 64-bit sizes that match shapes,
-tensors tiling the data section exactly) plus a little more (no duplicate names). So a
-truncated, damaged or hostile file fails with one line naming it, not deep inside a reader;
-an error safetensors still raises (a file changed after the check) is turned into one too.
+Reading goes through `safetensors.safe_open` (never pickle), or, for a box of a tensor
+(`ShardReader.read_box`, the per-host streaming load), positioned reads of its bytes at the
+offsets the header gives; either only after `read_header` has validated the file against
+everything safetensors' own reader requires (the 8-byte header length and its bound, a UTF-8
+JSON object, known dtypes, 64-bit sizes that match shapes, tensors tiling the data section
+exactly) plus a little more (no duplicate names). So a truncated, damaged or hostile file
+fails with one line naming it, not deep inside a reader; an error safetensors still raises (a
+file changed after the check) is turned into one too.
 
 Writing streams: `ShardWriter` lays out the header first (names, dtypes, shapes, offsets) and
 then takes one tensor at a time, so a shard never has to be in memory at once. Without a
