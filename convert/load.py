@@ -28,6 +28,7 @@ from convert import orbax_io
 from convert.hf_load import build_model, load_model
 from convert.name_map import PACKED
 from convert.source import open_source
+from convert.stream import load_folder_sharded
 from convert.to_orbax import CONFIG, MANIFEST, packed_paths
 from convert.variables import abstract_variables
 from k3jax.config import ModelConfig
@@ -280,9 +281,10 @@ def load_any(path: str, ex: Execution | None = None, *, mesh=None, keep_packed: 
   (None: what a checkpoint records, `checkpoint_execution`; the defaults for a folder). With
   `mesh`, every array in its sharding from the rules table (a mesh that cannot split the model
   is refused before anything is read): a checkpoint is restored by Orbax straight into its
-  shards; an official-layout folder is read into host memory and then placed (convert it
-  first for a model that does not fit one host). keep_packed: the routed experts held as MXFP4
-  codes + scales (an official-layout folder's are read dequantised, then packed again: exact)."""
+  shards; from an official-layout folder each process reads the byte ranges of its devices'
+  blocks only (convert/stream.py), so no host holds a whole tensor it does not keep.
+  keep_packed: the routed experts held as MXFP4 codes + scales (an official-layout folder's
+  are read dequantised, then packed again: exact)."""
   if mesh is None:
     if is_checkpoint(path):
       return load_checkpoint(path, ex, allow_partial=True, keep_packed=keep_packed, **overrides)
@@ -292,9 +294,16 @@ def load_any(path: str, ex: Execution | None = None, *, mesh=None, keep_packed: 
   if is_checkpoint(path):
     model, cfg = load_checkpoint(path, ex, allow_partial=True, shardings=shardings,
                                  keep_packed=keep_packed, **overrides)
-  else:
-    model, cfg = load_model(path, ex or Execution(), **overrides)
-    if keep_packed:
-      model = _pack(model)
+  else:  # each process reads the boxes of its own devices' blocks (convert/stream.py)
+    source, ex = open_source(path, **overrides), ex or Execution()
+    cfg = source.cfg
+    if keep_packed and stores_packed_experts(path):  # the codes and scales as released
+      arrays = load_folder_sharded(source, cfg, ex, shardings, packed_variables(cfg, ex))
+      model = build_model(cfg, ex, arrays, abstract=nnx.eval_shape(lambda: _pack(_model(cfg, ex))))
+    else:
+      model = build_model(cfg, ex, load_folder_sharded(source, cfg, ex, shardings))
+      if keep_packed:
+        model = _pack(model)
+    source.reader.close()
   place_model(model, mesh)  # a no-op for arrays already in their shardings
   return model, cfg

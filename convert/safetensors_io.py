@@ -1,11 +1,13 @@
 """safetensors files: a strict header check before any read, and a streaming writer.
 
-Reading goes through `safetensors.safe_open` only (never pickle), and only after `read_header`
-has validated the file against everything safetensors' own reader requires (the 8-byte header
-length and its bound, a UTF-8 JSON object, known dtypes, 64-bit sizes that match shapes,
-tensors tiling the data section exactly) plus a little more (no duplicate names). So a
-truncated, damaged or hostile file fails with one line naming it, not deep inside a reader;
-an error safetensors still raises (a file changed after the check) is turned into one too.
+Reading goes through `safetensors.safe_open` (never pickle), or, for a box of a tensor
+(`ShardReader.read_box`, the per-host streaming load), positioned reads of its bytes at the
+offsets the header gives; either only after `read_header` has validated the file against
+everything safetensors' own reader requires (the 8-byte header length and its bound, a UTF-8
+JSON object, known dtypes, 64-bit sizes that match shapes, tensors tiling the data section
+exactly) plus a little more (no duplicate names). So a truncated, damaged or hostile file
+fails with one line naming it, not deep inside a reader; an error safetensors still raises (a
+file changed after the check) is turned into one too.
 
 Writing streams: `ShardWriter` lays out the header first (names, dtypes, shapes, offsets) and
 then takes one tensor at a time, so a shard never has to be in memory at once. Without a
@@ -220,6 +222,7 @@ class ShardReader:
     self._handles: dict[str, Any] = {}
     self._read: dict[str, int] = {}
     self.recycle_bytes = recycle_bytes
+    self.bytes_read = 0  # every tensor byte this reader returned (for tests and benchmarks)
 
   def header(self, path: str) -> Header:
     if path not in self._headers:
@@ -262,7 +265,48 @@ class ShardReader:
       self._count(path, block.nbytes)
     return out
 
+  def read_box(self, path: str, name: str, box: tuple[slice, ...]) -> np.ndarray:
+    """The block `box` (one slice of step 1 per axis; fewer slices: the rest whole) of tensor
+    `name`, read with positioned reads of exactly its bytes: one contiguous run per index of
+    the leading axes that the box cuts, the trailing axes it takes whole being contiguous on
+    disk. No map of the file, so the process holds only the block (plus the page cache)."""
+    header = self.header(path)
+    if name not in header.tensors:
+      raise CheckpointError(f"{os.path.basename(path)}: no tensor {name}")
+    info = header.tensors[name]
+    bounds = _box_bounds(os.path.basename(path), info, box)
+    dtype = DTYPES[info.dtype]
+    out = np.empty([b - a for a, b in bounds], dtype)
+    if out.size == 0:
+      return out
+    # axis k is the last one the box cuts (0 if none): the axes after it are whole, so each
+    # index of the axes before it is one contiguous run of the file
+    cut = [j for j, (a, b) in enumerate(bounds) if (a, b) != (0, info.shape[j])]
+    k = cut[-1] if cut else 0
+    strides = [math.prod(info.shape[j + 1:]) * dtype.itemsize for j in range(len(bounds))]
+    run = (bounds[k][1] - bounds[k][0]) * strides[k] if bounds else dtype.itemsize
+    base = header.data_start + info.begin + (bounds[k][0] * strides[k] if bounds else 0)
+    flat = out.reshape(-1).view(np.uint8)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+      for n, idx in enumerate(np.ndindex(*[b - a for a, b in bounds[:k]])):
+        offset = base + sum((bounds[j][0] + i) * strides[j] for j, i in enumerate(idx))
+        view, done = memoryview(flat[n * run:(n + 1) * run]), 0
+        while done < run:  # a positioned read may return less (Linux: at most ~2 GiB)
+          got = os.preadv(fd, [view[done:]], offset + done)
+          if got == 0:
+            raise CheckpointError(f"{os.path.basename(path)}: tensor {name}: the file ends "
+                                  "early (changed after it was checked?)")
+          done += got
+    except OSError as e:
+      raise CheckpointError(f"{os.path.basename(path)}: cannot read ({e.strerror})") from None
+    finally:
+      os.close(fd)
+    self.bytes_read += out.nbytes
+    return out
+
   def _count(self, path: str, nbytes: int) -> None:
+    self.bytes_read += nbytes
     self._read[path] = self._read.get(path, 0) + nbytes
     if self._read[path] >= self.recycle_bytes:
       self._drop(path)
@@ -276,6 +320,26 @@ class ShardReader:
   def close(self) -> None:
     for path in list(self._handles):
       self._drop(path)
+
+
+def _box_bounds(file: str, info: TensorInfo, box: tuple[slice, ...]) -> list[tuple[int, int]]:
+  """(start, stop) per axis of `box` on `info`'s shape; one-line CheckpointError otherwise."""
+  if len(box) > len(info.shape):
+    raise CheckpointError(f"{file}: tensor {info.name}: a {len(box)}-axis box for a tensor "
+                          f"of shape {list(info.shape)}")
+  out = []
+  for axis, dim in enumerate(info.shape):
+    s = box[axis] if axis < len(box) else slice(None)
+    if not isinstance(s, slice) or s.step not in (None, 1):
+      raise CheckpointError(f"{file}: tensor {info.name}: axis {axis} of the box is {s!r}, "
+                            "not a slice of step 1")
+    a = 0 if s.start is None else s.start
+    b = dim if s.stop is None else s.stop
+    if not 0 <= a <= b <= dim:
+      raise CheckpointError(f"{file}: tensor {info.name}: box {a}:{b} on axis {axis} leaves "
+                            f"its 0:{dim}")
+    out.append((a, b))
+  return out
 
 
 # ---- writing ---------------------------------------------------------------------------------
