@@ -9,7 +9,7 @@ import os
 import jax
 
 from k3jax.errors import CheckpointError
-from k3jax.execution import Remat
+from k3jax.execution import Attention, Remat
 from k3jax.model import lora
 from k3jax.server import Experts, ServeOptions
 
@@ -86,6 +86,18 @@ def add_remat(parser, *, default: str | None, bare: str | None = None) -> None:
            "the layer from its input, save-dots keeps the projections' outputs, offload keeps "
            "them in host memory" + (f" (bare --remat: {bare})" if bare else "")
            + ("" if default else " (none given: none)"))
+
+
+def add_step_knobs(parser, *, whole: str) -> None:
+  """--loss-chunk, --attention, --capacity-factor: how a train step computes, as `k3jax train`
+  runs it and `k3jax plan` plans it (`whole`: what no --loss-chunk means)."""
+  parser.add_argument("--loss-chunk", type=int, default=None, metavar="N",
+                      help=f"positions per loss chunk ({whole}: whole logits)")
+  parser.add_argument("--attention", choices=[a.value for a in Attention], default=None,
+                      help="MLA attention in training (none given: dense)")
+  parser.add_argument("--capacity-factor", type=float, default=None, metavar="F",
+                      help="routed experts' capacity factor (none given: dropless, whose receive "
+                           "buffers are sized for the worst case)")
 
 
 def add_lora(parser, *, rank: int | None, base_experts: str, when: str = "") -> None:

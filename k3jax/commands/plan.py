@@ -29,8 +29,14 @@ import json
 import sys
 
 from k3jax import plan
-from k3jax.commands._args import Formatter, add_lora, add_remat, nonneg_int, positive_int
-from k3jax.execution import Attention
+from k3jax.commands._args import (
+  Formatter,
+  add_lora,
+  add_remat,
+  add_step_knobs,
+  nonneg_int,
+  positive_int,
+)
 from k3jax.plan import Mode, PlanRequest
 from k3jax.plan.request import Experts, Serving
 
@@ -85,13 +91,7 @@ def register(sub) -> None:
                  "with a cache of --batch rows x --seq positions)")
   add_lora(p, rank=16, base_experts="mxfp4", when="--mode lora: ")
   add_remat(p, default=None)
-  p.add_argument("--loss-chunk", type=int, default=None,
-                 help="positions per loss chunk (0 or none given: whole logits)")
-  p.add_argument("--attention", choices=[a.value for a in Attention], default=None,
-                 help="MLA attention (none given: dense)")
-  p.add_argument("--capacity-factor", type=float, default=None, metavar="F",
-                 help="routed experts' capacity factor (none given: dropless, whose receive "
-                      "buffers are sized for the worst case)")
+  add_step_knobs(p, whole="0 or none given")
   p.add_argument("--prefill-chunk", type=positive_int, default=512,
                  help="--mode decode: prompt tokens per prefill call (as k3jax generate)")
   p.add_argument("--block", type=positive_int, default=8,

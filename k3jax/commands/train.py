@@ -28,6 +28,7 @@ from k3jax.commands._args import (
   Formatter,
   add_lora,
   add_remat,
+  add_step_knobs,
   default_compile_cache,
   optional_float,
   positive_float,
@@ -50,7 +51,9 @@ def options_from_args(args: argparse.Namespace):
       adam_learning_rate=args.adam_lr, warmup_steps=args.warmup, decay_steps=args.decay_steps,
       end_lr_ratio=args.end_lr_ratio, weight_decay=args.weight_decay, clip_norm=args.clip,
       qb=not args.no_qb, qb_method=args.qb_method, qb_rule=args.qb_rule,
-      qk_clip=args.qk_clip, remat=args.remat, mesh=args.mesh, data_shards=args.data_shards,
+      qk_clip=args.qk_clip, remat=args.remat, loss_chunk=args.loss_chunk,
+      attention=args.attention, capacity_factor=args.capacity_factor, mesh=args.mesh,
+      data_shards=args.data_shards,
       coordinator=args.coordinator, num_processes=args.num_processes,
       process_id=args.process_id, startup_timeout=args.startup_timeout,
       dtype=args.dtype, eval_every=args.eval_every, eval_batches=args.eval_batches,
@@ -151,6 +154,7 @@ def register(sub) -> None:
                  help="compute dtype over fp32 master weights (auto: bf16 on TPU/GPU, fp32 "
                       "on CPU); float64: fp64 weights and compute, for exactness checks")
   add_remat(g, default="none", bare="full")
+  add_step_knobs(g, whole="none given")
   g.add_argument("--peak-tflops", type=positive_float, default=None,
                  help="peak for MFU (none given: a dense matmul measured at start-up)")
   g.add_argument("--compile-cache", default=default_compile_cache(),

@@ -43,7 +43,7 @@ from convert import load as convert_load
 from convert.fingerprint import weight_bytes
 from convert.hf_load import load_model
 from k3jax.config import ModelConfig
-from k3jax.errors import UserError
+from k3jax.errors import ConfigError, UserError
 from k3jax.execution import Execution, recorded, resolve_dtype
 from k3jax.folders import (
   MODEL_DIR,
@@ -99,6 +99,9 @@ class RunOptions:
   qb_rule: str = "k3"                # QB thresholds: "k3" (the K3 report's) | "per_expert"
   qk_clip: float | None = None       # MuonClip threshold (K2: 100); None: off
   remat: str = "none"                # none | full | save-dots | offload (execution.Remat)
+  loss_chunk: int | None = None      # positions per loss chunk (None: whole logits)
+  attention: str | None = None       # MLA's training attention (None: dense)
+  capacity_factor: float | None = None  # routed experts' capacity (None: dropless)
   dtype: str = "auto"                # compute dtype; auto: bfloat16 on TPU/GPU, float32 on CPU;
                                      #   float64: float64 weights and compute (exactness checks)
   mesh: str | None = None            # device mesh spec, e.g. "data=2,expert=2,tensor=2"
@@ -168,9 +171,15 @@ def adapt_spec(opts: RunOptions, cfg: ModelConfig):
 
 def execution(opts: RunOptions) -> Execution:
   """How the run computes: bf16 (or fp32) compute over fp32 master weights (fp64 over fp64
-  when asked); remat."""
-  return Execution(dtype=resolve_dtype(opts.dtype), param_dtype=master_dtype(opts),
-                   remat=opts.remat)
+  when asked); remat, loss chunks, MLA's attention and the experts' capacity (the knobs
+  `k3jax plan` searches and prints as train flags)."""
+  knobs = {"loss_chunk": opts.loss_chunk, "attention": opts.attention,
+           "moe_capacity_factor": opts.capacity_factor}
+  try:
+    return Execution(dtype=resolve_dtype(opts.dtype), param_dtype=master_dtype(opts),
+                     remat=opts.remat, **{k: v for k, v in knobs.items() if v is not None})
+  except ConfigError as e:
+    raise UserError(str(e)) from None
 
 
 def load_init(path: str, ex: Execution, shardings: dict | None = None):

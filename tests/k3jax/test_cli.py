@@ -7,6 +7,9 @@ import re
 import pytest
 
 from k3jax import cli
+from k3jax.commands import train as train_command
+from k3jax.errors import UserError
+from k3jax.train import loop as train_loop
 
 README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
 
@@ -45,3 +48,23 @@ def test_rl_takes_the_optimizer_flags_as_train_spells_them():
   for args in (train, long):
     assert (args.learning_rate, args.adam_learning_rate, args.warmup_steps, args.clip_norm) == (
         3e-3, 1e-4, 5, None)
+
+
+def test_train_takes_the_step_knobs_plan_searches():
+  """`k3jax plan` prints its settings as `k3jax train` flags: --remat, --loss-chunk,
+  --attention and --capacity-factor reach the run's Execution; none given keeps the defaults
+  (whole logits, dense attention, dropless experts); a bad value is a one-line error."""
+  base = ["train", "--out", "o", "--config", "tiny"]
+  args = cli.build_parser().parse_args(base + ["--remat", "full", "--loss-chunk", "64",
+                                               "--attention", "flash", "--capacity-factor",
+                                               "1.25"])
+  ex = train_loop.execution(train_command.options_from_args(args))
+  assert (ex.remat.value, ex.loss_chunk, ex.attention.value, ex.moe_capacity_factor) == (
+      "full", 64, "flash", 1.25)
+  ex = train_loop.execution(train_command.options_from_args(cli.build_parser().parse_args(base)))
+  assert (ex.remat.value, ex.loss_chunk, ex.attention.value, ex.moe_capacity_factor) == (
+      "none", None, "dense", None)
+  for flag, value in (("--loss-chunk", "0"), ("--capacity-factor", "-1")):
+    bad = cli.build_parser().parse_args(base + [flag, value])
+    with pytest.raises(UserError, match="must be > 0"):
+      train_loop.execution(train_command.options_from_args(bad))
