@@ -15,8 +15,8 @@ A checkpoint `OUT/checkpoints/<step>/` holds three items:
          holds only the trainable params (and their optimizer state), not the base
 Orbax writes a checkpoint into a temporary folder and renames it only once every item is
 committed, so a run killed mid-save leaves no checkpoint for that step: `latest_step()` is the
-last complete one, and the leftover temporary folder is removed when the next run opens the
-manager (`cleanup_tmp_directories`).
+last complete one. The next run names the leftover temporary folder on stderr and removes it
+(`half_written`).
 
 The async save copies the arrays to host memory before `save()` returns and writes them in a
 background thread while training continues; the next save (and `close()`) waits for it.
@@ -32,6 +32,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
+import sys
 import threading
 import time
 from typing import Any
@@ -42,6 +44,8 @@ from flax import nnx
 
 SAVE_DELAY_ENV = "K3JAX_TEST_SAVE_DELAY"
 SAVE_EVENTS = "save_events.log"
+# what Orbax appends to the folder of a save until it is committed (orbax path/atomicity_types)
+TMP_SUFFIX = ".orbax-checkpoint-tmp"
 
 
 class _DelayedCommit:
@@ -120,6 +124,16 @@ class _DataRestore(ocp.args.JsonRestore):
   """item: the shards to read."""
 
 
+def half_written(directory: str) -> list[str]:
+  """The temporary folders of saves that never finished in `directory` (Orbax names them
+  `<step>.orbax-checkpoint-tmp-<time>` until every item is committed and renames them then).
+  Orbax's steps never include them, but its manager left them in place when it opened."""
+  if not os.path.isdir(directory):
+    return []
+  return sorted(os.path.join(directory, name) for name in os.listdir(directory)
+                if TMP_SUFFIX in name)
+
+
 class Checkpointer:
   """Save / find / restore the checkpoints of one run directory."""
 
@@ -136,6 +150,12 @@ class Checkpointer:
         max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
         cleanup_tmp_directories=True)
     self.directory = directory
+    self.half_written = half_written(directory)
+    if jax.process_index() == 0:  # the others only skip them
+      for path in self.half_written:
+        print(f"k3jax: {path}: a checkpoint left half-written (its save never finished): "
+              "skipped and removed", file=sys.stderr)
+        shutil.rmtree(path, ignore_errors=True)
     self.manager = ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
 
   def latest_step(self) -> int | None:
