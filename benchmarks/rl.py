@@ -73,15 +73,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax
 import numpy as np
 
-import configs
 from benchmarks.serve import bf16_model, model_config
 from k3jax import plan
-from k3jax.plan import decode as plan_decode
 from k3jax.rl.loop import RLOptions
 from k3jax.rl.loop import run as rl_run
 from k3jax.train.checkpoint import save_model
 from k3jax.train.step import split_model
-from sharding.mesh import make_mesh
 
 GIB = 2**30
 PHASES = ("rollout", "reward", "reference", "train")
@@ -156,40 +153,33 @@ def summary(records: list[dict]) -> dict:
 
 
 def rl_memory(topology: str, slots: int, seq: int, rank: int) -> dict:
-  """Per-device bytes of LoRA RL on the full K3 on `topology`, analytic: the LoRA train plan
-  and the engine's cache on the same mesh (the search's candidate with the smallest total)."""
-  devices = plan.topology_devices(topology)
-  n = len(devices)
+  """Per-device bytes of LoRA RL on the full K3 on `topology`, analytic (`k3jax plan --mode
+  rl`): the LoRA train plan and the engine's cache on the same mesh (the search's candidate
+  with the smallest total)."""
+  n = len(plan.topology_devices(topology))
   # a tensor=8 mesh splits the rows over n / 8 devices: one row each per micro-batch
   ways = max(1, n // 8)
   accum = slots // ways if ways <= slots and slots % ways == 0 else 1
-  common = dict(config="k3", topology=topology, batch=slots, seq=seq, analytic=True)
-  trains = plan.run(plan.PlanRequest(
-      **common, mode=plan.Mode.LORA, grad_accum=accum, lora_rank=rank, base_experts="mxfp4",
-      remat="full", attention="flash", loss_chunk=2048, capacity_factor=1.25))
-  engine_request = plan.PlanRequest(**common, mode=plan.Mode.DECODE, serving="engine")
-  cfg = configs.resolve("k3")
-  ex = plan_decode.serve_execution(engine_request)
-  rows = []
-  for t in trains:
-    mesh = make_mesh(t.mesh, devices)
-    config, cache, temps, _ = plan_decode.engine_figures(engine_request, cfg, ex, mesh, 0,
-                                                         slots)
-    train_phase = t.peak_bytes_per_device + cache.total
-    rollout_phase = t.state_bytes_per_device + cache.total + max(temps)
-    total = max(train_phase, rollout_phase)
-    rows.append({
-        "devices": n, "mesh": t.mesh, "grad_accum": accum, "lora_rank": rank,
-        "slots": slots, "seq": seq, "snapshots": config.snapshots,
-        "train_lora_gib": t.peak_bytes_per_device / GIB,
-        "train_state_gib": t.state_bytes_per_device / GIB,
-        "engine_cache_gib": cache.total / GIB, "kda_slots_gib": cache.kda_slots / GIB,
-        "latent_pages_gib": cache.latent_pages / GIB, "snapshots_gib": cache.snapshots / GIB,
-        "engine_temp_gib": max(temps) / GIB, "train_phase_gib": train_phase / GIB,
-        "rollout_phase_gib": rollout_phase / GIB, "total_gib": total / GIB,
-        "hbm_gib": t.hbm_bytes_per_device / GIB, "fits": total <= t.hbm_bytes_per_device,
-        "analytic": True})
-  return min(rows, key=lambda r: (not r["fits"], r["total_gib"]))
+  plans = plan.run(plan.PlanRequest(
+      config="k3", topology=topology, batch=slots, seq=seq, analytic=True, mode=plan.Mode.RL,
+      grad_accum=accum, lora_rank=rank, base_experts="mxfp4", remat="full", attention="flash",
+      loss_chunk=2048, capacity_factor=1.25))
+  p = plans[0]  # sorted: fits first, then the smallest total
+  gib = lambda b: b / GIB
+  return {
+      "devices": n, "mesh": p.mesh, "grad_accum": accum, "lora_rank": rank, "slots": slots,
+      "seq": seq, "snapshots": p.snapshots,
+      "train_lora_gib": gib(p.train_peak_bytes_per_device),
+      "train_state_gib": gib(p.train_state_bytes_per_device),
+      "engine_cache_gib": gib(p.engine_cache_bytes_per_device),
+      "kda_slots_gib": gib(p.kda_slots_bytes_per_device),
+      "latent_pages_gib": gib(p.latent_pages_bytes_per_device),
+      "snapshots_gib": gib(p.snapshots_bytes_per_device),
+      "engine_temp_gib": gib(p.engine_temp_bytes_per_device),
+      "train_phase_gib": gib(p.train_phase_bytes_per_device),
+      "rollout_phase_gib": gib(p.rollout_phase_bytes_per_device),
+      "total_gib": gib(p.peak_bytes_per_device), "hbm_gib": gib(p.hbm_bytes_per_device),
+      "fits": p.fits, "analytic": True}
 
 
 def main(argv=None) -> int:

@@ -16,7 +16,9 @@ counts without compiling.
                  engine `k3jax generate` runs on (paged MLA latent, per-slot KDA state, the
                  prefix cache's snapshots, MXFP4 experts kept packed; --max-fit adds the
                  largest batch that fits); compiled, the static batch's prefill and decode
-                 programs with bf16 experts (the engine's step is not compiled yet).
+                 programs with bf16 experts (the engine's step is not compiled yet);
+  --mode rl      LoRA RL (`k3jax rl --lora RANK`), counted by hand: the LoRA step of --batch
+                 rows beside the engine's cache of --batch slots at --seq, on one mesh.
 
 --json prints one JSON object on the last line (with "candidates" when several meshes were
 tried). The planning itself is the library k3jax/plan (`k3jax.plan.run(PlanRequest(...))`).

@@ -1,26 +1,28 @@
 """`k3jax plan`: will a step fit a TPU pod, on which mesh, how fast (docs/plan.md).
 
 `run(PlanRequest(...))` plans any mode: the train step and LoRA fine-tuning (train.py), serving
-(decode.py); each returns one plan per mesh tried, with `to_json()` and `report()`; `best`
-picks the one to report. The modules beside them: chips.py (the chip table), analytic.py (the
-hand counts), hlo.py (matmul FLOPs and collectives of compiled HLO), comm.py (the
-bytes each device sends in those collectives, by kind and mesh axis), compiled.py (XLA's memory
-and cost analysis), search.py (the mesh search), memory.py (fine-tuning state, LoRA vs full),
-xla_heap.py (the buffer assignment of a dump).
+(decode.py), LoRA RL's train state beside the engine's cache (rl.py); each returns one plan per
+mesh tried, with `to_json()` and `report()`; `best` picks the one to report. The modules beside
+them: chips.py (the chip table), analytic.py (the hand counts), hlo.py (matmul FLOPs and
+collectives of compiled HLO), comm.py (the bytes each device sends in those collectives, by kind
+and mesh axis), compiled.py (XLA's memory and cost analysis), search.py (the mesh search),
+memory.py (fine-tuning state, LoRA vs full), xla_heap.py (the buffer assignment of a dump).
 """
 
 from __future__ import annotations
 
 import configs
-from k3jax.plan import decode, train
+from k3jax.plan import decode, rl, train
 from k3jax.plan.chips import CHIPS, Chip, chip_of, topology_devices
 from k3jax.plan.decode import DecodePlan
 from k3jax.plan.request import Mode, PlanRequest
+from k3jax.plan.rl import RlPlan
 from k3jax.plan.search import best
 from k3jax.plan.train import TrainPlan
 
-Plan = TrainPlan | DecodePlan
-_RUN = {Mode.TRAIN: train.run, Mode.LORA: train.run, Mode.DECODE: decode.run}
+Plan = TrainPlan | DecodePlan | RlPlan
+_RUN = {Mode.TRAIN: train.run, Mode.LORA: train.run, Mode.DECODE: decode.run,
+        Mode.RL: rl.run}
 
 
 def run(request: PlanRequest) -> list[Plan]:
@@ -34,5 +36,5 @@ def run(request: PlanRequest) -> list[Plan]:
   return _RUN[request.mode](request, cfg, devices)
 
 
-__all__ = ["CHIPS", "Chip", "DecodePlan", "Mode", "Plan", "PlanRequest", "TrainPlan", "best",
-           "chip_of", "run", "topology_devices"]
+__all__ = ["CHIPS", "Chip", "DecodePlan", "Mode", "Plan", "PlanRequest", "RlPlan", "TrainPlan",
+           "best", "chip_of", "run", "topology_devices"]

@@ -14,6 +14,7 @@ class Mode(enum.StrEnum):
   TRAIN = "train"    # the full train step of `k3jax train`
   LORA = "lora"      # LoRA fine-tuning over a frozen base (`k3jax train --lora`)
   DECODE = "decode"  # serving: the prefill and decode programs of `k3jax generate`
+  RL = "rl"          # LoRA RL (`k3jax rl --lora`): the LoRA step beside the engine's cache
 
 
 class Serving(enum.StrEnum):
