@@ -116,6 +116,10 @@ class RLOptions:
   # numerics, devices, engine
   dtype: str = "auto"
   remat: str = "none"
+  # how the train step computes, as `k3jax train` takes them (train.loop.execution reads them)
+  loss_chunk: int | None = None
+  attention: str | None = None
+  capacity_factor: float | None = None
   mesh: str | None = None
   max_model_len: int | None = None   # the context (default: the folder's, else 8192)
   max_num_seqs: int | None = None    # engine slots (default: every rollout of a step at once)
