@@ -8,7 +8,9 @@ over the same arrays.
     OUT/run.json          options, model config and execution (a resume must match them)
     OUT/checkpoints/<s>/  TrainState (policy, optimizer state, step, RNG key) and the data
                           position; the rollout seeds derive from (seed, step), so a resumed
-                          run continues exactly
+                          run continues exactly. With a frozen base (LoRA, packed experts)
+                          only what is trained and a reference to the base (frozen_base.py):
+                          a resume rebuilds the base from --init-from
     OUT/metrics.jsonl     one JSON object per step (METRICS)
     OUT/tb/               TensorBoard events
     OUT/plots/rl.png      the PLOT panels, written at the end
@@ -36,6 +38,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from convert.fingerprint import weight_bytes
 from k3jax.engine import DEFAULT_MAX_MODEL_LEN, Engine, EngineConfig
 from k3jax.engine.runner import bucket
 from k3jax.errors import UserError
@@ -46,13 +49,15 @@ from k3jax.rl.rewards import Reward, Sample
 from k3jax.rl.rollout import build_batch, draw_seeds, rollout
 from k3jax.rl.step import PolicyGradient, logprob_fn
 from k3jax.tokenizer import ByteTokenizer, load_tokenizer
+from k3jax.train import frozen_base
 from k3jax.train import step as step_lib
 from k3jax.train.checkpoint import Checkpointer, save_model
 from k3jax.train.loop import (
   adapt_spec,
   check_resume,
+  checkpoint_sizes,
   execution,
-  load_init,
+  initial_params,
   model_config,
   write_run_file,
 )
@@ -134,6 +139,11 @@ class RLOptions:
   # what k3jax.train.loop.adapt_spec also reads: RL neither QK-clips nor runs expert QAT
   experts_qat: ClassVar[bool] = False
   qk_clip: ClassVar[None] = None
+  # what k3jax.train.loop.execution also reads: RL's step runs the default settings (whole
+  # logits, dense attention, dropless experts)
+  loss_chunk: ClassVar[None] = None
+  attention: ClassVar[None] = None
+  capacity_factor: ClassVar[None] = None
 
 
 # a resume must keep what fixes the meaning of a checkpoint and of its data position
@@ -264,6 +274,7 @@ def _run(opts: RLOptions, on_step) -> dict[str, Any]:
   mesh = make_mesh(opts.mesh) if opts.mesh else None
   out = os.path.abspath(opts.out)
   opts = dataclasses.replace(opts, **{k: fn(getattr(opts, k)) for k, fn in PATHS.items()})
+  frozen_base.check_present(out, opts.init_from)
   if not os.path.isdir(opts.init_from):
     raise UserError(f"--init-from {opts.init_from}: no such folder")
   os.makedirs(out, exist_ok=True)
@@ -294,28 +305,37 @@ def _run(opts: RLOptions, on_step) -> dict[str, Any]:
 
   reward = Reward(opts.reward, opts.max_new_tokens, opts.reward_timeout)
   ckpt = writer = None
+  saved_steps, checkpoint_bytes = [], None
   try:
     ckpt = Checkpointer(os.path.join(out, "checkpoints"), keep=opts.keep)
     resume_step = ckpt.latest_step()
+    # a frozen base (LoRA, packed experts) stays out of the checkpoints, referenced by `base`
+    # (a checkpoint without a reference holds the whole state: older LoRA runs)
+    frozen = frozen_base.has_frozen(steps.trainable)
+    base = saved_base = None if resume_step is None else ckpt.base_reference(resume_step)
+    if saved_base is not None:  # refuse a changed base before the model is loaded
+      frozen_base.check(saved_base, f"checkpoint {resume_step} of {out}")
+    elif frozen:
+      base = frozen_base.reference(folder.weights, opts.seed)
 
     def initial():
-      _, params, bias = step_lib.split_model(load_init(folder.weights, ex)[0])
-      if spec is not None:
-        params = step_lib.adapt_params(cfg, ex, params, bias, spec, opts.seed)
-      if mesh is not None:
-        params = jax.device_put(params, steps.shardings["params"])
-        bias = jax.device_put(bias, steps.shardings["router_bias"])
-      return params, bias
+      return initial_params(steps, cfg, ex, spec, folder.weights, opts.seed)
 
     ref_params = None
     if resume_step is not None:
       p_abs, b_abs = jax.eval_shape(lambda: step_lib.init_params(cfg, ex, opts.seed, spec))
-      state, data_state, meta = ckpt.restore(resume_step,
-                                             step_lib.abstract_state(steps, p_abs, b_abs), (0,))
+      target = step_lib.abstract_state(steps, p_abs, b_abs)
+      if saved_base is not None:
+        target = frozen_base.trainable_state(target, steps.trainable)
+      state, data_state, meta = ckpt.restore(resume_step, target, (0,))
       stream = PromptStream(prompts, opts.seed, data_state["0"])
       start = resume_step
-      if not lora:
-        ref_params = initial()[0]
+      if saved_base is not None or not lora:
+        params = initial()[0]
+        if saved_base is not None:  # the frozen leaves, rebuilt as the run first built them
+          state = frozen_base.with_base(state, params, steps.trainable)
+        if not lora:  # the train step donates the policy's arrays (now params' frozen ones)
+          ref_params = params if saved_base is None else jax.tree.map(jnp.copy, params)
     else:
       params, bias = initial()
       if not lora:  # the train step donates the policy's arrays: the reference is a copy
@@ -354,19 +374,28 @@ def _run(opts: RLOptions, on_step) -> dict[str, Any]:
       first = record if first is None else first
       last = record
       if s % opts.save_every == 0 or s == opts.steps:
-        ckpt.save(s, state, {0: stream.state()}, meta)
+        ckpt.save(s, frozen_base.trainable_state(state, steps.trainable) if frozen else state,
+                  {0: stream.state()}, meta, base=base if frozen else None)
       bar.update(1)
       bar.set_postfix(reward=f"{record['reward_mean']:.3f}", kl=f"{record['kl']:.4f}")
     bar.close()
   finally:
     reward.close()
     if ckpt is not None:
+      ckpt.wait()  # the last async save completes before its size is read
+      saved_steps = ckpt.all_steps()
+      checkpoint_bytes = ckpt.step_bytes(saved_steps[-1]) if saved_steps else None
       ckpt.close()
     if writer is not None:
       writer.close()
   if first is not None:
     save_model(os.path.join(out, MODEL_DIR), steps.graphdef, state["params"],
                state["router_bias"], cfg, adapters=None if spec is None else spec.to_dict())
+  base_bytes = (base["bytes"] if base is not None and base["folder"] else
+                weight_bytes(folder.weights))
+  if checkpoint_bytes is not None:
+    print(f"k3jax rl: {checkpoint_sizes(saved_steps[-1], checkpoint_bytes, base_bytes, base)}",
+          file=sys.stderr, flush=True)
   plots = []
   if opts.plots:
     from k3jax.train.plots import plot_panels  # noqa: PLC0415 - matplotlib is slow to import; only the end of a run plots
@@ -375,7 +404,8 @@ def _run(opts: RLOptions, on_step) -> dict[str, Any]:
     plot_panels(read_records(out), PLOT, plots[0])
   return {"out": out, "start_step": start, "steps": opts.steps,
           "first": first, "last": last, "plots": plots,
-          "rollout_tokens": meta.get("rollout_tokens", 0)}
+          "rollout_tokens": meta.get("rollout_tokens", 0),
+          "checkpoint_bytes": checkpoint_bytes, "base_bytes": base_bytes}
 
 
 @dataclasses.dataclass

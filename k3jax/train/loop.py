@@ -296,11 +296,11 @@ def _path_shardings(steps: step_lib.Steps) -> dict:
   return out
 
 
-def _initial_params(steps: step_lib.Steps, cfg: ModelConfig, ex: Execution, spec,
-                    init: str | None, seed: int) -> tuple[Any, Any]:
+def initial_params(steps: step_lib.Steps, cfg: ModelConfig, ex: Execution, spec,
+                   init: str | None, seed: int) -> tuple[Any, Any]:
   """(params, router_bias) a run starts from, placed: the weights folder `init` loaded and
   adapted as `spec` asks (MXFP4 packing, fresh adapters from `seed`), else a fresh model from
-  `seed`. A resume rebuilds a frozen base with it, bit for bit."""
+  `seed`. A resume rebuilds a frozen base with it, bit for bit (train and rl)."""
   mesh = steps.mesh
   if init is None:
     return steps.init_params(seed)  # on a mesh: created in its shardings
@@ -314,8 +314,9 @@ def _initial_params(steps: step_lib.Steps, cfg: ModelConfig, ex: Execution, spec
   return params, bias
 
 
-def _sizes(step: int, checkpoint_bytes: int, base_bytes: int | None, base: dict | None) -> str:
-  """The log line on what the last checkpoint holds next to the base."""
+def checkpoint_sizes(step: int, checkpoint_bytes: int, base_bytes: int | None,
+                     base: dict | None) -> str:
+  """The log line on what the last checkpoint holds next to the base (train and rl)."""
   line = f"checkpoint {step} holds {checkpoint_bytes / 1e6:.3f} MB"
   if base is not None and base["folder"]:
     return line + f", the frozen base it refers to ({base['folder']}) {base_bytes / 1e6:.3f} MB"
@@ -412,13 +413,13 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
       target = frozen_base.trainable_state(target, steps.trainable)
     state, data_state, meta = ckpt.restore(resume_step, target, read_shards)
     if saved_base is not None:  # the frozen leaves, rebuilt as the run first built them
-      params, _ = _initial_params(steps, cfg, ex, spec, base["folder"], opts.seed)
+      params, _ = initial_params(steps, cfg, ex, spec, base["folder"], opts.seed)
       state = frozen_base.with_base(state, params, steps.trainable)
     start = int(state["step"])
   else:
     rng = step_lib.new_rng(opts.seed)
     init = model_folder(opts.init_from).weights if opts.init_from else None
-    params, bias = _initial_params(steps, cfg, ex, spec, init, opts.seed)
+    params, bias = initial_params(steps, cfg, ex, spec, init, opts.seed)
     if mesh is not None:
       rng = np.asarray(rng)  # the same value on every process: replicated by the jit
     state = steps.init(params, bias, rng)
@@ -516,8 +517,8 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
   base_bytes = (base["bytes"] if base is not None and base["folder"] else
                 weight_bytes(model_folder(opts.init_from).weights) if opts.init_from else None)
   if main_process and checkpoint_bytes is not None:
-    print(f"k3jax train: {_sizes(saved_steps[-1], checkpoint_bytes, base_bytes, base)}",
-          flush=True)
+    sizes = checkpoint_sizes(saved_steps[-1], checkpoint_bytes, base_bytes, base)
+    print(f"k3jax train: {sizes}", flush=True)
   plots = []
   if opts.plots and main_process:
     from k3jax.train.plots import write_plots  # noqa: PLC0415 - matplotlib is slow to import; only the end of a run plots

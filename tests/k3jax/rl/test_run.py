@@ -1,6 +1,7 @@
 """`k3jax rl` end to end through the CLI, on a 2-layer byte-level float64 model
 (tests/k3jax/server/helpers.py): the metrics file, the engine's rollout logprobs against the
-trainer's, exact resume, rewards that fail, LoRA, and bad flags.
+trainer's, exact resume, rewards that fail, LoRA (checkpoints of the adapters only, resumed
+exactly over the base they refer to), and bad flags.
 
 Every run has the same shapes (4 prompts of 4 bytes x 2 samples of 4 tokens), so the engine
 step, the reference logprobs and the train step compile once for the file (LoRA: its own step).
@@ -9,16 +10,18 @@ step, the reference logprobs and the train step compile once for the file (LoRA:
 import json
 import math
 import os
+import shutil
 
-import jax
 import numpy as np
 import pytest
-from flax import nnx
 
+from convert import orbax_io
+from convert.fingerprint import fingerprint, weight_bytes
+from convert.lora_export import is_adapter
 from k3jax import cli
+from k3jax.folders import model_folder
 from k3jax.rl.loop import METRICS
-from k3jax.train.loop import load_init
-from tests.k3jax.model.helpers import F64
+from k3jax.train.checkpoint import Checkpointer
 from tests.k3jax.server.helpers import byte_run
 
 TIMING = ("rollout_s", "reward_s", "reference_s", "train_s", "step_time_s", "tokens_per_s")
@@ -75,10 +78,15 @@ def records(out) -> list[dict]:
     return [json.loads(line) for line in f]
 
 
-def weights(out) -> list[np.ndarray]:
-  with jax.enable_x64(True):
-    model, _ = load_init(os.path.join(out, "model"), F64)
-    return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model))]
+def weights(out) -> dict[tuple[str, ...], np.ndarray]:
+  """Every array of the run's final model as saved (adapters too, under LoRA)."""
+  model = os.path.join(out, "model")
+  return {p: np.asarray(orbax_io.open_array(model, p).read().result())
+          for p in orbax_io.saved_paths(model)}
+
+
+def same_weights(a: dict, b: dict) -> bool:
+  return a.keys() == b.keys() and all(np.array_equal(a[p], b[p]) for p in a)
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +124,7 @@ def test_resume_mid_run_equals_the_straight_run(files, straight, capsys):
     return [{k: v for k, v in r.items() if k not in TIMING} for r in rs]
 
   assert strip(records(out)) == strip(records(straight))
-  a, b = weights(out), weights(straight)
-  assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+  assert same_weights(weights(out), weights(straight))
 
 
 def test_failing_rewards_and_long_prompts_are_counted_and_the_run_goes_on(files, tmp_path):
@@ -144,13 +151,66 @@ def test_failing_rewards_and_long_prompts_are_counted_and_the_run_goes_on(files,
   assert sum("TimeoutError" in e for e in errors) == 1
 
 
-def test_lora_runs_and_its_reference_is_the_base(files, tmp_path):
-  out = tmp_path / "lora"
-  assert cli.main(flags(files, out, 2, "--no-plots", "--lora", "4")) == 0
+def test_lora_runs_its_reference_is_the_base_and_checkpoints_hold_the_adapters(
+    files, tmp_path, capsys):
+  """LoRA RL over a copy of the model: the reference is the base; a checkpoint holds only
+  adapter arrays and a reference to the base folder; resumed from its first checkpoint the
+  run rebuilds the base and equals the straight run; a changed or missing base is refused
+  in one line."""
+  base = str(tmp_path / "base")
+  shutil.copytree(files["model"], base)
+  args = flags(files, tmp_path / "lora", 2, "--no-plots", "--lora", "4", "--save-every", "1",
+               "--json")
+  args[args.index(files["model"])] = base
+  assert cli.main(args) == 0
+  summary = json.loads(capsys.readouterr().out.splitlines()[-1])
+  out = summary["out"]
   first, second = records(out)
   assert all(math.isfinite(r[k]) for r in (first, second) for k in METRICS)
   assert first["kl"] <= 1e-12 < second["kl"]  # adapters start at zero: the base itself
   assert first["mismatch_max"] <= MISMATCH and second["mismatch_max"] <= MISMATCH
+
+  weights_dir = model_folder(base).weights
+  ckpt = os.path.join(out, "checkpoints", "2")
+  params = [p[1:] for p in orbax_io.saved_paths(os.path.join(ckpt, "state")) if p[0] == "params"]
+  assert params and all(is_adapter(p) for p in params), params
+  checkpointer = Checkpointer(os.path.dirname(ckpt), keep=2)
+  ref = checkpointer.base_reference(2)
+  checkpointer.close()
+  assert ref["folder"] == weights_dir and ref["fingerprint"] == fingerprint(weights_dir)
+  assert summary["base_bytes"] == ref["bytes"] == weight_bytes(weights_dir)
+  assert summary["checkpoint_bytes"] == sum(
+      os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(ckpt) for f in fs)
+
+  resumed = tmp_path / "resumed"  # stopped after step 1's checkpoint
+  shutil.copytree(out, resumed)
+  shutil.rmtree(resumed / "checkpoints" / "2")
+  args[args.index(out)] = str(resumed)
+  assert cli.main(args) == 0
+  assert json.loads(capsys.readouterr().out.splitlines()[-1])["start_step"] == 1
+
+  def strip(rs):
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rs]
+
+  assert strip(records(resumed)) == strip(records(out))
+  assert same_weights(weights(resumed), weights(out))
+
+  args[args.index("--steps") + 1] = "3"
+  largest = max((os.path.join(d, f) for d, _, fs in os.walk(weights_dir) for f in fs),
+                key=os.path.getsize)
+  with open(largest, "ab") as f:  # one byte more
+    f.write(b"\0")
+
+  def refused(message):
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+  refused(f"{weights_dir}: not the base checkpoint 2 of {resumed}")
+  os.rename(base, base + "_moved")
+  refused(f"{base}: the base of the run in {resumed} is missing")
+  assert sorted(os.listdir(resumed / "checkpoints")) == ["1", "2"]  # the refusals left it
+  assert strip(records(resumed)) == strip(records(out))
 
 
 @pytest.mark.parametrize("extra, message", [
