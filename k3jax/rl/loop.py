@@ -139,11 +139,6 @@ class RLOptions:
   # what k3jax.train.loop.adapt_spec also reads: RL neither QK-clips nor runs expert QAT
   experts_qat: ClassVar[bool] = False
   qk_clip: ClassVar[None] = None
-  # what k3jax.train.loop.execution also reads: RL's step runs the default settings (whole
-  # logits, dense attention, dropless experts)
-  loss_chunk: ClassVar[None] = None
-  attention: ClassVar[None] = None
-  capacity_factor: ClassVar[None] = None
 
 
 # a resume must keep what fixes the meaning of a checkpoint and of its data position
