@@ -126,8 +126,9 @@ class _DataRestore(ocp.args.JsonRestore):
 
 def half_written(directory: str) -> list[str]:
   """The temporary folders of saves that never finished in `directory` (Orbax names them
-  `<step>.orbax-checkpoint-tmp-<time>` until every item is committed and renames them then).
-  Orbax's steps never include them, but its manager left them in place when it opened."""
+  `<step>.orbax-checkpoint-tmp`, some versions with `-<time>` after it, until every item is
+  committed, and renames them then; a later save of the same step reuses the name). Orbax's
+  steps never include them, but its manager left them in place when it opened."""
   if not os.path.isdir(directory):
     return []
   return sorted(os.path.join(directory, name) for name in os.listdir(directory)

@@ -52,6 +52,15 @@ def cli_args(opts) -> list[str]:
           "--compile-cache", "none"]
 
 
+def process_env() -> dict:
+  """The environment of a spawned process: 4 devices; any other XLA flag as in this process,
+  whose one-process run the two are compared with bit-near (an optimisation level changes
+  float32 bits)."""
+  flags = os.environ["XLA_FLAGS"].replace("--xla_force_host_platform_device_count=8", "")
+  return {**os.environ, "XLA_FLAGS": flags + " --xla_force_host_platform_device_count=4",
+          "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
+
+
 @pytest.fixture(scope="module")
 def initial_model(tmp_path_factory):
   """The float64 initial model every run here starts from (the one-device init of
@@ -70,11 +79,7 @@ def initial_model(tmp_path_factory):
 def test_two_processes_train_save_resume_equal_one_process(tmp_path, initial_model):
   out = tmp_path / "two"
   port = free_port()
-  # 4 devices a process; any other XLA flag as in this process, whose one-process run the two
-  # are compared with bit-near (an optimisation level changes float32 bits)
-  flags = os.environ["XLA_FLAGS"].replace("--xla_force_host_platform_device_count=8", "")
-  env = {**os.environ, "XLA_FLAGS": flags + " --xla_force_host_platform_device_count=4",
-         "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
+  env = process_env()
   args = cli_args(run_options(out, None, init_from=initial_model)) + [
       "--mesh", "data=2,expert=2,tensor=2", "--coordinator", f"localhost:{port}",
       "--num-processes", "2"]
