@@ -343,11 +343,9 @@ def test_frozen_base_is_held_in_the_compute_dtype():
       lambda x: x.dtype, params)
 
 
-def test_float64_resume_over_a_k3jax_base_equals_the_straight_run(tmp_path, monkeypatch):
-  """LoRA over a k3jax model folder (Orbax) in float64: stopped at its first checkpoint and
-  resumed, the run computes the straight run's losses exactly, its checkpoints hold the
-  adapters only and the fingerprint covers the Orbax files; a run whose first checkpoint holds
-  the whole state (as LoRA checkpoints did before they left the base out) resumes the same."""
+def _float64_base_run(tmp_path, **extra) -> tuple[str, dict]:
+  """(base, run options): a float64 MICRO model saved as a k3jax folder, and the options of a
+  4-step LoRA run over it with a checkpoint every 2 steps."""
   ex = Execution(dtype="float64", param_dtype="float64")
   with jax.enable_x64(True):
     params, bias = step_lib.init_params(MICRO, ex, 0)
@@ -356,9 +354,18 @@ def test_float64_resume_over_a_k3jax_base_equals_the_straight_run(tmp_path, monk
     ckpt_lib.save_model(base, graphdef, params, bias, MICRO)
   data = tmp_path / "sums.txt"
   data.write_text(conversations(100))
-  common = dict(init_from=base, data=str(data), dtype="float64", steps=4, decay_steps=4,
-                save_every=2, eval_every=4, warmup_steps=1, plots=False, tensorboard=False,
-                lora_rank=4, lora_alpha=8.0, lora_targets=("mla.*", "moe.shared_experts.*"))
+  return base, dict(init_from=base, data=str(data), dtype="float64", steps=4, decay_steps=4,
+                    save_every=2, eval_every=4, warmup_steps=1, plots=False, tensorboard=False,
+                    lora_rank=4, lora_alpha=8.0,
+                    lora_targets=("mla.*", "moe.shared_experts.*"), **extra)
+
+
+def test_float64_resume_over_a_k3jax_base_equals_the_straight_run(tmp_path, monkeypatch):
+  """LoRA over a k3jax model folder (Orbax) in float64: stopped at its first checkpoint and
+  resumed, the run computes the straight run's losses exactly, its checkpoints hold the
+  adapters only and the fingerprint covers the Orbax files; a run whose first checkpoint holds
+  the whole state (as LoRA checkpoints did before they left the base out) resumes the same."""
+  base, common = _float64_base_run(tmp_path)
   straight = run(options(tmp_path / "straight", None, **common))
   want = [r["loss"] for r in read_records(straight["out"])]
   assert want[0] != want[-1]
@@ -393,18 +400,7 @@ def test_resume_on_a_mesh_restores_adapters_into_their_shards(tmp_path):
   """The same stop-and-resume on a data x fsdp x tensor mesh: the adapters and their moments are
   restored into their shards, the base is loaded again and placed, and the losses equal the
   straight run's (float64)."""
-  ex = Execution(dtype="float64", param_dtype="float64")
-  with jax.enable_x64(True):
-    params, bias = step_lib.init_params(MICRO, ex, 0)
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: step_lib.make_model(MICRO, ex, 0)))
-    base = str(tmp_path / "base")
-    ckpt_lib.save_model(base, graphdef, params, bias, MICRO)
-  data = tmp_path / "sums.txt"
-  data.write_text(conversations(100))
-  common = dict(init_from=base, data=str(data), dtype="float64", steps=4, decay_steps=4,
-                save_every=2, eval_every=4, warmup_steps=1, plots=False, tensorboard=False,
-                lora_rank=4, lora_alpha=8.0, lora_targets=("mla.*", "moe.shared_experts.*"),
-                mesh="data=2,fsdp=2,tensor=2")
+  _, common = _float64_base_run(tmp_path, mesh="data=2,fsdp=2,tensor=2")
   straight = run(options(tmp_path / "straight", None, **common))
   out = tmp_path / "resumed"
   run(options(out, None, **{**common, "steps": 2}))
