@@ -88,16 +88,21 @@ def add_remat(parser, *, default: str | None, bare: str | None = None) -> None:
            + ("" if default else " (none given: none)"))
 
 
-def add_step_knobs(parser, *, whole: str) -> None:
+def add_step_knobs(parser, *, whole: str, searched: bool = False) -> None:
   """--loss-chunk, --attention, --capacity-factor: how a train step computes, as `k3jax train`
-  runs it and `k3jax plan` plans it (`whole`: what no --loss-chunk means)."""
-  parser.add_argument("--loss-chunk", type=int, default=None, metavar="N",
-                      help=f"positions per loss chunk ({whole}: whole logits)")
+  runs it and `k3jax plan` plans it (`whole`: the --loss-chunk value for whole logits;
+  `searched`: no flag means the plan chooses)."""
+  unset = "none given: chosen by the plan" if searched else None
+  parser.add_argument("--loss-chunk", type=nonneg_int, default=None, metavar="N",
+                      help=f"positions per loss chunk ({whole}"
+                           + ("" if searched else " or none given") + ": whole logits"
+                           + (f"; {unset}" if searched else "") + ")")
   parser.add_argument("--attention", choices=[a.value for a in Attention], default=None,
-                      help="MLA attention in training (none given: dense)")
-  parser.add_argument("--capacity-factor", type=float, default=None, metavar="F",
-                      help="routed experts' capacity factor (none given: dropless, whose receive "
-                           "buffers are sized for the worst case)")
+                      help=f"MLA attention in training ({unset or 'none given: dense'})")
+  parser.add_argument("--capacity-factor", type=nonneg_float, default=None, metavar="F",
+                      help="routed experts' capacity factor (0" + ("" if searched else
+                           " or none given") + ": dropless, whose receive buffers are sized "
+                           "for the worst case" + (f"; {unset}" if searched else "") + ")")
 
 
 def add_lora(parser, *, rank: int | None, base_experts: str, when: str = "") -> None:

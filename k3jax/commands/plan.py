@@ -20,14 +20,21 @@ counts without compiling.
   --mode rl      LoRA RL (`k3jax rl --lora RANK`), counted by hand: the LoRA step of --batch
                  rows beside the engine's cache of --batch slots at --seq, on one mesh.
 
---json prints one JSON object on the last line (with "candidates" when several meshes were
-tried). The planning itself is the library k3jax/plan (`k3jax.plan.run(PlanRequest(...))`).
+Step flags not given (--grad-accum, --remat, --attention, --loss-chunk, --capacity-factor;
+train and lora) are chosen: every combination on every candidate mesh is counted by hand,
+ranked by the estimated step time, and the best is compiled (the next only if the compiler
+refuses it); the explanation goes to stderr, and the plan ends with the `k3jax train` flags
+that run it ("train_args" in JSON).
+
+--json prints one JSON object on the last line (with "candidates" when several plans were
+compiled). The planning itself is the library k3jax/plan (`k3jax.plan.run(PlanRequest(...))`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 
 from k3jax import plan
@@ -70,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"best: mesh {chosen.mesh} ({'fits' if chosen.fits else 'nothing fits'})")
   else:
     print(chosen.report())
+  if getattr(chosen, "train_args", None):
+    print("train with: k3jax train " + shlex.join(chosen.train_args) + " --out DIR --data ...")
   sys.stdout.flush()
   return 0
 
@@ -86,14 +95,15 @@ def register(sub) -> None:
                  help="global rows per step (none given: one per device)")
   p.add_argument("--seq", type=positive_int, default=8192,
                  help="sequence length (--mode decode: cache positions per row)")
-  p.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per step")
+  p.add_argument("--grad-accum", type=positive_int, default=None,
+                 help="micro-batches per step (none given: chosen, --mode train|lora)")
   p.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.TRAIN.value,
                  help="train: the full train step; lora: LoRA fine-tuning over a frozen base "
                  "(k3jax train --lora); decode: serving (k3jax generate: prefill and decode "
                  "with a cache of --batch rows x --seq positions)")
   add_lora(p, rank=16, base_experts="mxfp4", when="--mode lora: ")
   add_remat(p, default=None)
-  add_step_knobs(p, whole="0 or none given")
+  add_step_knobs(p, whole="0", searched=True)
   p.add_argument("--prefill-chunk", type=positive_int, default=512,
                  help="--mode decode: prompt tokens per prefill call (as k3jax generate)")
   p.add_argument("--block", type=positive_int, default=8,
@@ -119,7 +129,9 @@ def register(sub) -> None:
                  help="--serving engine --analytic: also the largest --batch that fits at "
                  "--seq on each mesh")
   p.add_argument("--analytic", action="store_true", help="hand count, no compile")
-  p.add_argument("--max-compiles", type=positive_int, default=3,
-                 help="without --mesh: compile at most this many candidates")
+  p.add_argument("--max-compiles", type=positive_int, default=None,
+                 help="compile this many of the best candidates and report the fastest that "
+                 "fits (none given: the best, and the next only if the compiler refuses it, "
+                 "at most 3; with every step flag given: the best 3 meshes)")
   p.add_argument("--json", action="store_true", help="one JSON object")
   p.set_defaults(func=run)

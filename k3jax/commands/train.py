@@ -154,7 +154,7 @@ def register(sub) -> None:
                  help="compute dtype over fp32 master weights (auto: bf16 on TPU/GPU, fp32 "
                       "on CPU); float64: fp64 weights and compute, for exactness checks")
   add_remat(g, default="none", bare="full")
-  add_step_knobs(g, whole="none given")
+  add_step_knobs(g, whole="0")
   g.add_argument("--peak-tflops", type=positive_float, default=None,
                  help="peak for MFU (none given: a dense matmul measured at start-up)")
   g.add_argument("--compile-cache", default=default_compile_cache(),

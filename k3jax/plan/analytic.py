@@ -56,9 +56,11 @@ def train_temp(cfg, ex, rows_per_device: int, seq: int, tensor: int,
                         beyond the gradients, one parameter's Newton-Schulz (its momentum
                         moved to the layout, the iterate, the output: three fp32 copies of
                         the largest parameter's share, `largest_per_device`);
-    saved per layer     under remat only the layer's input carry survives the forward:
-                        the partial sum [b, T, d] (c bytes) per layer; without remat every
-                        activation of the layer, counted as ~30 [b, T, d]-sized tensors;
+    saved per layer     under full remat only the layer's input carry survives the forward:
+                        the partial sum [b, T, d] (c bytes) per layer; under save-dots also
+                        the projections' outputs (`saved_dots_width`; offload: in host
+                        memory); without remat every activation of the layer, counted as ~30
+                        [b, T, d]-sized tensors;
     AttnRes blocks      the sealed-block buffer [n_seals, b, T, d]: under full remat once,
                         with its fp32 gradient (block_scan rebuilds each layer's buffer from
                         the final one); otherwise in fp32 once per scanned unit (a plain
@@ -73,8 +75,11 @@ def train_temp(cfg, ex, rows_per_device: int, seq: int, tensor: int,
   d, b, t = cfg.hidden_size, rows_per_device, seq
   btd = b * t * d
   L = cfg.num_layers
-  remat = ex.remat != Remat.NONE
-  saved = L * btd * (c if remat else 30 * c)
+  saved = L * btd * (c if ex.remat == Remat.FULL else 30 * c)
+  if ex.remat in (Remat.SAVE_DOTS, Remat.OFFLOAD):
+    # the carry and the projections' outputs; offload keeps the latter in host memory
+    kept = 0 if ex.remat == Remat.OFFLOAD else saved_dots_width(cfg, tensor)
+    saved = L * btd * c + b * t * kept * c
   blocks = 0.0
   if cfg.attn_res_block_size is not None:
     if ex.remat == Remat.FULL:
@@ -91,6 +96,23 @@ def train_temp(cfg, ex, rows_per_device: int, seq: int, tensor: int,
     loss = b * ex.loss_chunk * (cfg.vocab_size // tensor) * 4 * 3
   grads = params_per_device * (2 if accum > 1 else 1)
   return grads + 3 * largest_per_device + saved + blocks + working + loss + moe_bytes
+
+
+def saved_dots_width(cfg, tensor: int) -> int:
+  """Per token, the widths of every layer's projection outputs (matmuls without batch dims),
+  which save-dots remat keeps, summed over the layers; heads split over `tensor`."""
+  hk, k, hm = cfg.kda_num_heads // tensor, cfg.kda_head_dim, cfg.mla_num_heads // tensor
+  d = cfg.hidden_size
+  kda = 5 * hk * k + hk + d  # q, k, v, the decay gate, the output gate, beta, o
+  mla = ((cfg.q_lora_rank or 0) + hm * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+         + cfg.kv_lora_rank + cfg.qk_rope_head_dim
+         + hm * (cfg.qk_nope_head_dim + cfg.v_head_dim) + hm * cfg.v_head_dim + d)
+  dense = 2 * cfg.intermediate_size // tensor + d
+  moe = (2 * cfg.num_shared_experts * cfg.moe_intermediate_size // tensor + d
+         + 2 * (cfg.latent_size or 0) + cfg.num_experts)
+  mixers = len(cfg.mla_layers) * mla + len(cfg.kda_layers) * kda
+  mlps = len(cfg.moe_layers) * moe + (cfg.num_layers - len(cfg.moe_layers)) * dense
+  return mixers + mlps
 
 
 def decode_temp(cfg, mesh, rows: int, tokens: int, seq: int, moe_bytes: float) -> float:
@@ -198,3 +220,61 @@ def dequantised_layer_bytes(params) -> int:
 def _flat(tree):
   return [(tuple(str(getattr(k, "key", k)) for k in p), x)
           for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+BATCH_AXES = ("data", "fsdp", "expert")
+
+
+def train_comm_bytes(cfg, ex, mesh, params, trainable, rows_per_device: int, seq: int,
+                     accum: int) -> float:
+  """Bytes one device sends per train step, by hand (the compiled plan reads them from the
+  program instead: comm.py), for ranking settings before any compile. Per micro-batch:
+    weights     every weight split over a batch axis is all-gathered (compute width c) before
+                use: forward, backward, and once more when full remat recomputes the forward;
+                a device sends its shard to each of the f - 1 others. The routed experts only
+                where their input width is split (layout.gather_axes); split over the experts
+                they stay put and the tokens move;
+    gradients   of `trainable`: reduce-scattered over the axes a weight is split on (fp32, its
+                shard times f - 1) and all-reduced over the batch axes it is whole on
+                (2 B (n - 1) / n);
+    tokens      each MoE layer's routed pairs (rows x k of width h in c) out to their experts
+                and back, (ep - 1) / ep of them leave the device: forward, backward, recompute;
+    tensor      two all-reduces of the layer's [rows, seq, d] per layer and pass over tensor.
+  Every micro-batch pays the weights' and gradients' share again: more accumulation, more
+  traffic."""
+  sizes = dict(mesh.shape)
+  c = 2 if ex.dtype == "bfloat16" else 4
+  passes = 3 if ex.remat == Remat.FULL else 2
+  in_name = expert_parallel.expert_input_name(cfg)
+  tokens = rows_per_device * seq * math.prod(sizes[a] for a in BATCH_AXES)
+  moe = expert_parallel.layout(cfg, tokens, in_name, mesh, ex.moe_capacity_factor) if (
+      cfg.num_experts and cfg.moe_layers) else None
+  size = lambda axes: math.prod(sizes[a] for a in axes)
+
+  def split_axes(path, x) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    spec = x.sharding.spec if x.sharding is not None else ()
+    used = tuple(a for entry in spec if entry is not None
+                 for a in ((entry,) if isinstance(entry, str) else entry))
+    if moe is not None and "experts" in path:
+      return moe.gather_axes, tuple(a for a in BATCH_AXES if a not in used)
+    return (tuple(a for a in used if a in BATCH_AXES),
+            tuple(a for a in BATCH_AXES if a not in used))
+
+  weights = grads = 0.0
+  for path, x in _flat(params):
+    gathered, _ = split_axes(path, x)
+    width = 1 if x.dtype.itemsize == 1 else c  # packed MXFP4 codes and scales move as bytes
+    weights += passes * bytes_per_device(x) / x.dtype.itemsize * width * (size(gathered) - 1)
+  for path, x in _flat(trainable):
+    split, whole = split_axes(path, x)
+    shard = bytes_per_device(x) / x.dtype.itemsize * 4
+    grads += shard * (size(split) - 1) + 2 * shard * (size(whole) - 1) / size(whole)
+  routed = 0.0
+  if moe is not None and moe.ep > 1:
+    h = cfg.latent_size if in_name == "latent" else cfg.hidden_size
+    rows = min(moe.recv, moe.n // size(moe.psum_axes) * cfg.num_experts_per_token)
+    routed = len(cfg.moe_layers) * 2 * passes * rows * h * c * (moe.ep - 1) / moe.ep
+  t = sizes.get("tensor", 1)
+  tensor = (cfg.num_layers * 2 * passes * 2 * rows_per_device * seq * cfg.hidden_size * c
+            * (t - 1) / t)
+  return accum * (weights + grads + routed + tensor)

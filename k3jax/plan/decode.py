@@ -166,7 +166,7 @@ def serve_execution(request: PlanRequest) -> Execution:
   routed experts dropless unless the request gives a capacity factor."""
   return Execution(dtype="bfloat16", param_dtype="bfloat16", matmul_precision=Precision.DEFAULT,
                    moe_grouped_matmul=GroupedMatmul.MEGABLOX, kda_backend=KdaBackend.PALLAS_TPU,
-                   moe_capacity_factor=request.capacity_factor)
+                   moe_capacity_factor=request.capacity_factor or None)
 
 
 def abstract_inputs(cfg, ex, mesh, batch: int, seq: int):

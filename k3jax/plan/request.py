@@ -38,11 +38,13 @@ class PlanRequest:
   mesh: str | None = None              # data=..,fsdp=..,expert=..,tensor=..; None: search
   batch: int | None = None             # global rows per step; None: one row per device
   seq: int = 8192                      # positions per row (decode: the cache's)
-  grad_accum: int = 1                  # micro-batches per step (train, lora)
+  grad_accum: int | None = None        # micro-batches per step (train, lora); None: searched
   analytic: bool = False               # hand count, no compile
-  max_compiles: int = 3                # without a mesh: compile at most this many candidates
-  capacity_factor: float | None = None  # the routed experts'; None: dropless
-  # train and lora: how the step runs (None: the Execution default)
+  max_compiles: int | None = None      # compile at most this many candidates; None: until
+                                       # one fits (settings search), 3 (mesh search)
+  capacity_factor: float | None = None  # the routed experts'; 0: dropless; None: searched
+                                        # (train, lora), dropless (decode)
+  # train and lora: how the step runs (None: searched, k3jax/plan/settings.py)
   remat: Remat | None = None
   loss_chunk: int | None = None        # positions per loss chunk; 0 or None: whole logits
   attention: Attention | None = None

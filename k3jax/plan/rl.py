@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from k3jax.plan import decode, report, train
+from k3jax.plan import decode, report, settings, train
 from k3jax.plan.request import Mode, PlanRequest, Serving
 from sharding.mesh import make_mesh
 
@@ -70,7 +70,7 @@ class RlPlan:
 
 
 def run(request: PlanRequest, cfg, devices) -> list[RlPlan]:
-  lora_request = request.replace(mode=Mode.LORA, analytic=True)
+  lora_request = settings.with_defaults(request.replace(mode=Mode.LORA, analytic=True))
   engine_request = request.replace(mode=Mode.DECODE, analytic=True, serving=Serving.ENGINE)
   ex = decode.serve_execution(engine_request)
   plans = []
@@ -83,7 +83,7 @@ def run(request: PlanRequest, cfg, devices) -> list[RlPlan]:
     peak = max(train_phase, rollout_phase)
     plans.append(RlPlan(
         mesh=t.mesh, devices=len(devices), slots=request.batch, seq=request.seq,
-        grad_accum=request.grad_accum, lora_rank=request.lora_rank,
+        grad_accum=lora_request.grad_accum, lora_rank=request.lora_rank,
         snapshots=config.snapshots, train_peak_bytes_per_device=t.peak_bytes_per_device,
         train_state_bytes_per_device=t.state_bytes_per_device,
         kda_slots_bytes_per_device=cache.kda_slots,

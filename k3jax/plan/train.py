@@ -52,13 +52,14 @@ from k3jax.errors import UserError
 from k3jax.execution import Execution, GroupedMatmul, KdaBackend, Remat
 from k3jax.model import lora
 from k3jax.model.transformer import K3Model
-from k3jax.plan import comm, hlo, report
+from k3jax.plan import comm, hlo, report, settings
 from k3jax.plan.analytic import (
   bytes_per_device,
   dequantised_layer_bytes,
   grouped_rows_run,
   moe_layer_bytes,
   routed_fill,
+  train_comm_bytes,
   train_temp,
 )
 from k3jax.plan.chips import chip_of
@@ -88,7 +89,7 @@ def train_execution(request: PlanRequest) -> Execution:
   if request.loss_chunk is not None:
     changes["loss_chunk"] = request.loss_chunk or None
   if request.capacity_factor is not None:
-    changes["moe_capacity_factor"] = request.capacity_factor
+    changes["moe_capacity_factor"] = request.capacity_factor or None  # 0: dropless
   return ex.replace(**changes)
 
 
@@ -181,6 +182,9 @@ class TrainPlan:
                   # overlapped, or not
   mfu: list | None = None  # [lower, upper]: model FLOPs / (step_seconds x devices x peak),
                   # the upper step time giving the lower MFU
+  hand_comm_bytes_per_device: float | None = None  # analytic: the bytes a device sends per
+                  # step by hand (analytic.train_comm_bytes), behind its step_seconds and mfu
+  train_args: list | None = None  # the `k3jax train` flags that run this step
   lora_rank: int | None = None         # --mode lora: the adapters' rank
   trainable_param_count: int | None = None  # --mode lora: the adapters' parameters
 
@@ -245,9 +249,10 @@ def plan_one(request: PlanRequest, cfg, ex, devices, mesh_spec, *, analytic: boo
   n = len(devices)
   count = flops_lib.count(cfg, seq)
   lora_on = spec is not None and spec.lora
-  # the FLOPs split: remat recomputes the forward (a third of the training FLOPs; save-dots
-  # keeps the matmul outputs, so this is its upper bound); Muon's Newton-Schulz once per step
-  remat_flops = count.forward_per_token * batch * seq if ex.remat != Remat.NONE else 0.0
+  # the FLOPs split: full remat recomputes the forward (a third of the training FLOPs;
+  # save-dots and offload keep the projections' outputs, recomputing the rest: counted as
+  # none); Muon's Newton-Schulz once per step
+  remat_flops = count.forward_per_token * batch * seq if ex.remat == Remat.FULL else 0.0
   optimizer_flops = 0.0 if lora_on else flops_lib.newton_schulz_flops(cfg)
   # LoRA: forward 2N + activation gradient 2N per token, no weight gradient for the base
   model_flops = count.train_per_token * batch * seq * (2 / 3 if lora_on else 1)
@@ -272,7 +277,8 @@ def plan_one(request: PlanRequest, cfg, ex, devices, mesh_spec, *, analytic: boo
                 mode=(Mode.LORA if lora_on else Mode.TRAIN).value,
                 lora_rank=spec.rank if lora_on else None,
                 trainable_param_count=step_lib.count_params(trainable) if lora_on else None,
-                remat_flops=remat_flops, optimizer_flops=optimizer_flops)
+                remat_flops=remat_flops, optimizer_flops=optimizer_flops,
+                train_args=settings.train_args(request, format_sizes(sizes)))
   if analytic:
     arg = state_bytes + batch_bytes
     temp = train_temp(cfg, ex, rows_dev, seq, sizes["tensor"], state_bytes, params_bytes,
@@ -280,13 +286,17 @@ def plan_one(request: PlanRequest, cfg, ex, devices, mesh_spec, *, analytic: boo
                       accum=accum, largest_per_device=0.0 if lora_on else largest)
     peak = arg + temp
     # per device: the model FLOPs share plus remat's recompute (one more forward)
-    per_dev = model_flops / n * (4 / 3 if ex.remat != Remat.NONE else 1.0)
+    per_dev = (model_flops + remat_flops) / n
     est = max(per_dev / chip.peak_flops, (state_bytes * 3 + temp) / chip.hbm_bandwidth)
+    sent = train_comm_bytes(cfg, ex, mesh, state["params"], trainable, rows_dev, seq, accum)
+    bounds = step_bounds(est, sent, chip)
     return TrainPlan(**common, analytic=True, argument_bytes_per_device=arg,
                      temp_bytes_per_device=temp, output_bytes_per_device=state_bytes,
                      alias_bytes_per_device=state_bytes, peak_bytes_per_device=peak,
                      fits=peak <= chip.hbm_bytes, compile_seconds=None, compiled_flops=None,
-                     compiled_bytes_accessed=None, flops_ratio=None, step_seconds_estimate=est)
+                     compiled_bytes_accessed=None, flops_ratio=None, step_seconds_estimate=est,
+                     hand_comm_bytes_per_device=sent, step_seconds=bounds,
+                     mfu=mfu_range(model_flops, bounds, n, chip))
 
   t0 = time.perf_counter()
   with jax.set_mesh(mesh):
@@ -383,16 +393,24 @@ def candidate_meshes(cfg, n: int, rows: int) -> list[dict]:
 
 
 def run(request: PlanRequest, cfg: ModelConfig, devices: list) -> list[TrainPlan]:
-  """The train or LoRA plans of `request` (its batch given) for `cfg` on `devices`: the
-  candidates ranked by the smallest analytic peak."""
-  ex = train_execution(request)
+  """The train or LoRA plans of `request` (its batch given) for `cfg` on `devices`. Knobs it
+  leaves unset are chosen by the settings search (k3jax/plan/settings.py) on its mesh or on
+  every candidate mesh; with every knob set, the candidate meshes are ranked by the smallest
+  analytic peak."""
   spec = lora_spec(request, cfg)
+  plan = lambda req, mesh, analytic: plan_one(req, cfg, train_execution(req), devices, mesh,
+                                              analytic=analytic, spec=spec)
+  if settings.free_knobs(request):
+    if request.mesh:
+      meshes = [dict(make_mesh(request.mesh, devices).shape)]
+    else:
+      meshes = candidate_meshes(cfg, len(devices), request.batch)
+    return settings.search(request, cfg, meshes, plan)
   if request.batch % request.grad_accum:
     raise UserError(f"--batch {request.batch} is not a multiple of --grad-accum "
                     f"{request.grad_accum}")
   return search(
-      request, lambda mesh, analytic: plan_one(request, cfg, ex, devices, mesh,
-                                               analytic=analytic, spec=spec),
+      request, lambda mesh, analytic: plan(request, mesh, analytic),
       candidate_meshes(cfg, len(devices), request.batch // request.grad_accum),
       rank=lambda p: p.peak_bytes_per_device,
       nothing_fits=f"no mesh of {len(devices)} devices splits this model and batch")

@@ -177,7 +177,7 @@ def execution(opts: RunOptions) -> Execution:
            "moe_capacity_factor": opts.capacity_factor}
   try:
     return Execution(dtype=resolve_dtype(opts.dtype), param_dtype=master_dtype(opts),
-                     remat=opts.remat, **{k: v for k, v in knobs.items() if v is not None})
+                     remat=opts.remat, **{k: v for k, v in knobs.items() if v})  # 0: off
   except ConfigError as e:
     raise UserError(str(e)) from None
 
