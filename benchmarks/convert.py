@@ -19,7 +19,10 @@ of the checkpoint (the OCDBT data files are about one per committed write batch)
 after itself.
 
     python benchmarks/convert.py [--experts 32] [--vocab 32768] [--workdir /tmp]
-                                 [--chunk-mib 4] [--no-raw]
+                                 [--chunk-mib 4] [--no-raw] [--processes 2]
+
+--processes N converts as N processes of one run on this machine (gloo, a localhost
+coordinator): the wall time of the whole, the peak RSS of each process.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import json
 import math
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -154,9 +158,10 @@ def raw_copy(folder: str, dest: str) -> float:
   return time.perf_counter() - t
 
 
-def run_convert(src: str, out: str, experts: str, chunk_mib: float | None = None
-                ) -> tuple[float, int]:
-  """(wall seconds, peak RSS bytes) of `k3jax convert` in a fresh process."""
+def run_convert(src: str, out: str, experts: str, chunk_mib: float | None = None,
+                processes: int = 1) -> tuple[float, list[int]]:
+  """(wall seconds, peak RSS bytes of each process) of `k3jax convert` in fresh processes:
+  one, or `processes` of one multi-process conversion (localhost coordinator)."""
   drop_cache(src)
   repo = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
   # VmHWM, the peak RSS of this process image: ru_maxrss would also count the pages the
@@ -168,14 +173,25 @@ def run_convert(src: str, out: str, experts: str, chunk_mib: float | None = None
           "sys.exit(rc)")
   env = {**os.environ, "PYTHONPATH": os.pathsep.join(
       [repo, *filter(None, [os.environ.get("PYTHONPATH")])]), "JAX_PLATFORMS": "cpu"}
+  argv = [sys.executable, "-c", code, "convert", src, out, "--experts", experts, "--quiet"]
+  if processes > 1:
+    with socket.socket() as s:
+      s.bind(("localhost", 0))
+      argv += ["--coordinator", f"localhost:{s.getsockname()[1]}",
+               "--num-processes", str(processes)]
   t = time.perf_counter()
-  proc = subprocess.run([sys.executable, "-c", code, "convert", src, out, "--experts", experts,
-                         "--quiet"], env=env, capture_output=True, text=True)
+  procs = [subprocess.Popen(argv + (["--process-id", str(i)] if processes > 1 else []),
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for i in range(processes)]
+  outs = [p.communicate() for p in procs]
   wall = time.perf_counter() - t
-  if proc.returncode != 0:
-    raise SystemExit(f"convert failed:\n{proc.stdout}\n{proc.stderr}")
-  rss = next(int(l.split()[1]) for l in proc.stdout.splitlines() if l.startswith("VmHWM"))
-  return wall, rss * 1024  # kB
+  rss = []
+  for p, (stdout, stderr) in zip(procs, outs):
+    if p.returncode != 0:
+      raise SystemExit(f"convert failed:\n{stdout}\n{stderr}")
+    rss.append(1024 * next(int(l.split()[1]) for l in stdout.splitlines()
+                           if l.startswith("VmHWM")))  # kB
+  return wall, rss
 
 
 def main() -> None:
@@ -186,6 +202,8 @@ def main() -> None:
   p.add_argument("--chunk-mib", type=float, default=None,
                  help="the checkpoint's chunk size limit (default: the converter's)")
   p.add_argument("--no-raw", action="store_true", help="skip the raw read and copy")
+  p.add_argument("--processes", type=int, default=1,
+                 help="convert as this many processes on this machine (peak RSS per process)")
   args = p.parse_args()
   root = tempfile.mkdtemp(prefix="k3jax-convert-bench-", dir=args.workdir)
   try:
@@ -206,14 +224,15 @@ def main() -> None:
     bound = 2 * largest + GiB
     for experts in ("bf16", "mxfp4"):
       out = os.path.join(root, f"out_{experts}")
-      wall, rss = run_convert(src, out, experts, args.chunk_mib)
+      wall, rss = run_convert(src, out, experts, args.chunk_mib, args.processes)
       files = [os.path.join(d, f) for d, _, fs in os.walk(out) for f in fs]
       size = sum(map(os.path.getsize, files))
+      peaks = " + ".join(f"{r / GiB:.2f}" for r in rss)
       print(f"convert --experts {experts:5s}: {wall:6.1f}s  {total / wall / GiB:6.2f} GiB/s "
             f"({100 * raw / wall:5.1f}% of raw read, {100 * copy / wall:5.1f}% of raw copy), "
             f"wrote {size / GiB:.2f} GiB in {len(files)} files, peak RSS "
-            f"{rss / GiB:.2f} GiB (bound 2 x largest + 1 GiB = {bound / GiB:.2f} GiB: "
-            f"{'ok' if rss <= bound else 'EXCEEDED'})")
+            f"{peaks} GiB (bound 2 x largest + 1 GiB = {bound / GiB:.2f} GiB a process: "
+            f"{'ok' if max(rss) <= bound else 'EXCEEDED'})")
       shutil.rmtree(out)
   finally:
     shutil.rmtree(root, ignore_errors=True)

@@ -1,7 +1,7 @@
 """Official safetensors <-> k3jax (Orbax) conversion (docs/checkpoints.md).
 
     k3jax convert HF_DIR OUT_DIR [--layers A-B] [--experts bf16|mxfp4] [--force] [--resume]
-                  [--quiet]
+                  [--quiet] [--coordinator HOST:PORT --num-processes N --process-id I]
     k3jax export  CKPT_DIR OUT_DIR [--num-shards N] [--force] [--quiet]
     k3jax parity  MODEL_DIR --reference NPZ [--dtype float64|float32|bfloat16] [--json]
 

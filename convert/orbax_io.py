@@ -223,10 +223,16 @@ def _handler_class():
 
 
 def write_checkpoint(directory: str, arrays: dict[Path, tuple[tuple[int, ...], Any, int]],
-                     stream: Stream, *, every_array_written: bool = True) -> None:
+                     stream: Stream, *, every_array_written: bool = True,
+                     finish: bool = True) -> int:
   """Write the Orbax checkpoint of `arrays` (path -> (shape, dtype, leading stack axes)) into
   the existing folder `directory`, filled from `stream`. Blocks until every byte and Orbax's
-  metadata are on disk; on Ctrl-C the stream stops after the batch being committed.
+  metadata are on disk; on Ctrl-C the stream stops after the batch being committed. Returns
+  when the save started (ns), for `finish_checkpoint`.
+
+  In a multi-process run every process calls it with the same `arrays` and its own stream:
+  its slices go to its own OCDBT database (`ocdbt.process_<i>/`), process 0 writes the tree
+  metadata, and `finish=False` leaves `finish_checkpoint` to process 0 once all are written.
 
   Orbax checks after the save that every array holds data; `every_array_written=False` (a
   `--layers` slice, whose other arrays stay at their fill value) skips that check."""
@@ -250,11 +256,8 @@ def write_checkpoint(directory: str, arrays: dict[Path, tuple[tuple[int, ...], A
   def save():
     try:
       handler.save(path, args=ocp.args.PyTreeSave(tree, save_args=save_args))
-      # what handler.finalize does for numpy leaves: merge ocdbt.process_0 into the root
-      # manifest, then check that every array holds data (not so for a --layers slice)
-      asyncio.run(ocp.type_handlers.merge_ocdbt_per_process_files(
-          path, ts_context=ocp.type_handlers.get_ts_context(use_ocdbt=True), use_zarr3=False,
-          enable_validation=every_array_written))
+      if finish:
+        _merge(path, every_array_written)
     except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
       errors.append(e)
     finally:
@@ -275,8 +278,31 @@ def write_checkpoint(directory: str, arrays: dict[Path, tuple[tuple[int, ...], A
     raise stream.error
   if errors:
     raise errors[0]
-  # What `ocp.Checkpointer.save` records around its handler's save (this save is resumable, so
-  # it runs the handler itself): the handler to read it with, and when it was written.
+  if finish:
+    _step_metadata(path, started)
+  return started
+
+
+def finish_checkpoint(directory: str, started: int, *, every_array_written: bool = True) -> None:
+  """What `write_checkpoint(finish=True)` ends with, run once for all processes (process 0,
+  after every process's part is on disk): merge every `ocdbt.process_<i>/` database into the
+  root manifest, check the arrays, and write Orbax's step metadata."""
+  path = _orbax_path(directory)
+  _merge(path, every_array_written)
+  _step_metadata(path, started)
+
+
+def _merge(path: epath.Path, every_array_written: bool) -> None:
+  """What handler.finalize does for numpy leaves: merge the `ocdbt.process_<i>` databases into
+  the root manifest, then check that every array holds data (not so for a --layers slice)."""
+  asyncio.run(ocp.type_handlers.merge_ocdbt_per_process_files(
+      path, ts_context=ocp.type_handlers.get_ts_context(use_ocdbt=True), use_zarr3=False,
+      enable_validation=every_array_written))
+
+
+def _step_metadata(path: epath.Path, started: int) -> None:
+  """What `ocp.Checkpointer.save` records around its handler's save (this save is resumable,
+  so it runs the handler itself): the handler to read it with, and when it was written."""
   ocp.metadata.metadata_store(enable_write=True, blocking_write=True).write(
       path / STEP_METADATA,
       {"item_handlers": ocp.StandardCheckpointHandler().typestr(), "metrics": {},

@@ -15,7 +15,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from k3jax.errors import CheckpointError, UserError
 
@@ -82,29 +82,68 @@ def _lock(folder: str, out_dir: str):
   return f
 
 
+def _alone(_name: str):
+  return contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def resumable(out_dir: str, *, force: bool, resume: bool, key: dict,
-              inputs: tuple[str, ...] = ()) -> Iterator[str]:
+              inputs: tuple[str, ...] = (), main: bool = True,
+              together: Callable[[str], contextlib.AbstractContextManager] = _alone
+              ) -> Iterator[str]:
   """Like `staged`, but the folder is `partial_dir(out_dir)` and survives an interruption
   (Ctrl-C, a kill, a full disk) so that `resume=True` continues it. It is tied to `key` (what
   is being converted, and how): a resume with another key is refused, never mixed. Bad input
   (a UserError) still removes it: nothing half-written is left of a conversion that cannot
-  succeed. The folder is renamed to `out_dir` only when the body returns."""
+  succeed. The folder is renamed to `out_dir` only when the body returns.
+
+  Several processes writing one folder (a shared file system): each enters with the same
+  arguments, `main` true on one of them, and `together(step)` a context manager that runs a
+  step on every process and fails on all if it fails on one (sharding.distributed.together).
+  Every process checks the folders; then the main process alone replaces, creates, locks and
+  keys the folder; on exit it alone renames it (the caller makes the others' bodies end
+  first). Bad input keeps the folder there: another process may still be writing it."""
   out_dir = os.path.abspath(out_dir)
-  _check_inputs(out_dir, inputs)
-  if os.path.lexists(out_dir) and not force:
-    raise CheckpointError(f"{out_dir} already exists (pass --force to replace it)")
   tmp = partial_dir(out_dir)
   key_path = os.path.join(tmp, RESUME_KEY)
-  if os.path.isdir(tmp) and not os.path.islink(tmp):
-    _lock(tmp, out_dir).close()  # refuses if another process is writing it
-    if force:
-      shutil.rmtree(tmp)
-    elif not resume:
-      raise CheckpointError(f"{out_dir}: an interrupted conversion is kept in {tmp}: pass "
-                            "--resume to continue it, or --force to start over")
-  elif os.path.lexists(tmp):
-    raise CheckpointError(f"{tmp} is in the way (not a folder): remove it")
+  with together("convert_checked"):
+    _check_inputs(out_dir, inputs)
+    if os.path.lexists(out_dir) and not force:
+      raise CheckpointError(f"{out_dir} already exists (pass --force to replace it)")
+    if os.path.isdir(tmp) and not os.path.islink(tmp):
+      if main:
+        _lock(tmp, out_dir).close()  # refuses if another conversion is writing it
+      if not force and not resume:
+        raise CheckpointError(f"{out_dir}: an interrupted conversion is kept in {tmp}: pass "
+                              "--resume to continue it, or --force to start over")
+    elif os.path.lexists(tmp):
+      raise CheckpointError(f"{tmp} is in the way (not a folder): remove it")
+  lock = None
+  try:
+    with together("convert_prepared"):
+      if main:
+        lock = _prepare(tmp, out_dir, key, key_path, force)
+    try:
+      yield tmp
+    except UserError:
+      if together is _alone:
+        shutil.rmtree(tmp, ignore_errors=True)
+      raise
+    if main:
+      os.remove(key_path)
+      os.remove(os.path.join(tmp, LOCK))
+      _commit(tmp, out_dir)
+  finally:
+    if lock is not None:
+      lock.close()
+
+
+def _prepare(tmp: str, out_dir: str, key: dict, key_path: str, force: bool):
+  """Replace (--force) or reuse (--resume) the partial folder, lock it, and check or write
+  its key; returns the lock."""
+  if force and os.path.isdir(tmp) and not os.path.islink(tmp):
+    _lock(tmp, out_dir).close()  # refuses if another conversion is writing it
+    shutil.rmtree(tmp)
   os.makedirs(tmp, exist_ok=True)
   lock = _lock(tmp, out_dir)
   try:
@@ -123,13 +162,7 @@ def resumable(out_dir: str, *, force: bool, resume: bool, key: dict,
         f.flush()
         os.fsync(f.fileno())
       os.rename(key_path + ".tmp", key_path)
-    try:
-      yield tmp
-    except UserError:
-      shutil.rmtree(tmp, ignore_errors=True)
-      raise
-    os.remove(key_path)
-    os.remove(os.path.join(tmp, LOCK))
-    _commit(tmp, out_dir)
-  finally:
+  except BaseException:
     lock.close()
+    raise
+  return lock

@@ -17,17 +17,26 @@ leaves behind. `k3jax_convert.journal` there lists the tensors whose write batch
 committed; `--resume` skips them and writes the rest into the same arrays, so the result is
 the checkpoint an uninterrupted run writes. The folder is renamed to OUT_DIR only once
 everything, the Orbax metadata and these json files included, is on disk.
+
+Several processes (jax.distributed, OUT_DIR on a shared file system): the reads are cut into
+consecutive runs of about equal bytes (`split_by_bytes`); each process writes its run into its
+own OCDBT database (ocdbt.process_<i>/) and journals it in its own file; once all have
+committed (`distributed.together`), process 0 merges the databases, writes the files above and
+renames the folder. A failure on one process is reported on all.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
+import functools
 import hashlib
 import json
 import math
 import os
 import shutil
 
+import jax
 import ml_dtypes
 import numpy as np
 
@@ -39,6 +48,7 @@ from convert.safetensors_io import DTYPES
 from convert.source import Item, items_to_read, layer_range, open_source, read_weight, to_k3jax
 from convert.variables import abstract_variables
 from k3jax.errors import CheckpointError
+from sharding import distributed
 
 MANIFEST = "k3jax_convert.json"
 CONFIG = "k3jax_config.json"
@@ -48,6 +58,10 @@ HF_DIR = "hf"
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer*", "*.tiktoken",
               "tiktoken.model", "tokenization*.py", "special_tokens_map.json", "chat_template*")
 SIDE_FILE_LIMIT = 64 << 20
+# How long a process waits for the others at a step of a multi-process conversion: its share
+# of a K3 conversion takes hours. A process that fails tells the others at once
+# (distributed.together), and JAX's coordination service ends them when one is killed.
+PEER_TIMEOUT_S = 24 * 3600.0
 
 
 def packed_paths(path: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -95,28 +109,69 @@ def convert(hf_dir: str, out_dir: str, *, layers: str | None = None, experts: st
                    keep_codes)
   manifest = _manifest(source, items, selected, with_embed, with_head, experts)
 
-  with resumable(out_dir, force=force, resume=resume, inputs=(hf_dir,),
-                 key=_resume_key(manifest, source.config_raw)) as tmp:
-    journal = os.path.join(tmp, JOURNAL)
+  count, me = jax.process_count(), jax.process_index()
+  mine = split_by_bytes(items, count)[me]
+  key = _resume_key(manifest, source.config_raw) | ({"processes": count} if count > 1 else {})
+  together = (functools.partial(distributed.together, timeout_s=PEER_TIMEOUT_S) if count > 1
+              else None)
+  with _together(together, "convert_placed"), resumable(
+      out_dir, force=force, resume=resume, inputs=(hf_dir,), key=key, main=me == 0,
+      **({"together": together} if together else {})) as tmp:
+    journal = os.path.join(tmp, journal_name(me, count))
     done = _journalled(journal)
-    todo = [it for it in items if it.name not in done]
-    bar = Progress(sum(it.nbytes for it in todo), "convert", enabled=progress)
-    with open(journal, "a") as log:
+    todo = [it for it in mine if it.name not in done]
+    label = "convert" if count == 1 else f"convert {me}/{count}"
+    bar = Progress(sum(it.nbytes for it in todo), label, enabled=progress)
+    with _together(together, "convert_written"), open(journal, "a") as log:
       def committed(names: list[str]) -> None:
         log.write("".join(f"{n}\n" for n in names))
         log.flush()
       stream = orbax_io.Stream(_items(source, todo, arrays, keep_codes, bar), committed)
-      orbax_io.write_checkpoint(tmp, arrays, stream, every_array_written=selected is None)
+      started = orbax_io.write_checkpoint(tmp, arrays, stream, finish=count == 1,
+                                          every_array_written=selected is None)
     bar.close()
     source.reader.close()
-    with open(os.path.join(tmp, MANIFEST), "w") as f:
-      json.dump(manifest, f)
-    with open(os.path.join(tmp, CONFIG), "w") as f:
-      json.dump({"format": "k3jax", "config": cfg.to_dict()}, f, indent=2)
-    _copy_side_files(source.folder, os.path.join(tmp, HF_DIR))
-    os.remove(journal)  # last: a resume from before this line has nothing left to convert
-    orbax_io.sync_tree(tmp)
-  return {**manifest, "resumed": len(items) - len(todo)}
+    with _together(together, "convert_finished"):
+      if me == 0:
+        if count > 1:  # every process's database is on disk: merge them into one
+          orbax_io.finish_checkpoint(tmp, started, every_array_written=selected is None)
+        _write_side(tmp, source, manifest, cfg)
+        for i in range(count):  # last: a resume from before this has nothing left to convert
+          os.remove(os.path.join(tmp, journal_name(i, count)))
+        orbax_io.sync_tree(tmp)
+  return {**manifest, "resumed": len(mine) - len(todo), "tensors": len(mine),
+          "bytes_read": source.reader.bytes_read, "process": me, "processes": count}
+
+
+def _together(together, name: str):
+  return contextlib.nullcontext() if together is None else together(name)
+
+
+def split_by_bytes(items: list[Item], count: int) -> list[list[Item]]:
+  """`items` (in source order) cut into `count` consecutive runs of about equal bytes: item k
+  goes to the process whose 1/count of the total holds the middle of its bytes, so each
+  process reads its own stretch of the shards front to back."""
+  total = max(sum(it.nbytes for it in items), 1)
+  out: list[list[Item]] = [[] for _ in range(count)]
+  before = 0
+  for it in items:
+    out[min(count - 1, (2 * before + it.nbytes) * count // (2 * total))].append(it)
+    before += it.nbytes
+  return out
+
+
+def journal_name(process: int, count: int) -> str:
+  """Each process journals the tensors it has committed in its own file."""
+  return JOURNAL if count == 1 else f"k3jax_convert.process_{process}.journal"
+
+
+def _write_side(tmp: str, source, manifest: dict, cfg) -> None:
+  """The k3jax files beside the Orbax checkpoint: manifest, config, the folder's side files."""
+  with open(os.path.join(tmp, MANIFEST), "w") as f:
+    json.dump(manifest, f)
+  with open(os.path.join(tmp, CONFIG), "w") as f:
+    json.dump({"format": "k3jax", "config": cfg.to_dict()}, f, indent=2)
+  _copy_side_files(source.folder, os.path.join(tmp, HF_DIR))
 
 
 def _arrays(cfg, variables, dtypes, keep_codes) -> dict:

@@ -9,6 +9,9 @@ when the three are given (`--coordinator HOST:PORT --num-processes N --process-i
 On CPU, processes exchange collectives through gloo. Afterwards `jax.devices()` lists every
 process's devices and meshes span them all. `barrier` holds every process until all reach it
 (the train loop calls it after compiling its step, before the first collective).
+`together` runs one step of work on every process and tells each how the others' went: a
+process that fails posts its error (one line) to the coordination service, so the others stop
+at once with it instead of waiting at a barrier for a process that will never come.
 
 Data: a global batch [A, b, T] is split by rows over the batch mesh axes; each process supplies
 only the rows its devices hold (`process_rows`) and `global_batch` assembles the jax.Array
@@ -18,9 +21,12 @@ process's rows; nothing is sent between hosts).
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import os
 import re
-from collections.abc import Mapping
+import time
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -83,6 +89,50 @@ def barrier(name: str, timeout_s: float) -> None:
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     raise MeshError(f"not every process reached {name!r} within {timeout_s:g} s (a process "
                     f"died or is slower: raise --startup-timeout): {first}") from None
+
+
+_POLL_S = 0.2
+_steps: collections.Counter = collections.Counter()  # name -> calls so far in this process
+
+
+@contextlib.contextmanager
+def together(name: str, timeout_s: float) -> Iterator[None]:
+  """Run the body's step on every process, then wait until every process has finished it.
+  A body that raises posts its first line under `name` (and re-raises here); the others then
+  raise MeshError("process I: <that line>") as soon as they wait, however long the rest take.
+  A process killed outright posts nothing: the others wait for it at most `timeout_s`. Every
+  process must run the same steps in the same order (`name` is numbered per call, so a
+  command may run a step name more than once). A no-op wait in a single-process run."""
+  client = _jax_distributed.global_state.client
+  count = jax.process_count()
+  _steps[name] += 1
+  key = f"k3jax/{name}/{_steps[name]}"
+  try:
+    yield
+  except BaseException as e:
+    if client is not None and count > 1:
+      text = str(e).strip().splitlines()
+      why = ("interrupted" if isinstance(e, KeyboardInterrupt) else text[0] if text
+             else type(e).__name__)
+      with contextlib.suppress(Exception):  # the coordination service may be gone too
+        client.key_value_set(f"{key}/{jax.process_index()}", why)
+    raise
+  if client is None or count == 1:
+    return
+  client.key_value_set(f"{key}/{jax.process_index()}", "")
+  deadline = time.monotonic() + timeout_s
+  while True:
+    posted = {int(k.rsplit("/", 1)[1]): v for k, v in client.key_value_dir_get(key + "/")}
+    failed = sorted(p for p, v in posted.items() if v)
+    if failed:
+      raise MeshError(f"process {failed[0]}: {posted[failed[0]]}")
+    if len(posted) == count:
+      return
+    if time.monotonic() > deadline:
+      missing = sorted(set(range(count)) - set(posted))
+      raise MeshError(f"process {missing[0]} did not finish {name!r} within {timeout_s:g} s "
+                      "(it died, or is slower)")
+    time.sleep(_POLL_S)
 
 
 def _platforms_include_cpu() -> bool:

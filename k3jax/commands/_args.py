@@ -76,6 +76,19 @@ def io_errors_are_user_errors(fn):
   return run
 
 
+def add_processes(parser, *, what: str) -> None:
+  """--coordinator HOST:PORT --num-processes N --process-id I: one of several processes
+  (hosts) of a run, as sharding.distributed.initialize takes them (`k3jax train`, `convert`);
+  `what` says what each process does."""
+  parser.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                      help=f"multi-process ({what}): process 0's address (auto: "
+                      "jax.distributed's own detection, e.g. Cloud TPU)")
+  parser.add_argument("--num-processes", type=positive_int, default=None, metavar="N",
+                      help="multi-process: how many processes (with --coordinator HOST:PORT)")
+  parser.add_argument("--process-id", type=int, default=None, metavar="I",
+                      help="multi-process: this process, 0 .. --num-processes - 1")
+
+
 def add_remat(parser, *, default: str | None, bare: str | None = None) -> None:
   """--remat POLICY (execution.Remat), as `k3jax train` runs it and `k3jax plan` plans it; the
   default is the command's, and `bare` (if any) is what a bare --remat means."""

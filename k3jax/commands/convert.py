@@ -1,4 +1,14 @@
-"""`k3jax convert`: the official safetensors folder -> a k3jax Orbax checkpoint."""
+"""`k3jax convert`: the official safetensors folder -> a k3jax Orbax checkpoint.
+
+Several processes (hosts) share the work: start the same command on each with
+--coordinator HOST:PORT --num-processes N --process-id I (on Cloud TPU the environment provides
+them: nothing to add, or --coordinator auto), OUT_DIR on a file system they all see. The
+tensors, in source-file order, are cut into N runs of about equal bytes; each process reads
+only its run and writes it into its own database of the one Orbax checkpoint
+(ocdbt.process_I); once every process has committed, process 0 merges them, writes the
+metadata and side files, and renames the folder into place. --resume continues each process
+from its own journal (the same N); a process that fails stops the others with its error.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +19,9 @@ import sys
 
 from convert.outdir import partial_dir
 from convert.to_orbax import convert
+from k3jax.commands._args import Formatter, add_processes
 from k3jax.errors import CheckpointError
+from sharding import distributed
 
 
 def _fixed_mmap_threshold() -> None:
@@ -40,8 +52,14 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _convert_or_raise(args: argparse.Namespace) -> int:
+  distributed.initialize(args.coordinator, args.num_processes, args.process_id)
   manifest = convert(args.hf_dir, args.out_dir, layers=args.layers, experts=args.experts,
                      force=args.force, resume=args.resume, progress=not args.quiet)
+  if manifest["processes"] > 1:  # each process: its share (the test counts the bytes read)
+    print(f"process {manifest['process']}/{manifest['processes']}: {manifest['tensors']} "
+          f"tensors, {manifest['bytes_read']} bytes read")
+    if manifest["process"] != 0:
+      return 0
   held = "all layers" if manifest["layers"] is None else "layers {}-{}".format(*manifest["layers"])
   resumed = f"; {manifest['resumed']} tensors were already written" if manifest["resumed"] else ""
   print(f"wrote {args.out_dir} ({manifest['dialect']} layout, {held}, experts "
@@ -52,6 +70,7 @@ def _convert_or_raise(args: argparse.Namespace) -> int:
 def register(sub) -> None:
   p = sub.add_parser(
       "convert", help="official safetensors folder -> k3jax Orbax checkpoint",
+      formatter_class=Formatter, epilog=__doc__.split("\n", 2)[2],
       description="Convert an official K3 or Kimi-Linear folder (config.json, safetensors "
       "shards and index) into an Orbax checkpoint of the k3jax parameter tree, streaming one "
       "tensor at a time. Vision tensors are skipped unread. The work happens in "
@@ -71,4 +90,5 @@ def register(sub) -> None:
                  help="continue the interrupted conversion of OUT_DIR (same inputs and "
                  "options; starts afresh if there is none)")
   p.add_argument("--quiet", action="store_true", help="no progress bar")
+  add_processes(p, what="each converts about 1/N of the tensor bytes")
   p.set_defaults(func=_convert)
