@@ -52,8 +52,8 @@ def test_rl_takes_the_optimizer_flags_as_train_spells_them():
 
 def test_train_takes_the_step_knobs_plan_searches():
   """`k3jax plan` prints its settings as `k3jax train` flags: --remat, --loss-chunk,
-  --attention and --capacity-factor reach the run's Execution; none given keeps the defaults
-  (whole logits, dense attention, dropless experts); a bad value is a one-line error."""
+  --attention and --capacity-factor reach the run's Execution; none given (or 0) keeps the
+  defaults (whole logits, dense attention, dropless experts); a negative value is refused."""
   base = ["train", "--out", "o", "--config", "tiny"]
   args = cli.build_parser().parse_args(base + ["--remat", "full", "--loss-chunk", "64",
                                                "--attention", "flash", "--capacity-factor",
@@ -64,7 +64,10 @@ def test_train_takes_the_step_knobs_plan_searches():
   ex = train_loop.execution(train_command.options_from_args(cli.build_parser().parse_args(base)))
   assert (ex.remat.value, ex.loss_chunk, ex.attention.value, ex.moe_capacity_factor) == (
       "none", None, "dense", None)
-  for flag, value in (("--loss-chunk", "0"), ("--capacity-factor", "-1")):
-    bad = cli.build_parser().parse_args(base + [flag, value])
-    with pytest.raises(UserError, match="must be > 0"):
-      train_loop.execution(train_command.options_from_args(bad))
+  # 0 says the default out loud (the plan prints no flag for it): whole logits, dropless
+  zero = cli.build_parser().parse_args(base + ["--loss-chunk", "0", "--capacity-factor", "0"])
+  ex = train_loop.execution(train_command.options_from_args(zero))
+  assert (ex.loss_chunk, ex.moe_capacity_factor) == (None, None)
+  for flag, value in (("--loss-chunk", "-1"), ("--capacity-factor", "-1")):
+    with pytest.raises(SystemExit):  # argparse: one line naming the flag, exit 2
+      cli.build_parser().parse_args(base + [flag, value])

@@ -19,8 +19,10 @@ from configs import k3
 from k3jax.cli import main
 
 GIB = 1024**3
+# every step flag given: no settings search, the plan of this one setting (fits or not)
 ARGS = ["--topology", "v5e:2x2", "--mesh", "fsdp=2,tensor=2", "--batch", "4", "--seq", "256",
-        "--remat", "full", "--loss-chunk", "128", "--json"]
+        "--remat", "full", "--loss-chunk", "128", "--grad-accum", "1", "--attention", "dense",
+        "--capacity-factor", "0", "--json"]
 
 
 def _param_count(cfg) -> int:

@@ -14,7 +14,9 @@ COMMON = dict(config="tiny", topology="v5e:2x2", batch=8, seq=256, grad_accum=2,
 @pytest.mark.parametrize("mesh", ["expert=2,tensor=2", "fsdp=4"])
 def test_rl_is_the_lora_step_beside_the_engine_cache(mesh):
   rl, = plan.run(plan.PlanRequest(**COMMON, mode=plan.Mode.RL, mesh=mesh))
-  lora, = plan.run(plan.PlanRequest(**COMMON, mode=plan.Mode.LORA, mesh=mesh))
+  # RL plans its step at `k3jax train`'s defaults for the knobs it is not given
+  lora, = plan.run(plan.PlanRequest(**COMMON, mode=plan.Mode.LORA, mesh=mesh, remat="none",
+                                    attention="dense", loss_chunk=0, capacity_factor=0))
   serve, = plan.run(plan.PlanRequest(**COMMON, mode=plan.Mode.DECODE, mesh=mesh,
                                      serving="engine"))
   assert rl.mesh == lora.mesh == serve.mesh
