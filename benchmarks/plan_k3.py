@@ -1,15 +1,16 @@
 """The full K3 train step planned for TPU pods: `k3jax plan` over v5p and tpu7x topologies.
 
 For each topology (smallest first) the real train step (fp32 master weights, bf16 compute,
-Per-Head Muon, the given remat policy and loss chunking) is compiled ahead of time on this CPU
-machine (libtpu) for each candidate mesh, and XLA's per-device memory plan and cost analysis
+Per-Head Muon; the step flags given fixed, the others chosen by the plan's settings search,
+docs/plan.md#choosing-the-settings) is compiled ahead of time on this CPU machine (libtpu),
+and XLA's per-device memory plan and cost analysis
 are printed next to the chip's HBM and the model FLOPs, with the bytes each device sends in
 the collectives (by kind and mesh axis) and the step-time and MFU bounds they give
 (docs/plan.md#communication); the first topology with a fitting mesh ends the search for that
 chip. An analytic pass (no compile) orders the meshes. Slow (minutes
 per compile at full K3 size): a script, not a test.
 
-    python benchmarks/plan_k3.py [--seq 8192] [--remat full] [--loss-chunk 2048]
+    python benchmarks/plan_k3.py [--seq 8192] [--remat full] [--loss-chunk 2048] [--grad-accum A]
         [--topologies v5p:8x8x16,tpu7x:8x8x8] [--global-batch 512 | --batch-per-device N]
         [--analytic] [--lora RANK]
 
@@ -39,17 +40,19 @@ def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--config", default="k3")
   p.add_argument("--seq", type=int, default=8192)
-  p.add_argument("--remat", default="full", choices=[r.value for r in Remat])
-  p.add_argument("--loss-chunk", type=int, default=2048)
-  p.add_argument("--attention", default=None, choices=[a.value for a in Attention])
+  chosen = " (default: chosen by the plan)"
+  p.add_argument("--remat", default=None, choices=[r.value for r in Remat], help=chosen)
+  p.add_argument("--loss-chunk", type=int, default=None, help="0: whole logits" + chosen)
+  p.add_argument("--attention", default=None, choices=[a.value for a in Attention], help=chosen)
   p.add_argument("--capacity-factor", type=float, default=None,
-                 help="experts' capacity factor (default dropless: worst-case dispatch buffers)")
+                 help="experts' capacity factor (0: dropless)" + chosen)
   p.add_argument("--global-batch", type=int, default=512, help="sequences per step")
-  p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
+  p.add_argument("--grad-accum", type=int, default=None, help="micro-batches per step" + chosen)
   p.add_argument("--batch-per-device", type=int, default=None,
                  help="instead of --global-batch: rows per device (global = this x devices)")
   p.add_argument("--topologies", default=",".join(DEFAULT_TOPOLOGIES))
-  p.add_argument("--max-compiles", type=int, default=2)
+  p.add_argument("--max-compiles", type=int, default=None,
+                 help="compile the best N (default: the best, the next if refused)")
   p.add_argument("--analytic", action="store_true", help="no compile")
   p.add_argument("--mesh", default=None, help="one mesh for every topology (default: search)")
   p.add_argument("--lora", type=int, default=None, metavar="RANK",
@@ -82,6 +85,8 @@ def main() -> None:
           + (f"; step {chosen.step_seconds[0]:.2f} - {chosen.step_seconds[1]:.2f} s, MFU "
              f"{chosen.mfu[0]:.1%} - {chosen.mfu[1]:.1%} (ESTIMATE: overlapped - not)"
              if chosen.step_seconds else ""))
+    if chosen.train_args:
+      print(f"{topology}: train with: k3jax train " + " ".join(chosen.train_args))
     print("json:", json.dumps(chosen.to_json()))
     sys.stdout.flush()
 
