@@ -1,5 +1,6 @@
 """Argument helpers shared by the commands: value parsers, the help formatter, error wrapping,
-and the flags more than one command takes (`add_remat`, `add_lora`, `add_engine_flags`)."""
+and the flags more than one command takes (`add_remat`, `add_lora`, `add_processes`,
+`add_engine_flags`)."""
 
 from __future__ import annotations
 
@@ -118,6 +119,21 @@ def add_lora(parser, *, rank: int | None, base_experts: str, when: str = "") -> 
       "--base-experts", choices=("float", "mxfp4"), default=base_experts,
       help=f"{when}the frozen routed experts in memory: float (bf16) or mxfp4 (MXFP4 codes, "
            "dequantised per matmul)")
+
+
+def add_processes(parser, *, compiled: str) -> None:
+  """--coordinator, --num-processes, --process-id, --startup-timeout: several processes on one
+  mesh (sharding/distributed.py), as `k3jax train` and `k3jax rl` take them. `compiled`: what a
+  process compiles before the first collective (the --startup-timeout help)."""
+  parser.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                      help="multi-process: process 0's address (auto: jax.distributed's own "
+                           "detection, e.g. Cloud TPU)")
+  parser.add_argument("--num-processes", type=positive_int, default=None)
+  parser.add_argument("--process-id", type=int, default=None)
+  parser.add_argument("--startup-timeout", type=positive_float, default=3600.0,
+                      metavar="SECONDS",
+                      help=f"multi-process: how long a process waits for the others to compile "
+                           f"{compiled} before the first collective")
 
 
 DTYPES = ("auto", "float64", "float32", "bfloat16")

@@ -27,6 +27,7 @@ import jax
 from k3jax.commands._args import (
   Formatter,
   add_lora,
+  add_processes,
   add_remat,
   add_step_knobs,
   default_compile_cache,
@@ -166,14 +167,7 @@ def register(sub) -> None:
   g.add_argument("--data-shards", type=positive_int, default=1,
                  help="independent data pipelines of the run, each supplying 1/N of every "
                       "micro-batch's rows; never tied to the process count; a resume keeps it")
-  g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                 help="multi-process: process 0's address (auto: jax.distributed's own "
-                      "detection, e.g. Cloud TPU)")
-  g.add_argument("--num-processes", type=positive_int, default=None)
-  g.add_argument("--process-id", type=int, default=None)
-  g.add_argument("--startup-timeout", type=positive_float, default=3600.0, metavar="SECONDS",
-                 help="multi-process: how long a process waits for the others to compile the "
-                      "train step before the first collective")
+  add_processes(g, compiled="the train step")
   g = p.add_argument_group("eval, logging, checkpoints")
   g.add_argument("--eval-every", type=positive_int, default=50)
   g.add_argument("--eval-batches", type=positive_int, default=4)
