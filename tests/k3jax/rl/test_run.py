@@ -360,17 +360,26 @@ def test_a_mesh_run_equals_one_device(straight, mesh_run):
   same_metrics(records(mesh_run), records(straight)[:2])
 
 
-DRIVER = "import sys\nfrom k3jax.cli import main\nsys.exit(main(sys.argv[1:]))"
+# step 1, then resumed from its checkpoint for step 2, in one interpreter (one compile)
+DRIVER = """
+import sys
+from k3jax.cli import main
+args = sys.argv[1:]
+assert main(args) == 0
+args[args.index("--steps") + 1] = "2"
+sys.exit(main(args))
+"""
 
 
 @pytest.mark.long
 def test_two_processes_equal_one_process(files, mesh_run, tmp_path):
   """`k3jax rl` in 2 processes x 4 CPU devices (jax.distributed on localhost, gloo) on the same
   mesh as `mesh_run`'s 8 devices in one process: both draw the same prompts and completions,
-  process 0 scores them, and the metrics equal the one-process run's."""
+  process 0 scores them, and the metrics equal the one-process run's, step 2 resumed from the
+  step-1 checkpoint (each process's shards; the data position that process 0 wrote)."""
   out = tmp_path / "two"
-  args = flags(files, out, 2, "--no-plots", "--mesh", MESH, "--coordinator",
-               f"localhost:{free_port()}", "--num-processes", "2")
+  args = flags(files, out, 1, "--no-plots", "--mesh", MESH, "--save-every", "1",
+               "--coordinator", f"localhost:{free_port()}", "--num-processes", "2")
   procs = [subprocess.Popen([sys.executable, "-c", DRIVER, *args, "--process-id", str(i)],
                             env=process_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True) for i in range(2)]
@@ -384,4 +393,5 @@ def test_two_processes_equal_one_process(files, mesh_run, tmp_path):
     assert p.returncode == 0, f"process {i}: {err[-3000:]}"
   assert "2 process(es)" in ends[0][1] and "process(es)" not in ends[1][1]  # process 0 reports
   same_metrics(records(out), records(mesh_run))
-  assert sorted(os.listdir(out / "checkpoints")) == ["2"] and os.path.isdir(out / "model")
+  assert sorted(os.listdir(out / "checkpoints")) == ["1", "2"] and os.path.isdir(out / "model")
+  assert "resuming at step 1" in ends[0][1]
