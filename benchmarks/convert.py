@@ -159,9 +159,10 @@ def raw_copy(folder: str, dest: str) -> float:
 
 
 def run_convert(src: str, out: str, experts: str, chunk_mib: float | None = None,
-                processes: int = 1) -> tuple[float, list[int]]:
-  """(wall seconds, peak RSS bytes of each process) of `k3jax convert` in fresh processes:
-  one, or `processes` of one multi-process conversion (localhost coordinator)."""
+                processes: int = 1) -> tuple[float, list[int], list[int]]:
+  """(wall seconds, peak RSS bytes of each process, source bytes each process read; empty
+  for one process) of `k3jax convert` in fresh processes: one, or `processes` of one
+  multi-process conversion (localhost coordinator)."""
   drop_cache(src)
   repo = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
   # VmHWM, the peak RSS of this process image: ru_maxrss would also count the pages the
@@ -185,13 +186,15 @@ def run_convert(src: str, out: str, experts: str, chunk_mib: float | None = None
            for i in range(processes)]
   outs = [p.communicate() for p in procs]
   wall = time.perf_counter() - t
-  rss = []
+  rss, reads = [], []
   for p, (stdout, stderr) in zip(procs, outs):
     if p.returncode != 0:
       raise SystemExit(f"convert failed:\n{stdout}\n{stderr}")
     rss.append(1024 * next(int(l.split()[1]) for l in stdout.splitlines()
                            if l.startswith("VmHWM")))  # kB
-  return wall, rss
+    reads += [int(l.split(", ")[1].split()[0]) for l in stdout.splitlines()
+              if l.endswith(" bytes read")]  # "process i/n: T tensors, B bytes read"
+  return wall, rss, reads
 
 
 def main() -> None:
@@ -224,7 +227,7 @@ def main() -> None:
     bound = 2 * largest + GiB
     for experts in ("bf16", "mxfp4"):
       out = os.path.join(root, f"out_{experts}")
-      wall, rss = run_convert(src, out, experts, args.chunk_mib, args.processes)
+      wall, rss, reads = run_convert(src, out, experts, args.chunk_mib, args.processes)
       files = [os.path.join(d, f) for d, _, fs in os.walk(out) for f in fs]
       size = sum(map(os.path.getsize, files))
       peaks = " + ".join(f"{r / GiB:.2f}" for r in rss)
@@ -233,6 +236,10 @@ def main() -> None:
             f"wrote {size / GiB:.2f} GiB in {len(files)} files, peak RSS "
             f"{peaks} GiB (bound 2 x largest + 1 GiB = {bound / GiB:.2f} GiB a process: "
             f"{'ok' if max(rss) <= bound else 'EXCEEDED'})")
+      if reads:
+        print("  source bytes each process read: " + ", ".join(
+            f"{r / GiB:.2f} GiB ({r / sum(reads):.1%})" for r in reads)
+            + f" of {sum(reads) / GiB:.2f} GiB")
       shutil.rmtree(out)
   finally:
     shutil.rmtree(root, ignore_errors=True)

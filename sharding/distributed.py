@@ -13,6 +13,9 @@ process's devices and meshes span them all. `barrier` holds every process until 
 process that fails posts its error (one line) to the coordination service, so the others stop
 at once with it instead of waiting at a barrier for a process that will never come.
 
+`fetch` reads a global array whole on every process (gathering the other processes' shards),
+and `from_main` hands process 0's numpy values to every process (RL's rewards).
+
 Data: a global batch [A, b, T] is split by rows over the batch mesh axes; each process supplies
 only the rows its devices hold (`process_rows`) and `global_batch` assembles the jax.Array
 from those rows alone (`jax.make_array_from_callback`: every device's shard is cut from its own
@@ -32,6 +35,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax._src import distributed as _jax_distributed  # the coordination client (barriers)
+from jax.experimental import multihost_utils
 
 from sharding.mesh import MeshError
 
@@ -143,6 +147,31 @@ def _platforms_include_cpu() -> bool:
 def is_main_process() -> bool:
   """Process 0 writes what exists once per run (metrics, TensorBoard, plots, JSON files)."""
   return jax.process_index() == 0
+
+
+def fetch(x: jax.Array) -> np.ndarray:
+  """The whole value of a jax.Array on every process, also one whose shards span processes
+  (where `jax.device_get` refuses: each process gathers the others' shards)."""
+  if x.is_fully_addressable:
+    return np.asarray(jax.device_get(x))
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def from_main(tree: Any) -> Any:
+  """Process 0's value of `tree` (numpy arrays of the same shapes and dtypes on every process)
+  on every process, bit for bit: what process 0 alone computed (RL's rewards). 64-bit values
+  travel as pairs of uint32 and booleans as uint8 (without jax_enable_x64 a float64 sent as it
+  is would arrive as float32)."""
+  if jax.process_count() == 1:
+    return tree
+  leaves, treedef = jax.tree.flatten(tree)
+  arrays = [np.asarray(x) for x in leaves]
+  wire = [np.ascontiguousarray(a).reshape(-1).view(np.uint32) if a.dtype.itemsize == 8 else
+          a.astype(np.uint8) if a.dtype == bool else a for a in arrays]
+  got = [np.asarray(g) for g in multihost_utils.broadcast_one_to_all(wire)]
+  out = [(g.astype(np.uint32).view(a.dtype) if a.dtype.itemsize == 8 else
+          g.astype(a.dtype)).reshape(a.shape) for g, a in zip(got, arrays)]
+  return jax.tree.unflatten(treedef, out)
 
 
 def rows_by_process(sharding: jax.sharding.Sharding, shape: tuple[int, ...],

@@ -1,5 +1,6 @@
 """Argument helpers shared by the commands: value parsers, the help formatter, error wrapping,
-and the flags more than one command takes (`add_remat`, `add_lora`, `add_engine_flags`)."""
+and the flags more than one command takes (`add_remat`, `add_lora`, `add_processes`,
+`add_engine_flags`)."""
 
 from __future__ import annotations
 
@@ -76,10 +77,11 @@ def io_errors_are_user_errors(fn):
   return run
 
 
-def add_processes(parser, *, what: str) -> None:
+def add_processes(parser, *, what: str, compiled: str | None = None) -> None:
   """--coordinator HOST:PORT --num-processes N --process-id I: one of several processes
-  (hosts) of a run, as sharding.distributed.initialize takes them (`k3jax train`, `convert`);
-  `what` says what each process does."""
+  (hosts) of a run, as sharding.distributed.initialize takes them (`k3jax train`, `rl`,
+  `convert`); `what` says what each process does. With `compiled` (what a process compiles
+  before the first collective), also --startup-timeout."""
   parser.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                       help=f"multi-process ({what}): process 0's address (auto: "
                       "jax.distributed's own detection, e.g. Cloud TPU)")
@@ -87,6 +89,11 @@ def add_processes(parser, *, what: str) -> None:
                       help="multi-process: how many processes (with --coordinator HOST:PORT)")
   parser.add_argument("--process-id", type=int, default=None, metavar="I",
                       help="multi-process: this process, 0 .. --num-processes - 1")
+  if compiled:
+    parser.add_argument("--startup-timeout", type=positive_float, default=3600.0,
+                        metavar="SECONDS",
+                        help=f"multi-process: how long a process waits for the others to "
+                             f"compile {compiled} before the first collective")
 
 
 def add_remat(parser, *, default: str | None, bare: str | None = None) -> None:

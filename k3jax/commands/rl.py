@@ -15,6 +15,11 @@ OUT/reward_errors.jsonl and counted in the metrics; the run goes on.
 MODEL (--init-from) is any folder `k3jax generate` takes, a `k3jax train` or `k3jax rl`
 output included. OUT gets metrics.jsonl (one line per step), checkpoints/ (the same command
 resumes from the last one, exactly), plots/rl.png, tb/, and model/ (`k3jax generate OUT`).
+
+Several processes (hosts): start the same command on each with --mesh and --coordinator
+HOST:PORT --num-processes N --process-id I, as `k3jax train`; every process draws the same
+prompts and samples the same completions on the engine over the global mesh, process 0 scores
+them and hands the rewards to the others, and process 0 writes the metrics.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from k3jax.commands._args import (
   DTYPES,
   Formatter,
   add_lora,
+  add_processes,
   add_remat,
   default_compile_cache,
   io_errors_are_user_errors,
@@ -52,6 +58,8 @@ def options_from_args(args: argparse.Namespace) -> RLOptions:
       lora_rank=args.lora, lora_alpha=args.lora_alpha,
       lora_targets=tuple(args.lora_targets) if args.lora_targets else None,
       base_experts=args.base_experts, dtype=args.dtype, remat=args.remat, mesh=args.mesh,
+      coordinator=args.coordinator, num_processes=args.num_processes,
+      process_id=args.process_id, startup_timeout=args.startup_timeout,
       max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, seed=args.seed,
       save_every=args.save_every, keep=args.keep, tensorboard=not args.no_tensorboard,
       plots=not args.no_plots, progress=not (args.no_progress or args.json),
@@ -153,6 +161,9 @@ def register(sub) -> None:
                  help="device mesh, e.g. data=2,tensor=2 (none given: one device)")
   g.add_argument("--compile-cache", default=default_compile_cache(),
                  help="persistent XLA compilation cache folder (none: off)")
+  g = p.add_argument_group("scale-out (hosts)")
+  add_processes(g, what="each holds its devices' share; process 0 scores the rewards",
+                compiled="the reference logprobs and the train step")
   g = p.add_argument_group("logging, checkpoints")
   g.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps")
   g.add_argument("--keep", type=int, default=2, help="checkpoints kept")

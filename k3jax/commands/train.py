@@ -167,10 +167,8 @@ def register(sub) -> None:
   g.add_argument("--data-shards", type=positive_int, default=1,
                  help="independent data pipelines of the run, each supplying 1/N of every "
                       "micro-batch's rows; never tied to the process count; a resume keeps it")
-  add_processes(g, what="each supplies its devices' rows of every batch")
-  g.add_argument("--startup-timeout", type=positive_float, default=3600.0, metavar="SECONDS",
-                 help="multi-process: how long a process waits for the others to compile the "
-                      "train step before the first collective")
+  add_processes(g, what="each supplies its devices' rows of every batch",
+                compiled="the train step")
   g = p.add_argument_group("eval, logging, checkpoints")
   g.add_argument("--eval-every", type=positive_int, default=50)
   g.add_argument("--eval-batches", type=positive_int, default=4)

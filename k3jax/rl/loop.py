@@ -1,5 +1,6 @@
-"""An RL run (docs/rl.md): one process holds the model, the optimizer and the serving engine
-over the same arrays.
+"""An RL run (docs/rl.md): the model, the optimizer and the serving engine over the same
+arrays, in one process or in several over one mesh (each running the same loop: the same
+prompts, the same completions; process 0 scores them and hands the rewards to the others).
 
     each step:  B prompts -> G completions each on the engine (the policy's current weights)
                 -> rewards -> group advantages -> the reference policy's logprobs
@@ -16,6 +17,9 @@ over the same arrays.
     OUT/plots/rl.png      the PLOT panels, written at the end
     OUT/reward_errors.jsonl  every sample whose reward failed, with its error
     OUT/model/            the final weights (`k3jax generate OUT`, `--init-from OUT`)
+
+Process 0 alone writes run.json, metrics.jsonl, tb/, plots/ and reward_errors.jsonl; every
+process saves and restores its own shards of the checkpoints and of model/.
 
 The reference policy is the initial weights (a copy kept beside the policy), or under LoRA the
 base with its adapters off (the same arrays, no copy).
@@ -62,6 +66,7 @@ from k3jax.train.loop import (
   write_run_file,
 )
 from k3jax.train.metrics import MetricsWriter, read_records
+from sharding import distributed
 from sharding.mesh import describe, make_mesh
 from sharding.placement import check_batch
 
@@ -126,6 +131,11 @@ class RLOptions:
   attention: str | None = None
   capacity_factor: float | None = None
   mesh: str | None = None
+  # several processes on one mesh (sharding/distributed.py), as `k3jax train` takes them
+  coordinator: str | None = None
+  num_processes: int | None = None
+  process_id: int | None = None
+  startup_timeout: float = 3600.0
   max_model_len: int | None = None   # the context (default: the folder's, else 8192)
   max_num_seqs: int | None = None    # engine slots (default: every rollout of a step at once)
   # run
@@ -234,6 +244,10 @@ def run(opts: RLOptions, *, on_step=None) -> dict[str, Any]:
     return _run(opts, on_step)
 
 
+def _quiet(*args, **kwargs) -> None:
+  """print for processes other than 0."""
+
+
 def _policy(steps: step_lib.Steps, state: dict) -> nnx.Module:
   """The train state's policy as a model over the same arrays (no copy): what the engine runs."""
   return nnx.merge(steps.graphdef, nnx.State(state["params"]), nnx.State(state["router_bias"]))
@@ -264,8 +278,10 @@ def _run(opts: RLOptions, on_step) -> dict[str, Any]:
   _check(opts)
   if opts.compile_cache:
     jax.config.update("jax_compilation_cache_dir", opts.compile_cache)
-  if jax.process_count() > 1:
-    raise UserError("k3jax rl runs in one process (its devices may form a --mesh)")
+  distributed.initialize(opts.coordinator, opts.num_processes, opts.process_id)
+  main_process = distributed.is_main_process()
+  if jax.process_count() > 1 and not opts.mesh:
+    raise UserError(f"{jax.process_count()} processes need --mesh (e.g. data=-1)")
   mesh = make_mesh(opts.mesh) if opts.mesh else None
   out = os.path.abspath(opts.out)
   opts = dataclasses.replace(opts, **{k: fn(getattr(opts, k)) for k, fn in PATHS.items()})
@@ -340,37 +356,46 @@ def _run(opts: RLOptions, on_step) -> dict[str, Any]:
       stream, start, meta = PromptStream(prompts, opts.seed), 0, {"rollout_tokens": 0}
     if mesh is None:
       state = step_lib.place(state)  # fresh and resumed states lower to the same program
-    write_run_file(out, opts, cfg, ex)
+    if main_process:
+      write_run_file(out, opts, cfg, ex)
 
     engine = Engine(_policy(steps, state),
                     engine_config(opts, max(fitting), max_len), mesh=mesh)
-    print(f"k3jax rl: {opts.init_from} ({ex.dtype}{f', LoRA r={spec.rank}' if lora else ''}"
-          f"{', MXFP4 experts' if spec is not None and spec.base_experts == 'mxfp4' else ''}); "
-          f"{len(prompts)} prompts ({len(prompts) - len(fitting)} longer than the context "
-          f"{context}), {B} x {G} rollouts of <= {opts.max_new_tokens} tokens a step, "
-          f"{objective.algorithm} ({objective.loss_agg}, clip {objective.clip_eps}/"
-          f"{objective.clip_eps_high}, kl {objective.kl_coef}); "
-          + (f"mesh {describe(mesh)}; " if mesh is not None else "")
-          + (f"resuming at step {start}" if resume_step is not None else "from the start"),
-          file=sys.stderr, flush=True)
+    say = print if main_process else _quiet
+    say(f"k3jax rl: {opts.init_from} ({ex.dtype}{f', LoRA r={spec.rank}' if lora else ''}"
+        f"{', MXFP4 experts' if spec is not None and spec.base_experts == 'mxfp4' else ''}); "
+        f"{len(prompts)} prompts ({len(prompts) - len(fitting)} longer than the context "
+        f"{context}), {B} x {G} rollouts of <= {opts.max_new_tokens} tokens a step, "
+        f"{objective.algorithm} ({objective.loss_agg}, clip {objective.clip_eps}/"
+        f"{objective.clip_eps_high}, kl {objective.kl_coef}); "
+        + (f"mesh {describe(mesh)}, {jax.process_count()} process(es); "
+           if mesh is not None else "")
+        + (f"resuming at step {start}" if resume_step is not None else "from the start"),
+        file=sys.stderr, flush=True)
 
-    writer = MetricsWriter(out, resume_step=resume_step, tensorboard=opts.tensorboard)
+    writer = (MetricsWriter(out, resume_step=resume_step, tensorboard=opts.tensorboard)
+              if main_process else None)
     loop = _Step(opts, objective, steps, engine, logprobs_of, ref_params, stream, reward,
-                 _Log(out), stop_ids, tokenizer.decode, context, seq_len, wide, mesh)
-    bar = tqdm(total=opts.steps, initial=start, disable=not opts.progress, unit="step",
-               dynamic_ncols=True, file=sys.stderr)
+                 _Log(out) if main_process else None, stop_ids, tokenizer.decode, context,
+                 seq_len, wide, mesh)
+    bar = tqdm(total=opts.steps, initial=start, disable=not (opts.progress and main_process),
+               unit="step", dynamic_ncols=True, file=sys.stderr)
+    # every process loaded: the engine's first programs compile together (its first collective)
+    distributed.barrier("k3jax-rl-loaded", opts.startup_timeout)
     first = last = None
     for s in range(start + 1, opts.steps + 1):
       state, record, generated = loop(s, state)
       meta["rollout_tokens"] = meta.get("rollout_tokens", 0) + generated
-      writer.write(record)
+      if writer is not None:
+        writer.write(record)
       if on_step is not None:
         on_step(s, record)
       first = record if first is None else first
       last = record
       if s % opts.save_every == 0 or s == opts.steps:
         ckpt.save(s, frozen_base.trainable_state(state, steps.trainable) if frozen else state,
-                  {0: stream.state()}, meta, base=base if frozen else None)
+                  {0: stream.state()} if main_process else {}, meta,
+                  base=base if frozen else None)
       bar.update(1)
       bar.set_postfix(reward=f"{record['reward_mean']:.3f}", kl=f"{record['kl']:.4f}")
     bar.close()
@@ -388,11 +413,11 @@ def _run(opts: RLOptions, on_step) -> dict[str, Any]:
                state["router_bias"], cfg, adapters=None if spec is None else spec.to_dict())
   base_bytes = (base["bytes"] if base is not None and base["folder"] else
                 weight_bytes(folder.weights))
-  if checkpoint_bytes is not None:
+  if checkpoint_bytes is not None and main_process:
     print(f"k3jax rl: {checkpoint_sizes(saved_steps[-1], checkpoint_bytes, base_bytes, base)}",
           file=sys.stderr, flush=True)
   plots = []
-  if opts.plots:
+  if opts.plots and main_process:
     from k3jax.train.plots import plot_panels  # noqa: PLC0415 - matplotlib is slow to import; only the end of a run plots
     os.makedirs(os.path.join(out, "plots"), exist_ok=True)
     plots = [os.path.join(out, "plots", "rl.png")]
@@ -415,13 +440,14 @@ class _Step:
   ref_params: Any          # None under LoRA: the policy's own arrays with adapters off
   stream: PromptStream
   reward: Reward
-  errors_log: _Log
+  errors_log: _Log | None  # None on processes other than 0: they do not score
   stop_ids: tuple[int, ...]
   decode: Any
   context: int
   seq_len: int
   wide: Any                # float dtype of the batch's logprobs and weights
   mesh: Any
+  met: bool = False        # several processes: compiled and met before the first collective
 
   def __call__(self, s: int, state: dict) -> tuple[dict, dict, int]:
     opts, objective, steps, engine = self.opts, self.objective, self.steps, self.engine
@@ -437,16 +463,7 @@ class _Step:
                      decode=self.decode)
     t_rollout = time.perf_counter()
 
-    rewards = np.zeros((len(groups), G))
-    passed = np.zeros((len(groups), G), bool)
-    errors = []
-    for p, group in enumerate(groups):
-      for g, c in enumerate(group):
-        score = self.reward.score(Sample(c.prompt.text, c.text, c.prompt.row, len(c.tokens)))
-        rewards[p, g], passed[p, g] = score.value, score.passed
-        if score.error is not None:
-          errors.append((c.prompt.index, g, score.error))
-    self.errors_log.write(s, errors)
+    rewards, passed, n_errors = self._score(s, groups)
     adv = obj_lib.group_advantages(rewards, objective.normalize_std, objective.std_eps)
     uniform = rewards.max(axis=1) == rewards.min(axis=1) if groups else np.zeros(0, bool)
     dropped = uniform if opts.dynamic_sampling else np.zeros_like(uniform)
@@ -463,11 +480,13 @@ class _Step:
     t_ref = t_reward
     if rollout_tokens:
       dev = {k: v.reshape(A, n_rows // A, seq_len) for k, v in batch.arrays.items()}
-      if self.mesh is not None:
+      if self.mesh is not None:  # every process holds the whole batch: it places its shards
         dev = jax.device_put(dev, steps.batch_sharding)
-      ref = self.logprobs_of(state["params"] if self.ref_params is None else self.ref_params,
-                             state["router_bias"], dev)
-      ref_np = np.asarray(jax.device_get(ref), np.float64).reshape(n_rows, seq_len)
+      ref_params = state["params"] if self.ref_params is None else self.ref_params
+      if not self.met and jax.process_count() > 1:
+        self._compile_then_meet(state, ref_params, dev)
+      ref = self.logprobs_of(ref_params, state["router_bias"], dev)
+      ref_np = distributed.fetch(ref).astype(np.float64).reshape(n_rows, seq_len)
       old = batch.arrays["old_logp"].astype(np.float64)
       m = batch.rollout_mask
       kl = float(np.mean(obj_lib.k3(ref_np[m], old[m], xp=np)))
@@ -489,7 +508,7 @@ class _Step:
         "reward_std": float(rewards.std()) if rewards.size else 0.0,
         "accuracy": float(passed.mean()) if passed.size else 0.0,
         "kl": kl,
-        "reward_errors": len(errors),
+        "reward_errors": n_errors,
         "completion_len": float(lengths.mean()),
         "truncated": (float(np.mean([c.truncated for c in completions])) if completions
                       else 0.0),
@@ -510,6 +529,38 @@ class _Step:
     for key in METRICS:  # finite by construction; a failure here is a bug, not bad input
       assert key in record and math.isfinite(record[key]), (key, record.get(key))
     return state, record, generated
+
+  def _score(self, s: int, groups) -> tuple[np.ndarray, np.ndarray, int]:
+    """([prompt, sample] rewards, [prompt, sample] first term passed, errors) of a step.
+    Process 0 scores (a user function may time out on one host and not on another) and logs
+    the errors; the others take its values."""
+    G = self.opts.group_size
+    rewards = np.zeros((len(groups), G))
+    passed = np.zeros((len(groups), G), np.int32)
+    errors = []
+    if self.errors_log is not None:
+      for p, group in enumerate(groups):
+        for g, c in enumerate(group):
+          score = self.reward.score(Sample(c.prompt.text, c.text, c.prompt.row, len(c.tokens)))
+          rewards[p, g], passed[p, g] = score.value, score.passed
+          if score.error is not None:
+            errors.append((c.prompt.index, g, score.error))
+      self.errors_log.write(s, errors)
+    rewards, passed, n_errors = distributed.from_main(
+        (rewards, passed, np.asarray(len(errors), np.int32)))
+    return rewards, passed.astype(bool), int(n_errors)
+
+  def _compile_then_meet(self, state: dict, ref_params, dev: dict) -> None:
+    """Compile the reference logprobs and the train step (their first calls reuse the
+    executables), then wait for every process: on CPU gloo gives a peer 30 s to join a first
+    collective (docs/sharding.md#multi-host). The engine's programs compile at their first
+    call, in step with the other processes (the same program on each)."""
+    steps = self.steps
+    self.logprobs_of.lower(ref_params, state["router_bias"], dev).compile()
+    batch = {**dev, "ref_logp": dev["old_logp"]}  # the reference's shape, dtype and sharding
+    steps.train.lower(state, batch, step_lib.NO_QK_CLIP).compile()
+    distributed.barrier("k3jax-rl-compiled", self.opts.startup_timeout)
+    self.met = True
 
 
 def _train_metrics(train: list[dict], objective) -> dict:

@@ -8,7 +8,6 @@ import pytest
 
 from k3jax import cli
 from k3jax.commands import train as train_command
-from k3jax.errors import UserError
 from k3jax.train import loop as train_loop
 
 README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")

@@ -1,7 +1,8 @@
 """`k3jax rl` end to end through the CLI, on a 2-layer byte-level float64 model
 (tests/k3jax/server/helpers.py): the metrics file, the engine's rollout logprobs against the
-trainer's, exact resume, rewards that fail, LoRA (checkpoints of the adapters only, resumed
-exactly over the base they refer to), and bad flags.
+trainer's, a completion that is only its stop token, exact resume, rewards that fail, LoRA
+(checkpoints of the adapters only, resumed exactly over the base they refer to), bad flags,
+a mesh, and (long) two processes on one mesh.
 
 Every run has the same shapes (4 prompts of 4 bytes x 2 samples of 4 tokens), so the engine
 step, the reference logprobs and the train step compile once for the file (LoRA: its own step).
@@ -11,6 +12,8 @@ import json
 import math
 import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -20,9 +23,12 @@ from convert.fingerprint import fingerprint, weight_bytes
 from convert.lora_export import is_adapter
 from k3jax import cli
 from k3jax.folders import model_folder
+from k3jax.rl import loop
 from k3jax.rl.loop import METRICS
+from k3jax.tokenizer import ByteTokenizer
 from k3jax.train.checkpoint import Checkpointer
 from tests.k3jax.server.helpers import byte_run
+from tests.sharding.test_multiprocess import free_port, process_env
 
 TIMING = ("rollout_s", "reward_s", "reference_s", "train_s", "step_time_s", "tokens_per_s")
 MISMATCH = 1e-9  # float64: only the order of the engine's and the trainer's sums differs
@@ -46,6 +52,17 @@ def score(prompt, completion, row):
     open(row["marker"], "w").close()
     time.sleep(600)
   return 1.0
+"""
+
+
+# SCORE's reward, and a line (prompt, completion) per call in LOG_PATH
+LOGGED = """
+import json
+
+def score(prompt, completion, row):
+  with open(LOG_PATH, "a") as f:
+    f.write(json.dumps([prompt, completion]) + "\\n")
+  return (sum(map(ord, completion)) % 10) / 10
 """
 
 
@@ -213,6 +230,75 @@ def test_lora_runs_its_reference_is_the_base_and_checkpoints_hold_the_adapters(
   assert strip(records(resumed)) == strip(records(out))
 
 
+def _spy(monkeypatch, name: str, wrap) -> list:
+  """Replace loop.<name> by wrap(original, seen) and return `seen`."""
+  seen = []
+  monkeypatch.setattr(loop, name, wrap(getattr(loop, name), seen))
+  return seen
+
+
+def _rollouts(original, seen):
+  def rollout(*args, **kwargs):
+    seen.append(original(*args, **kwargs))
+    return seen[-1]
+  return rollout
+
+
+def _logprob_fns(original, seen):
+  def logprob_fn(*args, **kwargs):
+    fn = original(*args, **kwargs)
+
+    def recorded(*a):
+      out = fn(*a)
+      seen.append(np.asarray(out))
+      return out  # the device array: the train step takes it as the run would
+    return recorded
+  return logprob_fn
+
+
+def test_a_completion_that_is_only_its_stop_token(files, tmp_path, monkeypatch):
+  """A completion whose first draw is the stop token: one token, the stop, and empty text.
+  The stop id is the token the policy draws first for one (prompt, sample) of step 1, read
+  from a run without stop ids (the draw depends only on the weights, the prompt and the
+  draw's seed, so a second run with that stop id draws it again and stops)."""
+  args = flags(files, tmp_path / "probe", 1, "--no-plots")
+  probe = _spy(monkeypatch, "rollout", _rollouts)
+  assert cli.main(args) == 0
+  (groups,) = probe
+  first = groups[0][0]
+  stop = first.tokens[0]
+
+  log = tmp_path / "rewards.jsonl"
+  reward = _write(tmp_path / "logged.py", LOGGED.replace("LOG_PATH", repr(str(log))))
+  args = flags(files, tmp_path / "out", 1, "--no-plots")
+  args[args.index(files["score"])] = reward + ":score"
+  monkeypatch.setattr(ByteTokenizer, "stop_ids", (stop,))  # as a tokenizer's end of turn
+  seen = _spy(monkeypatch, "rollout", _rollouts)
+  ref = _spy(monkeypatch, "logprob_fn", _logprob_fns)
+  assert cli.main(args) == 0
+  (groups,), (ref_logp,) = seen, ref
+  c = groups[0][0]
+  assert c.prompt == first.prompt and c.tokens == [stop] and c.finish == "stop"
+  assert not c.truncated and c.text == ""
+  assert c.logprobs[0] == pytest.approx(first.logprobs[0], abs=1e-12)
+  # the trainer's logprob of that token: the reference policy's at step 1 is the policy's
+  # (the first batch row, at the position whose target is the completion's first token)
+  trainer = ref_logp.reshape(len(groups) * len(groups[0]), -1)[0, len(c.prompt.ids) - 1]
+  assert abs(trainer - c.logprobs[0]) <= MISMATCH
+  with open(log) as f:
+    scored = [tuple(json.loads(line)) for line in f]
+  assert (c.prompt.text, "") in scored  # the reward saw the empty text
+
+  (r,) = records(tmp_path / "out")
+  assert all(math.isfinite(r[k]) for k in METRICS), r
+  completions = [x for group in groups for x in group]
+  assert r["completion_len"] == pytest.approx(np.mean([len(x.tokens) for x in completions]),
+                                              rel=1e-12)  # the stop token counts: 1 here
+  assert r["empty_completions"] == sum(not x.text.strip() for x in completions) >= 1
+  assert r["truncated"] == pytest.approx(np.mean([x.truncated for x in completions]))
+  assert r["mismatch_max"] <= MISMATCH and r["updates"] == 1 and r["trained_tokens"] > 0
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--prompts-per-step", "0"], "--prompts-per-step must be >= 1"),
     (["--updates-per-step", "0"], "--updates-per-step must be >= 1"),
@@ -224,6 +310,7 @@ def test_lora_runs_its_reference_is_the_base_and_checkpoints_hold_the_adapters(
     (["--reward", "no-such-reward"], "expected a built-in"),
     (["--reward", "/nowhere/r.py:f"], "no such file"),
     (["--algorithm", "grpo", "--clip-eps", "1.5"], "clip ranges"),
+    (["--coordinator", "localhost:1"], "--num-processes and --process-id go together"),
 ])
 def test_bad_flags_exit_2_with_one_line(files, tmp_path, capsys, extra, message):
   args = flags(files, tmp_path / "out", 1, "--no-plots")
@@ -247,14 +334,64 @@ def test_bad_paths_exit_2_with_one_line(files, tmp_path, capsys):
     assert len(err) == 1 and message in err[0], err
 
 
-def test_a_mesh_run_equals_one_device(files, straight, tmp_path):
-  """The policy, the optimizer and the engine on a data x fsdp x tensor mesh (the 8 test devices):
-  the same rollouts, rewards and updates as one device (float64: to summation order)."""
-  out = tmp_path / "mesh"
-  assert cli.main(flags(files, out, 2, "--no-plots", "--mesh", "data=2,fsdp=2,tensor=2")) == 0
-  mesh, one = records(out), records(straight)[:2]
-  assert [r["step"] for r in mesh] == [1, 2]
-  for m, o in zip(mesh, one):
+def same_metrics(rs: list[dict], expected: list[dict]) -> None:
+  """Equal to float64 summation order, step by step (timing aside)."""
+  assert [r["step"] for r in rs] == [r["step"] for r in expected]
+  for r, e in zip(rs, expected):
     for k in METRICS:
       if k not in TIMING:
-        assert m[k] == pytest.approx(o[k], rel=1e-9, abs=1e-12), k
+        assert r[k] == pytest.approx(e[k], rel=1e-9, abs=1e-12), (r["step"], k)
+
+
+MESH = "data=2,fsdp=2,tensor=2"
+
+
+@pytest.fixture(scope="module")
+def mesh_run(files):
+  """2 steps with the policy, the optimizer and the engine on a data x fsdp x tensor mesh of
+  the 8 test devices, in this process."""
+  out = files["root"] / "mesh"
+  assert cli.main(flags(files, out, 2, "--no-plots", "--mesh", MESH)) == 0
+  return out
+
+
+def test_a_mesh_run_equals_one_device(straight, mesh_run):
+  """The same rollouts, rewards and updates as one device (float64: to summation order)."""
+  same_metrics(records(mesh_run), records(straight)[:2])
+
+
+# step 1, then resumed from its checkpoint for step 2, in one interpreter (one compile)
+DRIVER = """
+import sys
+from k3jax.cli import main
+args = sys.argv[1:]
+assert main(args) == 0
+args[args.index("--steps") + 1] = "2"
+sys.exit(main(args))
+"""
+
+
+@pytest.mark.long
+def test_two_processes_equal_one_process(files, mesh_run, tmp_path):
+  """`k3jax rl` in 2 processes x 4 CPU devices (jax.distributed on localhost, gloo) on the same
+  mesh as `mesh_run`'s 8 devices in one process: both draw the same prompts and completions,
+  process 0 scores them, and the metrics equal the one-process run's, step 2 resumed from the
+  step-1 checkpoint (each process's shards; the data position that process 0 wrote)."""
+  out = tmp_path / "two"
+  args = flags(files, out, 1, "--no-plots", "--mesh", MESH, "--save-every", "1",
+               "--coordinator", f"localhost:{free_port()}", "--num-processes", "2")
+  procs = [subprocess.Popen([sys.executable, "-c", DRIVER, *args, "--process-id", str(i)],
+                            env=process_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True) for i in range(2)]
+  try:
+    ends = [p.communicate(timeout=900) for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  for i, (p, (_, err)) in enumerate(zip(procs, ends)):
+    assert p.returncode == 0, f"process {i}: {err[-3000:]}"
+  assert "2 process(es)" in ends[0][1] and "process(es)" not in ends[1][1]  # process 0 reports
+  same_metrics(records(out), records(mesh_run))
+  assert sorted(os.listdir(out / "checkpoints")) == ["1", "2"] and os.path.isdir(out / "model")
+  assert "resuming at step 1" in ends[0][1]
