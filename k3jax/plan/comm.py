@@ -82,16 +82,26 @@ def _axes_of(groups: list[list[int]], sizes: dict[str, int]) -> tuple[str, ...]:
 def _group(args: str, sizes: dict[str, int], devices: int) -> tuple[int, tuple[str, ...]]:
   """(devices per group, mesh axes) of a collective from its attributes."""
   m = _MESH_GROUPS.search(args)
-  if m:  # replica_groups=mesh['a'=2,'b'=4] {'b'}: the axes by name
+  if m:  # replica_groups=mesh['a'=2,'b'=4] {'b'}: the axes by name; a sub-axis 'b':(p)k is the
+    # k-sized middle of b's index split as [p, k, rest] (Shardy's axis splitting)
     mesh = {k.strip("' "): int(v) for k, v in re.findall(r"([^,=]+)=(\d+)", m.group(1))}
-    axes = [a.strip("' ") for a in m.group(2).split(",") if a.strip("' ")]
-    n = math.prod(mesh[a] for a in axes)
+    named = re.findall(r"'([^']+)'(?::\((\d+)\)(\d+))?", m.group(2))
+    dims, keep = [], []  # (axis, size) of the ids' axes after the splits; the kept ones
+    for a, size in mesh.items():
+      sub = next(((int(p), int(k)) for b, p, k in named if b == a and p), None)
+      parts = [(a, size)] if sub is None else [(a, sub[0]), (a, sub[1]),
+                                               (a, size // (sub[0] * sub[1]))]
+      for i, part in enumerate(parts):
+        if (sub is None and any(b == a for b, _, _ in named)) or (sub is not None and i == 1):
+          keep.append(len(dims))
+        dims.append(part)
+    axes = [dims[i][0] for i in keep]
+    n = math.prod(dims[i][1] for i in keep)
     if set(mesh) <= set(sizes) or not sizes:  # the plan's mesh: its axes (of size > 1) in
       return n, tuple(a for a, k in (sizes or mesh).items() if a in axes and k > 1)  # order
     # another mesh over the same devices (a shard_map's 'axis_0'...): its groups as ids
-    ids = np.arange(math.prod(mesh.values())).reshape(tuple(mesh.values()))
-    keep = [i for i, a in enumerate(mesh) if a in axes]
-    rest = [i for i in range(len(mesh)) if i not in keep]
+    ids = np.arange(math.prod(mesh.values())).reshape([k for _, k in dims])
+    rest = [i for i in range(len(dims)) if i not in keep]
     groups = ids.transpose(rest + keep).reshape(-1, n).tolist()
     return n, _axes_of(groups, sizes)
   m = _IOTA.search(args)

@@ -86,6 +86,16 @@ def test_groups_written_as_device_ids_name_their_mesh_axes():
                      {"data": 1, "fsdp": 4, "tensor": 2}, 8) == (4, ("fsdp",))  # size 1: no
   assert comm._group("replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}", sizes,
                      8) == (4, ("data", "fsdp"))
+  # a sub-axis 'a':(p)k, the k-sized middle of a split [p, k, rest] (the full K3 step on
+  # v5p:8x8x16 writes fsdp=128's groups of 16 so)
+  pod = {"data": 1, "fsdp": 128, "expert": 1, "tensor": 8}
+  assert comm._group("replica_groups=mesh['data'=1,'fsdp'=128,'expert'=1,'tensor'=8] "
+                     "{'fsdp':(8)16}", pod, 1024) == (16, ("fsdp",))
+  assert comm._group("replica_groups=mesh['data'=1,'fsdp'=128,'expert'=1,'tensor'=8] "
+                     "{'fsdp':(8)16,'tensor'}", pod, 1024) == (128, ("fsdp", "tensor"))
+  # ids differing by 4 (axis_0's middle of [2, 2, 2] x axis_1 2): fsdp's 2 apart
+  assert comm._group("replica_groups=mesh['axis_0'=8,'axis_1'=2] {'axis_0':(2)2}",
+                     {"data": 2, "fsdp": 4, "tensor": 2}, 16) == (2, ("fsdp",))
 
 
 def test_step_bounds_and_mfu_from_the_chip_table():
