@@ -231,8 +231,10 @@ def main() -> None:
       files = [os.path.join(d, f) for d, _, fs in os.walk(out) for f in fs]
       size = sum(map(os.path.getsize, files))
       peaks = " + ".join(f"{r / GiB:.2f}" for r in rss)
-      print(f"convert --experts {experts:5s}: {wall:6.1f}s  {total / wall / GiB:6.2f} GiB/s "
-            f"({100 * raw / wall:5.1f}% of raw read, {100 * copy / wall:5.1f}% of raw copy), "
+      vs_raw = "" if math.isnan(raw) else (f" ({100 * raw / wall:5.1f}% of raw read, "
+                                            f"{100 * copy / wall:5.1f}% of raw copy)")
+      print(f"convert --experts {experts:5s}: {wall:6.1f}s  {total / wall / GiB:6.2f} GiB/s"
+            f"{vs_raw}, "
             f"wrote {size / GiB:.2f} GiB in {len(files)} files, peak RSS "
             f"{peaks} GiB (bound 2 x largest + 1 GiB = {bound / GiB:.2f} GiB a process: "
             f"{'ok' if max(rss) <= bound else 'EXCEEDED'})")
