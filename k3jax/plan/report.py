@@ -28,8 +28,14 @@ def refused(plan, what: str) -> str:
 
 def communication(plan) -> list[str]:
   """The collectives' bytes per device by kind and the step time / MFU bounds (compiled train
-  and LoRA plans; none otherwise)."""
+  and LoRA plans; analytic ones: the hand-counted total; none otherwise)."""
   sent = plan.collective_bytes_per_device
+  hand = getattr(plan, "hand_comm_bytes_per_device", None)
+  if sent is None and hand is not None and plan.step_seconds:  # analytic: counted by hand
+    lo, hi = plan.step_seconds
+    return [f"  collectives     {hand / GIB:8.3f} GiB sent per device per step (hand count)",
+            f"  step bounds     {lo:.3f} - {hi:.3f} s, MFU {plan.mfu[0]:.1%} - "
+            f"{plan.mfu[1]:.1%} (ESTIMATE: compute and ICI fully overlapped - not at all)"]
   if sent is None:
     return []
   total = sum(sent.values())

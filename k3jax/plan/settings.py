@@ -8,8 +8,9 @@ the experts' capacity) are chosen, on every candidate mesh, by hand count
      runs below the compiler's peak: docs/plan.md gives the measured ratios);
   2. ranked by the estimated step time: the roofline of the work (full remat adds a forward)
      plus the hand-counted communication, not overlapped (every micro-batch gathers the
-     weights again); among equal estimates dropless first (a capacity factor drops tokens),
-     then the smallest peak (flash MLA and loss chunks cost no counted work);
+     weights again), dropless settings before any with a capacity factor (which drops
+     tokens), equal estimates by the smallest peak (flash MLA and loss chunks cost no
+     counted work);
   3. compiled in that order until one fits (the compiler may refuse what the hand count
      passed), or the first `max_compiles` when the request asks for several.
 
@@ -147,13 +148,13 @@ def search(request: PlanRequest, cfg, meshes: list[dict], plan_one: Callable,
       f"{len(fitting)} with a peak within {MARGIN:.0%} of the {hbm / 2**30:.1f} GiB HBM")
   if not fitting:
     raise UserError(_nothing_fits(request, closest, plan_one))
-  # equal estimates (flash MLA, loss chunks and a capacity cost no counted work): dropless
-  # first (a capacity drops tokens), then the most headroom
-  ranked = sorted(fitting, key=lambda c: (c.seconds, bool(c.request.capacity_factor),
+  # a capacity factor drops tokens (it changes what is trained): only when nothing dropless
+  # fits; equal estimates (flash MLA and loss chunks cost no counted work): the most headroom
+  ranked = sorted(fitting, key=lambda c: (bool(c.request.capacity_factor), c.seconds,
                                           c.plan.peak_bytes_per_device))
-  log("ranked by the estimated step time (the work at peak FLOP/s, full remat adding a "
-      "forward, plus the hand-counted communication not overlapped: each micro-batch gathers "
-      "the weights again):")
+  log("ranked dropless first (a capacity factor drops tokens), then by the estimated step "
+      "time (the work at peak FLOP/s, full remat adding a forward, plus the hand-counted "
+      "communication not overlapped: each micro-batch gathers the weights again):")
   for i, c in enumerate(ranked[:5]):
     log(f"  {i + 1}. {c.describe()}")
   if request.analytic:
