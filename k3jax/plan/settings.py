@@ -5,7 +5,7 @@ the experts' capacity) are chosen, on every candidate mesh, by hand count
 
   1. per mesh and combination of remat, attention, loss chunk and capacity, the fewest
      micro-batches whose hand-counted peak is at most `MARGIN` of the HBM (the hand count
-     runs below the compiler's peak: docs/plan.md gives the measured ratios);
+     runs below the compiler's peak by the measured ratios that set it: docs/plan.md);
   2. ranked by the estimated step time: the roofline of the work (full remat adds a forward)
      plus the hand-counted communication, not overlapped (every micro-batch gathers the
      weights again), dropless settings before any with a capacity factor (which drops
@@ -32,7 +32,9 @@ from k3jax.plan.request import Mode, PlanRequest
 from k3jax.plan.search import step_time
 from sharding.mesh import MeshError, format_sizes
 
-MARGIN = 0.85        # the hand-counted peak a candidate may reach, of the HBM
+# the hand-counted peak a candidate may reach, of the HBM: 1 / the largest compiled / hand
+# count ratio measured on the full K3 (docs/plan.md#choosing-the-settings)
+MARGIN = {Mode.TRAIN: 0.80, Mode.LORA: 0.74}
 LOSS_CHUNK = 2048    # positions per loss chunk when chunking is chosen
 CAPACITY = 1.25      # the experts' capacity factor when a bound is chosen (0: dropless)
 RETRIES = 3          # compiles until one fits, when --max-compiles is not given
@@ -132,7 +134,7 @@ def search(request: PlanRequest, cfg, meshes: list[dict], plan_one: Callable,
           tried += 1
           if closest is None or p.peak_bytes_per_device < closest.plan.peak_bytes_per_device:
             closest = Candidate(req, p, step_time(p))
-          if p.peak_bytes_per_device <= MARGIN * p.hbm_bytes_per_device:
+          if p.peak_bytes_per_device <= MARGIN[request.mode] * p.hbm_bytes_per_device:
             fitting.append(Candidate(req, p, step_time(p)))
             break
     except (MeshError, UserError) as e:  # this mesh cannot take the model or the batch
@@ -145,7 +147,8 @@ def search(request: PlanRequest, cfg, meshes: list[dict], plan_one: Callable,
   hbm = closest.plan.hbm_bytes_per_device
   log(f"chose {', '.join(FLAG[k] for k in free_knobs(request))} by hand count on "
       f"{len(meshes)} mesh(es): {tried} settings counted in {time.perf_counter() - t0:.0f} s, "
-      f"{len(fitting)} with a peak within {MARGIN:.0%} of the {hbm / 2**30:.1f} GiB HBM")
+      f"{len(fitting)} with a peak within {MARGIN[request.mode]:.0%} of the "
+      f"{hbm / 2**30:.1f} GiB HBM")
   if not fitting:
     raise UserError(_nothing_fits(request, closest, plan_one))
   # a capacity factor drops tokens (it changes what is trained): only when nothing dropless
@@ -199,14 +202,14 @@ def _nothing_fits(request: PlanRequest, closest: Candidate, plan_one: Callable) 
   c = closest
   head = (f"--batch {request.batch} x --seq {request.seq} fits no setting on {c.plan.topology}:"
           f" the smallest hand-counted peak is {c.plan.peak_bytes_per_device / 2**30:.1f} GiB "
-          f"per device ({c.describe().split(':')[0]}) against {MARGIN:.0%} of "
+          f"per device ({c.describe().split(':')[0]}) against {MARGIN[request.mode]:.0%} of "
           f"{c.plan.hbm_bytes_per_device / 2**30:.1f} GiB")
   sizes = _sizes(c.plan.mesh)
   step = c.request.grad_accum * batch_rows(sizes)
   batch = request.batch // 2 // step * step
   while batch >= step:
     p = plan_one(c.request.replace(batch=batch), sizes, True)
-    if p.peak_bytes_per_device <= MARGIN * p.hbm_bytes_per_device:
+    if p.peak_bytes_per_device <= MARGIN[request.mode] * p.hbm_bytes_per_device:
       return head + f"; --batch {batch} fits with those settings"
     batch = batch // 2 // step * step
   return head + (f"; no smaller batch fits either (the state alone is "
