@@ -28,7 +28,7 @@ SMALL_BATCH = 16 << 10  # bytes per write batch: a process's half in ~30 commits
 # phase 1: bf16, mxfp4, then an mxfp4 conversion that process 1 interrupts (Ctrl-C) half-way
 # through its share; phase 2: both resume it. Each prints `rc <code>` after each conversion.
 DRIVER = """
-import _thread, sys
+import os, signal, sys
 from convert import orbax_io, to_orbax
 from k3jax.cli import main
 hf, out, port, pid, phase, batch = sys.argv[1:7]
@@ -49,7 +49,9 @@ if phase == "1":
   def interrupted(source, items, *args):
     for n, item in enumerate(stream_items(source, items, *args)):
       if pid == 1 and n == len(items) // 2:
-        _thread.interrupt_main()  # what Ctrl-C does
+        # Ctrl-C itself: a real SIGINT also wakes a main thread blocked in a wait, which
+        # _thread.interrupt_main (a flag checked between bytecodes) does not
+        os.kill(os.getpid(), signal.SIGINT)
         assert streams[-1].stop.wait(120), "the interrupt never asked the stream to stop"
       yield item
   orbax_io.Stream, to_orbax._items = Recorded, interrupted
