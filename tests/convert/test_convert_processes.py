@@ -32,6 +32,8 @@ import os, signal, sys
 from convert import orbax_io, to_orbax
 from k3jax.cli import main
 hf, out, port, pid, phase, batch = sys.argv[1:7]
+# Ctrl-C as at a terminal: a pytest-xdist worker ignores SIGINT and its children inherit that
+signal.signal(signal.SIGINT, signal.default_int_handler)
 pid = int(pid)
 mp = ["--quiet", "--coordinator", f"localhost:{port}", "--num-processes", "2",
       "--process-id", str(pid)]
