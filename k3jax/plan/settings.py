@@ -30,7 +30,7 @@ from k3jax.errors import UserError
 from k3jax.execution import Attention, Remat
 from k3jax.plan.request import Mode, PlanRequest
 from k3jax.plan.search import step_time
-from sharding.mesh import MeshError, format_sizes
+from sharding.mesh import MeshError, format_sizes, parse_mesh_spec
 
 # the hand-counted peak a candidate may reach, of the HBM, from the compiled / hand-counted
 # ratios measured on the full K3 (docs/plan.md#choosing-the-settings)
@@ -176,7 +176,7 @@ def _compile(ranked: list[Candidate], max_compiles: int | None, plan_one: Callab
       break
     log(f"compiling {i + 1}: the full model on mesh {c.plan.mesh}")
     try:
-      p = plan_one(c.request, _sizes(c.plan.mesh), False)
+      p = plan_one(c.request, parse_mesh_spec(c.plan.mesh), False)
     except Exception as e:  # noqa: BLE001 - one candidate's failure is reported, the rest go on
       log(f"  {i + 1} could not be built: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
       continue
@@ -191,10 +191,6 @@ def _compile(ranked: list[Candidate], max_compiles: int | None, plan_one: Callab
   return plans
 
 
-def _sizes(mesh: str) -> dict:
-  return {k: int(v) for k, v in (part.split("=") for part in mesh.split(","))}
-
-
 
 def _nothing_fits(request: PlanRequest, closest: Candidate, plan_one: Callable) -> str:
   """No setting fits: the smallest peak seen, and the largest batch that fits with its
@@ -204,7 +200,7 @@ def _nothing_fits(request: PlanRequest, closest: Candidate, plan_one: Callable) 
           f" the smallest hand-counted peak is {c.plan.peak_bytes_per_device / 2**30:.1f} GiB "
           f"per device ({c.describe().split(':')[0]}) against {MARGIN[request.mode]:.0%} of "
           f"{c.plan.hbm_bytes_per_device / 2**30:.1f} GiB")
-  sizes = _sizes(c.plan.mesh)
+  sizes = parse_mesh_spec(c.plan.mesh)
   step = c.request.grad_accum * batch_rows(sizes)
   batch = request.batch // 2 // step * step
   while batch >= step:
