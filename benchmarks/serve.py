@@ -38,8 +38,10 @@ Arrivals run on the wall clock, except that time the system spends idle waiting 
 arrival is skipped rather than slept; a request joins the engine at the first step after its
 arrival. Every program either side runs is compiled in a warm-up first (its time is reported,
 not counted), and the number of compilations during the timed runs is printed (0 expected).
-The static batch streams tokens in blocks of 8 decode steps (its design: no host round trip
-per token), so a token is counted when its block arrives.
+Both sides decode in blocks of 8 steps per call (the static batch's design; the engine's
+`decode_steps=8` once no prompt is being read), so a token is counted when its block arrives;
+the engine's prefill rows are 256, 128, 64 or 32 wide (`prefill_widths=4`). (c) and (d) give
+the engine's decode time per step (a block's time over its steps).
 
 Goals: engine >= 2x the static batch's throughput on (a); prefix cache >= 1.5x on (b); (d)
 within 2x; (e) HTTP overhead <= 10% of throughput at each concurrency. The last line with
@@ -124,11 +126,13 @@ def model_config(size: Size):
 
 def engine_config(size: Size, **kw) -> EngineConfig:
   """Decode rows always the slot count and the attention context always max_model_len (one
-  bucket each: two programs per engine, decode-only and mixed; on a 2-core CPU each compile
-  takes minutes)."""
+  bucket each, so few programs: decode-only, the decode block, and a mixed step per prefill
+  width; on a 2-core CPU each compile takes tens of seconds). Decode blocks of 8 steps, as the
+  static batch's; prefill rows 256, 128, 64 or 32 wide."""
   return EngineConfig(max_num_seqs=size.slots, max_model_len=size.max_model_len, page_size=64,
                       prefill_chunk=256, min_decode_rows=size.slots,
-                      min_context=size.max_model_len, max_top_logprobs=1, **kw)
+                      min_context=size.max_model_len, max_top_logprobs=1, decode_steps=8,
+                      prefill_widths=4, **kw)
 
 
 def bf16_model(cfg, seed: int = 0) -> K3Model:
@@ -184,8 +188,8 @@ def run_engine(engine: Engine, reqs: list[Req], step_log: list | None = None) ->
     t = clock()
     outs = engine.step()
     now = clock()
-    if step_log is not None:
-      step_log.append((mixed, now - t))
+    if step_log is not None:  # (prompt read?, seconds, decode steps run: a block runs several)
+      step_log.append((mixed, now - t, max([len(o.token_ids) for o in outs] + [1])))
     for o in outs:
       r = byid[o.request_id]
       if o.token_ids and r.first is None:
@@ -234,9 +238,15 @@ def warm_static(gen: static_batch.StaticBatch, reqs: list[Req], slots: int, voca
 
 
 def warm_engine(engine: Engine, size: Size) -> None:
-  """Run the programs the workloads use: decode-only and mixed steps at every context bucket
-  (a long request decoding through the buckets while short ones are prefilled beside it)."""
+  """Run the programs the workloads use: mixed steps of every prefill width, decode-only steps
+  and blocks, at every context bucket (a long request decoding through the buckets while short
+  ones are prefilled beside it)."""
   cfg = engine.config
+  widths = sorted({cfg.prefill_width(n) for n in range(1, cfg.prefill_chunk + 1)})
+  for k, n in enumerate(widths):  # one prompt of each width
+    engine.add(f"p{k}", [2 + k] * n, SamplingParams(max_tokens=3, ignore_eos=True))
+  while engine.has_work():
+    engine.step()
   long_prompt = cfg.min_context - 4
   engine.add("w0", [1] * long_prompt, SamplingParams(max_tokens=cfg.max_model_len - long_prompt
                                                       - 1, ignore_eos=True))
@@ -383,7 +393,8 @@ def step_times(engine: Engine, n: int, vocab: int, out: int = 16) -> dict:
   log = []
   reqs = [Req(f"t{i}", rng.integers(1, vocab, prompt).tolist(), out) for i in range(n)]
   run_engine(engine, reqs, log)
-  pick = lambda m: statistics.median([t for mixed, t in log if mixed == m] or [math.nan])
+  # a decode block's time per decode step (the blocks' lengths vary as requests near their end)
+  pick = lambda m: statistics.median([t / n for mixed, t, n in log if mixed == m] or [math.nan])
   return {"decode_step_s": pick(False), "mixed_step_s": pick(True)}
 
 

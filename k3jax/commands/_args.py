@@ -155,9 +155,11 @@ def add_tokenizer_flag(p: argparse.ArgumentParser) -> None:
                       "(default: the model folder's own, or the one a `k3jax train` run used)")
 
 
-def add_engine_flags(p: argparse.ArgumentParser, *, max_num_seqs: int) -> None:
+def add_engine_flags(p: argparse.ArgumentParser, *, max_num_seqs: int,
+                     decode_steps: int = 1) -> None:
   """The flags of a model run on the engine (`k3jax generate`, `serve`, `eval`): how it loads
-  and the engine's sizes. The default of --max-num-seqs is the command's."""
+  and the engine's sizes. The defaults of --max-num-seqs and --decode-steps are the
+  command's."""
   p.add_argument("--mesh", metavar="MESH", help="device mesh, e.g. data=2,tensor=4")
   p.add_argument("--dtype", choices=DTYPES, default="auto",
                  help="auto: float32 on CPU, bfloat16 on TPU/GPU")
@@ -171,6 +173,12 @@ def add_engine_flags(p: argparse.ArgumentParser, *, max_num_seqs: int) -> None:
                  "folder's max_position_embeddings / model_max_length, else 8192)")
   p.add_argument("--prefill-chunk", type=positive_int, default=512,
                  help="prompt tokens per prefill row of an engine step")
+  p.add_argument("--prefill-widths", type=positive_int, default=1, metavar="N",
+                 help="prefill row widths compiled: --prefill-chunk and its halves, N in all "
+                      "(a short prompt runs in a narrower row instead of a padded chunk)")
+  p.add_argument("--decode-steps", type=positive_int, default=decode_steps, metavar="N",
+                 help="decode steps per engine call while no prompt is being read (one "
+                      "jitted loop; a request that arrives meanwhile waits for it to end)")
   p.add_argument("--prefix-state-every", type=positive_int, default=4, metavar="K",
                  help="prefix cache: a KDA state snapshot every K cached blocks")
   p.add_argument("--compile-cache", default=default_compile_cache(),
@@ -191,5 +199,6 @@ def engine_options(args: argparse.Namespace, **fields):
                       dtype=args.dtype,
                       experts=Experts(args.experts) if args.experts else None,
                       max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                      prefill_chunk=args.prefill_chunk,
+                      prefill_chunk=args.prefill_chunk, prefill_widths=args.prefill_widths,
+                      decode_steps=args.decode_steps,
                       prefix_state_every=args.prefix_state_every, **fields)

@@ -179,7 +179,8 @@ def engine_config(args, prompts: list[list[int]], limit: int | None) -> EngineCo
     raise UserError(f"a prompt has {longest} tokens; the maximum model length is {max_len} "
                     "(--max-model-len)")
   return EngineConfig(max_num_seqs=min(len(prompts), args.max_num_seqs), max_model_len=max_len,
-                      prefill_chunk=args.prefill_chunk,
+                      prefill_chunk=args.prefill_chunk, prefill_widths=args.prefill_widths,
+                      decode_steps=args.decode_steps,
                       prefix_state_every=args.prefix_state_every)
 
 
@@ -228,5 +229,5 @@ def register(sub) -> None:
   p.add_argument("--json", action="store_true", help="one JSON object per prompt")
   p.add_argument("--block", type=positive_int, default=8,
                  help="kept for scripts; the engine streams every step (docs/serving.md)")
-  add_engine_flags(p, max_num_seqs=64)
+  add_engine_flags(p, max_num_seqs=64, decode_steps=8)
   p.set_defaults(func=run)

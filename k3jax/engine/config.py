@@ -30,6 +30,14 @@ class EngineConfig:
       max_num_seqs, as more requests decode): fewer programs for a small batch.
     min_context: the shortest attention context (positions) a step compiles for (longer ones
       in powers of two of pages, up to max_model_len).
+    decode_steps: the most decode steps one call runs when a step reads no prompt (one jitted
+      loop, no host round trip between its tokens; the static batch's decode block). It runs
+      fewer when a request would reach its max_tokens or max_model_len sooner; tokens drawn
+      after a request's stop are discarded. 1: one token per step.
+    prefill_widths: how many prefill row widths the step compiles: prefill_chunk, and halves of
+      it down to prefill_chunk / 2**(prefill_widths - 1); a step's prefill rows take the
+      narrowest that holds its longest chunk, so a short prompt (or a prompt's last piece) does
+      not pay for a whole chunk of padding. 1: always prefill_chunk.
     layout: "unstacked" holds per-layer weights (a copy of the model's stacks, made once; XLA:CPU
       copies a stacked weight's slice on every read) or "stacked" slices the caller's stacks
       inside the step (no copy: what RL needs, where the optimizer owns the arrays); None picks
@@ -48,11 +56,14 @@ class EngineConfig:
   max_top_logprobs: int = 20
   min_decode_rows: int = 8
   min_context: int = 1024
+  decode_steps: int = 1
+  prefill_widths: int = 1
   layout: str | None = None
 
   def __post_init__(self):
     for name in ("max_num_seqs", "max_model_len", "page_size", "prefill_chunk", "prefill_rows",
-                 "prefix_state_every", "max_top_logprobs", "min_decode_rows", "min_context"):
+                 "prefix_state_every", "max_top_logprobs", "min_decode_rows", "min_context",
+                 "decode_steps", "prefill_widths"):
       if getattr(self, name) <= 0:
         raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
     if self.num_pages is not None and self.num_pages < self.pages_per_seq:
@@ -62,6 +73,15 @@ class EngineConfig:
       raise ValueError(f"prefix_snapshots must be >= 0, got {self.prefix_snapshots}")
     if self.layout not in (None, "stacked", "unstacked"):
       raise ValueError(f"unknown layout {self.layout!r}; choose stacked or unstacked")
+
+  def prefill_width(self, longest: int) -> int:
+    """The prefill row width of a step whose longest chunk has `longest` tokens."""
+    width = self.prefill_chunk
+    for _ in range(self.prefill_widths - 1):
+      if width % 2 or width // 2 < longest:
+        break
+      width //= 2
+    return width
 
   @property
   def pages_per_seq(self) -> int:

@@ -21,6 +21,7 @@ import itertools
 import random
 from collections.abc import Callable, Iterable, Sequence
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -57,6 +58,7 @@ class Engine:
     self._seq = itertools.count()
     self._rng = random.Random(seed)
     self.steps = 0
+    self.block_calls = 0  # steps that ran a decode block of more than one token
     self.generated_tokens = 0
     self.prompt_tokens = 0
 
@@ -124,7 +126,12 @@ class Engine:
     """Run one step; the outputs of every request that produced tokens or ended in it."""
     outputs, self._aborted = self._aborted, []
     decode, prefill = self.scheduler.schedule()
-    if decode or prefill:
+    steps = self._block_steps(decode) if decode and not prefill else 1
+    if steps > 1:
+      self._run_block(decode, steps)
+      self.steps += 1
+      self.block_calls += 1
+    elif decode or prefill:
       self._run(decode, prefill)
       self.steps += 1
     for r in list(self._requests.values()):
@@ -139,18 +146,14 @@ class Engine:
 
   def _run(self, decode: list[Chunk], prefill: list[Chunk]) -> None:
     config = self.config
-    size = config.page_size
     # the decode part is always there (a prefill-only step is one more program otherwise)
     n_decode = bucket(max(len(decode), config.min_decode_rows), config.max_num_seqs)
     parts, chunks = [self._rows(decode, n_decode, 1)], [(decode, n_decode)]
+    width = config.prefill_width(max((c.end - c.start for c in prefill), default=1))
     if prefill:
-      parts.append(self._rows(prefill, config.prefill_rows, config.prefill_chunk))
+      parts.append(self._rows(prefill, config.prefill_rows, width))
       chunks.append((prefill, config.prefill_rows))
-    longest = max([c.end for c in decode + prefill] + [config.min_context])
-    ctx_pages = bucket(-(-longest // size), config.pages_per_seq)
-    table = np.zeros((config.max_num_seqs + 1, config.pages_per_seq), np.int32)
-    for r in self.scheduler.running:
-      table[r.slot, :len(r.pages)] = r.pages
+    ctx_pages, table = self._pages(decode + prefill)
     rows, index, offset = [], [], 0
     for (cs, n_rows), part in zip(chunks, parts):
       width = part[0].shape[1]
@@ -161,7 +164,7 @@ class Engine:
       offset += n_rows * width
     sample_rows = self._sample_rows(rows, index)
     want_prompt = [c for c in prefill if c.request.params.prompt_logprobs]
-    targets = self._targets(prefill) if want_prompt else None
+    targets = self._targets(prefill, width) if want_prompt else None
     out = self.runner.step(tuple(parts), table, sample_rows, targets, ctx_pages)
     for i, c in enumerate(rows):
       if c is None:
@@ -173,7 +176,50 @@ class Engine:
       if c.samples and r.finish is None and r.params.max_tokens > 0:
         self._accept(r, out, i)
     if want_prompt:
-      self._prompt_logprobs(prefill, out)
+      self._prompt_logprobs(prefill, out, width)
+
+  def _pages(self, chunks: list[Chunk], extra: int = 0) -> tuple[int, np.ndarray]:
+    """(the step's attention context in pages, bucketed; the page table), for `chunks` and
+    `extra` positions after each."""
+    config = self.config
+    longest = max([c.end + extra for c in chunks] + [config.min_context])
+    ctx_pages = bucket(-(-longest // config.page_size), config.pages_per_seq)
+    table = np.zeros((config.max_num_seqs + 1, config.pages_per_seq), np.int32)
+    for r in self.scheduler.running:
+      table[r.slot, :len(r.pages)] = r.pages
+    return ctx_pages, table
+
+  def _block_steps(self, decode: list[Chunk]) -> int:
+    """How many decode steps the next call may run: up to `decode_steps`, none past a
+    request's max_tokens or max_model_len, and pages for all of them (from free pages or idle
+    prefix-cache blocks, never by preempting); 1 when a prompt is being read."""
+    config = self.config
+    steps = min([config.decode_steps]
+                + [c.request.params.max_tokens - len(c.request.output) for c in decode]
+                + [config.max_model_len - len(c.request.tokens) for c in decode])
+    if steps <= 1 or not self.scheduler.reserve(decode, steps):
+      return 1
+    return steps
+
+  def _run_block(self, decode: list[Chunk], steps: int) -> None:
+    """`steps` decode steps of every decoding request in one call; each token is taken as a
+    one-step run would take it, and a request's tokens after it finished are dropped."""
+    config = self.config
+    n_decode = bucket(max(len(decode), config.min_decode_rows), config.max_num_seqs)
+    part = self._rows(decode, n_decode, 1)
+    ctx_pages, table = self._pages(decode, steps - 1)
+    rows: list[Chunk | None] = decode + [None] * (n_decode - len(decode))
+    sample_rows = self._sample_rows(rows, list(range(n_decode)))
+    out = self.runner.decode_block(part, table, sample_rows, steps, config.decode_steps,
+                                   ctx_pages)
+    for j in range(steps):
+      out_j = jax.tree.map(lambda a, j=j: a[j], out)
+      for i, c in enumerate(decode):
+        r = c.request
+        if r.finish is not None:
+          continue
+        self.scheduler.advance(Chunk(r, c.start + j, c.end + j))
+        self._accept(r, out_j, i)
 
   def _rows(self, chunks: list[Chunk], n_rows: int, width: int) -> paged.Rows:
     scratch_slot, scratch_snap = self.config.max_num_seqs, self.config.snapshots
@@ -215,9 +261,8 @@ class Engine:
     return SampleRows(np.asarray(index, np.int32), Sampling(temp, top_k, top_p, min_p), seed,
                       position, logprob_temp)
 
-  def _targets(self, prefill: list[Chunk]) -> np.ndarray:
+  def _targets(self, prefill: list[Chunk], width: int) -> np.ndarray:
     """The next prompt token of every prefill position (0 where there is none)."""
-    width = self.config.prefill_chunk
     out = np.zeros((self.config.prefill_rows, width), np.int32)
     for i, c in enumerate(prefill):
       nxt = c.request.tokens[c.start + 1:c.end + 1]
@@ -257,8 +302,7 @@ class Engine:
     r.out().text = r.text
     return True
 
-  def _prompt_logprobs(self, prefill: list[Chunk], out) -> None:
-    width = self.config.prefill_chunk
+  def _prompt_logprobs(self, prefill: list[Chunk], out, width: int) -> None:
     for i, c in enumerate(prefill):
       r = c.request
       if not r.params.prompt_logprobs:
@@ -296,4 +340,5 @@ class Engine:
             "pages_used": s.pages.used, "pages_total": s.pages.size,
             "cached_blocks": len(s.prefix.blocks), "prefix_hit_rate": s.prefix.hit_rate,
             "preemptions": s.preemptions, "generated_tokens": self.generated_tokens,
-            "prompt_tokens": self.prompt_tokens, "steps": self.steps}
+            "prompt_tokens": self.prompt_tokens, "steps": self.steps,
+            "decode_blocks": self.block_calls}

@@ -71,19 +71,52 @@ def _step(static, params, cache: paged.PagedCache, page_table, parts, rows: Samp
           targets, *, ctx_pages: int, top_n: int, prompt_targets: bool):
   defs, per_layer = _per_layer(static, params)
   features, cache = paged.forward(defs, per_layer, parts, cache, page_table, ctx_pages=ctx_pages)
-  logits = paged.logits(defs, per_layer, features[rows.index])
-  logp = _log_softmax(logits, rows.logprob_temperature)
-  keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(rows.seed, rows.position)
-  tokens = sample(logits, keys, rows.sampling)
-  token_lp = jnp.take_along_axis(logp, tokens[:, None], axis=1)[:, 0]
-  top_lp, top_ids = jax.lax.top_k(logp, top_n)
+  drawn = _draw(defs, per_layer, features[rows.index], rows, rows.position, top_n)
   prompt = (None, None, None)
   if prompt_targets:  # every token of the last part (the prefill rows) scores its successor
     n = targets.shape[0]
     p_logp = _log_softmax(paged.logits(defs, per_layer, features[-n:]))
     p_top_lp, p_top_ids = jax.lax.top_k(p_logp, top_n)
     prompt = (jnp.take_along_axis(p_logp, targets[:, None], axis=1)[:, 0], p_top_ids, p_top_lp)
-  return StepOut(tokens, token_lp, top_ids, top_lp, *prompt), cache
+  return StepOut(*drawn, *prompt), cache
+
+
+def _draw(defs, per_layer, features, rows: SampleRows, position, top_n: int):
+  """(tokens, their logprobs, top-n ids and logprobs) of the rows at `features`."""
+  logits = paged.logits(defs, per_layer, features)
+  logp = _log_softmax(logits, rows.logprob_temperature)
+  keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(rows.seed, position)
+  tokens = sample(logits, keys, rows.sampling)
+  token_lp = jnp.take_along_axis(logp, tokens[:, None], axis=1)[:, 0]
+  top_lp, top_ids = jax.lax.top_k(logp, top_n)
+  return tokens, token_lp, top_ids, top_lp
+
+
+@functools.partial(jax.jit, static_argnames=("static", "ctx_pages", "top_n", "max_steps"),
+                   donate_argnames=("cache",))
+def _decode_block(static, params, cache: paged.PagedCache, page_table, part: paged.Rows,
+                  rows: SampleRows, steps, *, ctx_pages: int, top_n: int, max_steps: int):
+  """`steps` (<= max_steps) decode steps of the rows of `part` ([R, 1]) in one loop: step i
+  feeds the token step i - 1 drew, at the next position, exactly as a one-step call would."""
+  defs, per_layer = _per_layer(static, params)
+  r, wide = part.ids.shape[0], wide_dtype(defs.ex.jnp_dtype)  # the logprobs' dtype
+  out = (jnp.zeros((max_steps, r), jnp.int32), jnp.zeros((max_steps, r), wide),
+         jnp.zeros((max_steps, r, top_n), jnp.int32), jnp.zeros((max_steps, r, top_n), wide))
+
+  def body(carry):
+    i, ids, cache, out = carry
+    # after the first step every row continues its own slot's state
+    source = jnp.where(i == 0, part.source, paged.FROM_SLOT)
+    rows_i = part._replace(ids=ids, positions=part.positions + i, source=source)
+    features, cache = paged.forward(defs, per_layer, (rows_i,), cache, page_table,
+                                    ctx_pages=ctx_pages)
+    drawn = _draw(defs, per_layer, features, rows, rows.position + i, top_n)
+    out = tuple(o.at[i].set(d) for o, d in zip(out, drawn))
+    return i + 1, drawn[0][:, None], cache, out
+
+  _, _, cache, out = jax.lax.while_loop(lambda c: c[0] < steps, body,
+                                        (jnp.int32(0), part.ids, cache, out))
+  return StepOut(*out, None, None, None), cache
 
 
 def bucket(n: int, cap: int) -> int:
@@ -125,6 +158,21 @@ class Runner:
       return self._step(parts, page_table, rows, targets, ctx_pages)
     with jax.set_mesh(self.mesh):  # the model's constraints and expert parallelism see it
       return self._step(parts, page_table, rows, targets, ctx_pages)
+
+  def decode_block(self, part: paged.Rows, page_table: np.ndarray, rows: SampleRows,
+                   steps: int, max_steps: int, ctx_pages: int) -> StepOut:
+    """`steps` decode steps in one call (compiled once per `max_steps`): fields [steps, R]."""
+    def run():
+      out, self.cache = _decode_block(
+          self.static, self.params, self.cache, jnp.asarray(page_table),
+          paged.Rows(*(jnp.asarray(a) for a in part)), jax.tree.map(jnp.asarray, rows),
+          jnp.int32(steps), ctx_pages=ctx_pages,
+          top_n=min(self.config.max_top_logprobs, self.cfg.vocab_size), max_steps=max_steps)
+      return jax.tree.map(lambda a: np.asarray(a)[:steps], out)
+    if self.mesh is None:
+      return run()
+    with jax.set_mesh(self.mesh):
+      return run()
 
   def _step(self, parts, page_table, rows, targets, ctx_pages) -> StepOut:
     out, self.cache = _step(

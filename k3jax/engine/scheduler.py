@@ -159,18 +159,30 @@ class Scheduler:
 
   def _allocate(self, chunks: list[Chunk]) -> Request | None:
     """Pages for every position of `chunks`; the request to preempt when they cannot be had."""
-    size = self.config.page_size
     for c in chunks:
-      r = c.request
-      while len(r.pages) * size < c.end:
-        page = self.pages.alloc()
-        while page is None and self.prefix.evict_one():
-          page = self.pages.alloc()
-        if page is None:
-          return max(self.running, key=lambda q: q.seq)
-        r.pages.append(page)
-        r.private.add(page)
+      if not self._grow(c.request, c.end):
+        return max(self.running, key=lambda q: q.seq)
     return None
+
+  def reserve(self, decode: list[Chunk], steps: int) -> bool:
+    """Pages for `steps` decode tokens of each of `decode`'s requests, from free pages or idle
+    prefix-cache blocks only; False (nothing preempted) when they cannot all be had. Pages
+    taken stay with their request, which fills them in its next steps."""
+    return all(self._grow(c.request, c.end + steps - 1) for c in decode)
+
+  def _grow(self, r: Request, positions: int) -> bool:
+    """Pages for `r`'s first `positions` positions, from free pages or idle prefix-cache
+    blocks; False when there are none left."""
+    size = self.config.page_size
+    while len(r.pages) * size < positions:
+      page = self.pages.alloc()
+      while page is None and self.prefix.evict_one():
+        page = self.pages.alloc()
+      if page is None:
+        return False
+      r.pages.append(page)
+      r.private.add(page)
+    return True
 
   # ---- leaving ---------------------------------------------------------------------------------
   def release(self, r: Request) -> None:

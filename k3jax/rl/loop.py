@@ -228,14 +228,15 @@ def _stop_ids(cfg, tokenizer) -> tuple[int, ...]:
 def engine_config(opts: RLOptions, longest_prompt: int, max_len: int) -> EngineConfig:
   """One engine shape for the run: a slot per rollout of a step (or --max-num-seqs), decode
   rows always that many and one attention context (min_decode_rows, min_context): a step's
-  rollouts start together and shrink as they finish, so a few programs serve the run."""
+  rollouts start together and shrink as they finish, so a few programs serve the run. Decode
+  blocks of 8 steps once the prompts are read (no host round trip per token)."""
   slots = min(opts.max_num_seqs or 10**9, opts.prompts_per_step * opts.group_size)
   chunk = min(512, max(8, bucket(longest_prompt, 512)))
   page = 16 if max_len <= 256 else 64
   return EngineConfig(max_num_seqs=slots, max_model_len=max_len, page_size=page,
                       prefill_chunk=chunk, prefill_rows=min(slots, max(1, 1024 // chunk)),
                       min_decode_rows=slots, min_context=max_len, max_top_logprobs=1,
-                      layout="stacked")
+                      decode_steps=8, layout="stacked")
 
 
 def run(opts: RLOptions, *, on_step=None) -> dict[str, Any]:

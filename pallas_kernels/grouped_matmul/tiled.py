@@ -3,7 +3,8 @@
 Every group is padded to a multiple of `tile` rows, so each tile of rows belongs to one expert;
 the tiles then run as one batched matmul against their experts' weights (gathered per tile).
 Static shapes: at most ceil(m / tile) + E tiles, so padding costs at most E * tile rows, and
-every tile is a plain matmul that XLA:CPU's dot emitter handles well.
+every tile is a plain matmul that XLA:CPU's dot emitter handles well. `tile` is the largest
+tile: fewer rows take a smaller one (`tile_for`), so the padding stays about m rows.
 
 With no more rows than experts (decoding: batch x k rows) it instead gathers each row's expert
 matrix: a decode step then reads only the k selected experts per token, not a padded tile of
@@ -15,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.grouped_matmul.common import TILE, filled_rows
+from pallas_kernels.grouped_matmul.common import TILE, filled_rows, tile_for
 
 
 def grouped_matmul(x_mh: jax.Array, w_ehf: jax.Array, group_sizes_e: jax.Array, *,
@@ -26,6 +27,7 @@ def grouped_matmul(x_mh: jax.Array, w_ehf: jax.Array, group_sizes_e: jax.Array, 
   if m <= e:  # decode-sized: m expert matrices read, never more than the E + 1 tiles below
     y_mf = jnp.einsum("mh,mhf->mf", x_mh, w_ehf[expert_m], precision=precision)
     return jnp.where(filled_m[:, None], y_mf, 0)
+  tile = tile_for(m, e, tile)
   n_tiles = -(-m // tile) + e
   padded_e = (group_sizes_e + tile - 1) // tile * tile
   padded_end_e = jnp.cumsum(padded_e)

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.grouped_matmul import TILE
+from pallas_kernels.grouped_matmul.common import tile_for
 from pallas_kernels.mxfp4.format import dequantize
 from pallas_kernels.vma import vary_like
 
@@ -56,6 +57,7 @@ def grouped_matmul_mxfp4_tiled(x_mk: jax.Array, codes: jax.Array, scales: jax.Ar
       return jax.lax.dynamic_update_slice_in_dim(y_mn, y_1n.astype(dtype), i, 0)
     return jax.lax.fori_loop(0, filled, row, vary_like(jnp.zeros((m, n), dtype), *like))
 
+  tile = tile_for(m, e, tile)  # as "tiled" picks it: the same tiles, the same dots
   n_tiles = -(-m // tile) + e
   padded_e = (group_sizes_e + tile - 1) // tile * tile
   padded_end_e = jnp.cumsum(padded_e)

@@ -142,10 +142,16 @@ def test_prefix_cache_hits_serve_the_same_logits(m):
   assert prefix.hit_tokens >= hits + 16  # the rebuilt blocks served the second one
 
 
-def test_batch_invariance_arrivals_aborts_preemption(m):
+# decode blocks (several decode steps per call) and narrower prefill rows must not change a
+# token or a logprob: the same requests, served one token per step, are the reference
+BLOCKS = dataclasses.replace(CONFIG, decode_steps=4, prefill_widths=2)
+
+
+@pytest.mark.parametrize("config", [CONFIG, BLOCKS], ids=["one-step", "blocks"])
+def test_batch_invariance_arrivals_aborts_preemption(m, config):
   """Each request served among others (staggered arrivals, an abort, a pool so small that
-  requests are preempted) gets the tokens and logprobs it gets alone. Sampled requests too:
-  a request's draws depend on its seed and positions only."""
+  requests are preempted) gets the tokens and logprobs it gets alone, one token per step.
+  Sampled requests too: a request's draws depend on its seed and positions only."""
   ps = prompts(4, (9, 30, 18, 45, 5))
   params = [GREEDY, SamplingParams(max_tokens=12, temperature=0.9, top_k=20, seed=7,
                                    logprobs=1),
@@ -155,7 +161,7 @@ def test_batch_invariance_arrivals_aborts_preemption(m):
   alone = {}
   for i, (p, sp) in enumerate(zip(ps, params)):
     alone[str(i)] = drain(Engine(m, CONFIG), {0: [(str(i), p, sp)]})[str(i)]
-  tight = EngineConfig(**{**CONFIG.__dict__, "num_pages": 12})   # 96 positions for all
+  tight = dataclasses.replace(config, num_pages=12)   # 96 positions for all
   eng = Engine(m, tight)
   arrivals = {0: [("0", ps[0], params[0]), ("1", ps[1], params[1])],
               1: [("2", ps[2], params[2]), ("x", ps[3], GREEDY)],
@@ -166,6 +172,11 @@ def test_batch_invariance_arrivals_aborts_preemption(m):
   for rid in alone:
     assert together[rid].tokens == alone[rid].tokens, rid
     np.testing.assert_allclose(together[rid].logprobs, alone[rid].logprobs, rtol=0, atol=TOL)
+    for mine, theirs in zip(together[rid].top, alone[rid].top, strict=True):
+      assert mine.keys() == theirs.keys() and all(abs(mine[t] - theirs[t]) <= TOL for t in mine)
+  if config.decode_steps > 1:  # blocks ran: fewer calls than tokens after the prompts
+    assert eng.steps < sum(len(r.tokens) for r in together.values())
+    assert eng.block_calls > 0
   for rid, p in zip("03", (ps[0], ps[3])):
     check_against_truth(m, p, together[rid])
 
@@ -182,7 +193,10 @@ def test_stacked_layout_equals_unstacked(m):
                                rtol=0, atol=TOL)
 
 
-def test_stop_tokens_and_strings(m):
+@pytest.mark.parametrize("config", [CONFIG, BLOCKS], ids=["one-step", "blocks"])
+def test_stop_tokens_and_strings(m, config):
+  """A stop token or string ends a request where it appears, also inside a decode block
+  (the block's later tokens are dropped)."""
   p = prompts(6, (10,))[0]
   text = lambda ids: "".join(chr(97 + t % 26) for t in ids)
   first = drain(Engine(m, CONFIG, detokenize=text), {0: [("a", p, GREEDY)]})["a"]
@@ -190,7 +204,7 @@ def test_stop_tokens_and_strings(m):
   j = next(j for j in range(1, 5) if first.tokens[j] not in first.tokens[:j])
   stop = text(first.tokens[1:3])
   k = next(k for k in range(1, 6) if stop in text(first.tokens[:k]))  # completes the string
-  eng = Engine(m, CONFIG, detokenize=text, eos_token_ids=[first.tokens[j]])
+  eng = Engine(m, config, detokenize=text, eos_token_ids=[first.tokens[j]])
   out = drain(eng, {0: [("eos", p, GREEDY),
                         ("ign", p, SamplingParams(max_tokens=5, temperature=0.0,
                                                   ignore_eos=True)),
@@ -263,15 +277,18 @@ def test_no_page_or_slot_leaks_after_random_traffic(m):
   assert s.pages.used == 0
 
 
-def test_compiled_programs_are_bounded(m):
-  """Prompts of 20 different lengths: the step compiles for the decode-only and the mixed
-  shape (and the context buckets), not per length."""
-  before = runner._step._cache_size()
-  eng = Engine(m, CONFIG)
+@pytest.mark.parametrize("config", [CONFIG, BLOCKS], ids=["one-step", "blocks"])
+def test_compiled_programs_are_bounded(m, config):
+  """Prompts of 20 different lengths: the step compiles for the decode-only shape and the
+  mixed shape of each prefill width (and the context buckets), the decode block once; not
+  per length or per block length."""
+  before = runner._step._cache_size(), runner._decode_block._cache_size()
+  eng = Engine(m, config)
   ps = prompts(10, range(3, 60, 3))
-  drain(eng, {i: [(str(i), p, SamplingParams(max_tokens=2, temperature=0.0))]
+  drain(eng, {i: [(str(i), p, SamplingParams(max_tokens=2 + i % 5, temperature=0.0))]
               for i, p in enumerate(ps)})
-  assert runner._step._cache_size() - before <= 2
+  assert runner._step._cache_size() - before[0] <= 1 + config.prefill_widths
+  assert runner._decode_block._cache_size() - before[1] <= (config.decode_steps > 1)
 
 
 def test_packed_mxfp4_experts_serve_the_dequantised_model(reference_dir):

@@ -1,6 +1,9 @@
 """The engine on a mesh of 8 CPU devices gives what it gives on one device (float64): the
 weights placed by the rules table, KDA heads over `tensor`, experts over `expert` (the MoE
-expert-parallel inside shard_map), slots and latent pages whole on every device."""
+expert-parallel inside shard_map), slots and latent pages whole on every device; with decode
+blocks and narrower prefill rows too."""
+
+import dataclasses
 
 import jax
 import numpy as np
@@ -15,6 +18,14 @@ MESH = "data=2,expert=2,tensor=2"
 
 
 def test_mesh_serves_the_tokens_of_one_device():
+  _check(CONFIG)
+
+
+def test_mesh_decode_blocks_serve_the_tokens_of_one_device():
+  _check(dataclasses.replace(CONFIG, decode_steps=4, prefill_widths=2))
+
+
+def _check(config):
   with jax.enable_x64(True):
     rng = np.random.default_rng(0)
     ps = [[int(t) for t in rng.integers(0, 64, n)] for n in (9, 30, 17)]
@@ -27,10 +38,11 @@ def test_mesh_serves_the_tokens_of_one_device():
     mesh = make_mesh(MESH)
     sharded_model = model()
     place_model(sharded_model, mesh)
-    engine = Engine(sharded_model, CONFIG, mesh=mesh)
+    engine = Engine(sharded_model, config, mesh=mesh)
     heads = engine.runner.cache.kda[0].recurrent.sharding.spec
     assert "tensor" in jax.tree.leaves(tuple(heads))
     many = drain(engine, arrivals)
+  assert engine.block_calls > 0 or config.decode_steps == 1
   for rid in one:
     assert many[rid].tokens == one[rid].tokens
     np.testing.assert_allclose(many[rid].logprobs, one[rid].logprobs, rtol=0, atol=1e-12)
