@@ -1,12 +1,13 @@
 """Which tokens run in the next step, and where their state lives (host side).
 
 Every step: admit waiting requests to free slots (oldest first; a prefix-cache hit restores a
-snapshot and shares the cached pages), then take one token of every request that is decoding
-and a chunk of up to `prefill_chunk` tokens of the oldest `prefill_rows` requests still reading
-their prompt, and make sure every position taken has a page. When no page is free the prefix
-cache gives up its least recently used idle block; when it has none, the newest running request
-is preempted (its pages and slot freed, its tokens so far kept) and recomputed later, so a full
-pool never fails a request or changes a token.
+snapshot and shares the cached pages; a request whose prompt shares a prefix that a running
+request is still computing waits for it, then hits), then take one token of every request
+that is decoding and a chunk of up to `prefill_chunk` tokens of the oldest `prefill_rows`
+requests still reading their prompt, and make sure every position taken has a page. When no
+page is free the prefix cache gives up its least recently used idle block; when it has none,
+the newest running request is preempted (its pages and slot freed, its tokens so far kept)
+and recomputed later, so a full pool never fails a request or changes a token.
 
 Chunk boundaries depend on the request alone (multiples of `prefill_chunk`, the prefix-cache
 snapshot positions, the end of its tokens), never on what else runs: a request computes the
@@ -86,13 +87,42 @@ class Scheduler:
 
   # ---- admission -----------------------------------------------------------------------------
   def admit(self) -> None:
+    deferred = []
     while self.waiting and self.free_slots:
       r = self.waiting.popleft()
+      if self._prefix_in_flight(r):
+        deferred.append(r)
+        continue
       r.slot = self.free_slots.pop()
       r.computed, r.source, r.restore = 0, FRESH, 0
       if self.config.prefix_cache and not r.params.prompt_logprobs:
         self._restore_prefix(r)
       self.running.append(r)
+
+    self.waiting.extendleft(reversed(deferred))
+
+  def _prefix_in_flight(self, r: Request) -> bool:
+    """Whether `r` should wait for a prefix another running request is computing: that
+    request is still reading a prompt that shares with `r`'s a block where it will save a KDA
+    snapshot, past what the prefix cache holds for `r` now. Admitted at once, `r` would
+    compute the same blocks again beside it (requests sharing a system prompt, arriving
+    together); waiting a few steps, it restores them."""
+    if not self.config.prefix_cache or r.params.prompt_logprobs:
+      return False
+    size = self.config.page_size
+    limit = min(len(r.prompt), len(r.tokens) - 1)
+    have = len(self.prefix.match(r.tokens, limit)) * size
+    for q in self.running:
+      if q.computed >= len(q.prompt) or q.prompt[:size] != r.tokens[:size]:
+        continue
+      common = 0
+      for a, b in zip(q.prompt[:limit], r.tokens[:limit]):
+        if a != b:
+          break
+        common += 1
+      if any(max(have, q.computed) < p <= common for p in self._snapshot_positions(q)):
+        return True
+    return False
 
   def _restore_prefix(self, r: Request) -> None:
     size = self.config.page_size

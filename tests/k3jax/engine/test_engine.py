@@ -142,6 +142,20 @@ def test_prefix_cache_hits_serve_the_same_logits(m):
   assert prefix.hit_tokens >= hits + 16  # the rebuilt blocks served the second one
 
 
+def test_requests_arriving_together_share_the_prefix_one_computes(m):
+  """Three prompts with a common 33-token prefix added in one step: the first computes it,
+  the others wait until its blocks (with their KDA snapshots) are cached and restore them;
+  every one still gets the tokens and logprobs of the full forward."""
+  shared = prompts(12, (33,))[0]
+  ps = [shared + [1, 2], shared + [3], shared + [4, 5, 6]]
+  eng = Engine(m, CONFIG)
+  got = drain(eng, {0: [(str(i), p, GREEDY) for i, p in enumerate(ps)]})
+  for i, p in enumerate(ps):
+    check_against_truth(m, p, got[str(i)])
+  # the two later ones restored the 32 cached positions (the snapshot at the last full block)
+  assert eng.scheduler.prefix.hit_tokens == 2 * 32
+
+
 # decode blocks (several decode steps per call) and narrower prefill rows must not change a
 # token or a logprob: the same requests, served one token per step, are the reference
 BLOCKS = dataclasses.replace(CONFIG, decode_steps=4, prefill_widths=2)
