@@ -124,6 +124,27 @@ def test_stream_equals_whole(client, sampling):
   assert lps == {c.index: c.logprobs.token_logprobs for c in whole.choices}
 
 
+def test_decode_blocks_serve_what_one_step_serves(client, run):
+  """`k3jax serve --decode-steps 4 --prefill-widths 2`: streamed, the same text, finish reasons
+  and logprobs as the one-step server's whole responses, greedy, sampled, and with a stop
+  string that completes inside a block."""
+  one_step = greedy(client, "Blocks of", max_tokens=16).choices[0].text
+  stop = one_step[5:7]
+  cases = [dict(temperature=0), dict(temperature=1.0, seed=3, n=2),
+           dict(temperature=0, stop=[stop])]
+  with helpers.serving(run, *FLAGS, "--decode-steps", "4", "--prefill-widths", "2") as blocks:
+    blocks_client = helpers.openai_client(blocks)
+    for kw in cases:
+      kw = dict(model="tiny", prompt="Blocks of", max_tokens=16, logprobs=1, **kw)
+      whole = client.completions.create(**kw)
+      texts, finish, lps = _joined(blocks_client.completions.create(stream=True, **kw))
+      assert texts == {c.index: c.text for c in whole.choices}, kw
+      assert finish == {c.index: c.finish_reason for c in whole.choices}, kw
+      for c in whole.choices:
+        np.testing.assert_allclose(lps[c.index], c.logprobs.token_logprobs, rtol=0, atol=1e-9)
+  assert texts[0] == one_step[:5] and finish[0] == "stop"
+
+
 def test_raw_stream_is_server_sent_events(server):
   body = {"model": "tiny", "prompt": "SSE", "max_tokens": 4, "stream": True,
           "stream_options": {"include_usage": True}}
