@@ -73,7 +73,7 @@ import configs
 from benchmarks.decode import active_weight_params, interleaved
 from k3jax.engine import Engine, EngineConfig, SamplingParams
 from k3jax.engine import runner as engine_runner
-from k3jax.execution import NUMERICS
+from k3jax.execution import NUMERICS, resolve_dtype
 from k3jax.generate import static_batch
 from k3jax.generate.sampling import Sampling
 from k3jax.model import lora
@@ -127,17 +127,18 @@ def model_config(size: Size):
 def engine_config(size: Size, **kw) -> EngineConfig:
   """Decode rows always the slot count and the attention context always max_model_len (one
   bucket each, so few programs: decode-only, the decode block, and a mixed step per prefill
-  width; on a 2-core CPU each compile takes tens of seconds). Decode blocks of 8 steps, as the
-  static batch's; prefill rows 256, 128, 64 or 32 wide."""
+  width and prefill-row bucket; on a 2-core CPU each compile takes seconds). Decode blocks of 8
+  steps, as the static batch's; up to 4 prompts read per step (1, 2 or 4 rows), 256, 128, 64
+  or 32 wide."""
   return EngineConfig(max_num_seqs=size.slots, max_model_len=size.max_model_len, page_size=64,
-                      prefill_chunk=256, min_decode_rows=size.slots,
+                      prefill_chunk=256, prefill_rows=4, min_decode_rows=size.slots,
                       min_context=size.max_model_len, max_top_logprobs=1, decode_steps=8,
                       prefill_widths=4, **kw)
 
 
-def bf16_model(cfg, seed: int = 0) -> K3Model:
-  """The model in bf16 with small random weights, built without running the initialisers."""
-  model = nnx.eval_shape(lambda: K3Model(cfg, NUMERICS["bfloat16"], rngs=nnx.Rngs(0)))
+def random_model(cfg, dtype: str, seed: int = 0) -> K3Model:
+  """The model in `dtype` with small random weights, built without running the initialisers."""
+  model = nnx.eval_shape(lambda: K3Model(cfg, NUMERICS[dtype], rngs=nnx.Rngs(0)))
   rng = np.random.default_rng(seed)
   for _, var in nnx.to_flat_state(nnx.state(model)):
     fan = var.shape[-2] if len(var.shape) >= 2 else 1
@@ -238,15 +239,19 @@ def warm_static(gen: static_batch.StaticBatch, reqs: list[Req], slots: int, voca
 
 
 def warm_engine(engine: Engine, size: Size) -> None:
-  """Run the programs the workloads use: mixed steps of every prefill width, decode-only steps
-  and blocks, at every context bucket (a long request decoding through the buckets while short
-  ones are prefilled beside it)."""
+  """Run the programs the workloads use: mixed steps of every prefill width and prefill-row
+  bucket, decode-only steps and blocks, at every context bucket (a long request decoding
+  through the buckets while short ones are prefilled beside it)."""
   cfg = engine.config
   widths = sorted({cfg.prefill_width(n) for n in range(1, cfg.prefill_chunk + 1)})
-  for k, n in enumerate(widths):  # one prompt of each width
-    engine.add(f"p{k}", [2 + k] * n, SamplingParams(max_tokens=3, ignore_eos=True))
-  while engine.has_work():
-    engine.step()
+  row_buckets = sorted({engine_runner.bucket(n, cfg.prefill_rows)
+                        for n in range(1, cfg.prefill_rows + 1)})
+  for k, (n, rows) in enumerate((n, r) for n in widths for r in row_buckets):
+    for j in range(rows):  # `rows` prompts of width n read together (distinct: no prefix hit)
+      # two tokens: the mixed step draws the first, a one-step decode-only call the second
+      engine.add(f"p{k}.{j}", [2 + 8 * k + j] * n, SamplingParams(max_tokens=2, ignore_eos=True))
+    while engine.has_work():
+      engine.step()
   long_prompt = cfg.min_context - 4
   engine.add("w0", [1] * long_prompt, SamplingParams(max_tokens=cfg.max_model_len - long_prompt
                                                       - 1, ignore_eos=True))
@@ -398,11 +403,11 @@ def step_times(engine: Engine, n: int, vocab: int, out: int = 16) -> dict:
   return {"decode_step_s": pick(False), "mixed_step_s": pick(True)}
 
 
-def weights_bound(n_params: int, batch: int, reps: int) -> float:
-  """Seconds of one bf16 [batch, 1024] @ [1024, n / 1024] matmul: reading n weights once."""
-  w = jnp.asarray(np.random.default_rng(0).standard_normal((1024, n_params // 1024)),
-                  jnp.bfloat16)
-  x = jnp.ones((batch, 1024), jnp.bfloat16)
+def weights_bound(n_params: int, batch: int, reps: int, dtype: str) -> float:
+  """Seconds of one [batch, 1024] @ [1024, n / 1024] matmul in `dtype`: reading n weights
+  once."""
+  w = jnp.asarray(np.random.default_rng(0).standard_normal((1024, n_params // 1024)), dtype)
+  x = jnp.ones((batch, 1024), dtype)
   f = jax.jit(lambda x, w: x @ w)
   jax.block_until_ready(f(x, w))
   return interleaved({"matmul": lambda: f(x, w)}, reps)["matmul"][0]
@@ -433,17 +438,22 @@ def main(argv=None) -> int:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--load", type=float, default=4.0,
                  help="(a)'s arrival rate over the engine's estimated capacity")
+  p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                 help="weights and compute (auto: float32 on a CPU, whose XLA backend has no "
+                      "fast bf16 matmul, bfloat16 on an accelerator; as the commands' --dtype)")
   p.add_argument("--reps", type=int, default=7, help="repetitions of the weight-reading matmul")
   args = p.parse_args(argv)
   size = TINY if args.tiny else QUICK if args.quick else FULL
   cfg = model_config(size)
   vocab = cfg.vocab_size
-  model = bf16_model(cfg, args.seed)
+  dtype = resolve_dtype(args.dtype)
+  model = random_model(cfg, dtype, args.seed)
   config = engine_config(size)
-  print(f"platform {jax.default_backend()}, {os.cpu_count()} CPUs; bf16; model d={cfg.hidden_size}"
-        f", {cfg.num_layers} layers (MLA at {list(cfg.mla_layers)}), {cfg.num_experts} experts "
-        f"top {cfg.num_experts_per_token}; engine: {size.slots} slots, max_model_len "
-        f"{config.max_model_len}, prefill chunk {config.prefill_chunk}, page {config.page_size}",
+  print(f"platform {jax.default_backend()}, {os.cpu_count()} CPUs; {dtype}; model "
+        f"d={cfg.hidden_size}, {cfg.num_layers} layers (MLA at {list(cfg.mla_layers)}), "
+        f"{cfg.num_experts} experts top {cfg.num_experts_per_token}; engine: {size.slots} "
+        f"slots, max_model_len {config.max_model_len}, prefill chunk {config.prefill_chunk} (up "
+        f"to {config.prefill_rows} rows), page {config.page_size}",
         flush=True)
 
   # compile everything first
@@ -453,13 +463,13 @@ def main(argv=None) -> int:
                                                                     size))}
   print(f"warm-up: {compile_s}", file=sys.stderr, flush=True)
   step_times(engine(), size.slots, vocab)
-  bf16_steps = step_times(engine(), size.slots, vocab)
+  dense_steps = step_times(engine(), size.slots, vocab)
 
   # (a) mixed: arrivals at the engine's estimated capacity
   probe = mixed_workload(size, 1.0, vocab, args.seed)
   est = (sum(-(-len(r.prompt) // config.prefill_chunk) + 1 for r in probe)
-         * bf16_steps["mixed_step_s"]
-         + sum(r.out for r in probe) / size.slots * bf16_steps["decode_step_s"])
+         * dense_steps["mixed_step_s"]
+         + sum(r.out for r in probe) / size.slots * dense_steps["decode_step_s"])
   rate = args.load * size.requests / est
   work = mixed_workload(size, rate, vocab, args.seed)
   gen = static_batch.StaticBatch(model)
@@ -492,23 +502,25 @@ def main(argv=None) -> int:
   packed = lora.adapt(nnx.clone(model), lora.AdaptSpec(base_experts="mxfp4"), nnx.Rngs(0))
   compile_s["engine_mxfp4"] = timed_warmup(lambda: step_times(engine(packed), size.slots, vocab))
   mx_steps = step_times(engine(packed), size.slots, vocab)
-  held_bf16, size_bf16 = expert_bytes(model)
+  held_dense, size_bf16 = expert_bytes(model)
   held_mx, _ = expert_bytes(packed)
-  print(f"(c) routed experts: bf16 {held_bf16 / 2**20:.1f} MiB, MXFP4 codes + scales "
-        f"{held_mx / 2**20:.1f} MiB ({held_mx / size_bf16:.3f} of bf16); engine step with "
-        f"{size.slots} requests, ms (bf16 / MXFP4): decode {1e3 * bf16_steps['decode_step_s']:.1f}"
+  print(f"(c) routed experts: {dtype} {held_dense / 2**20:.1f} MiB, bf16 {size_bf16 / 2**20:.1f}"
+        f" MiB, MXFP4 codes + scales {held_mx / 2**20:.1f} MiB ({held_mx / size_bf16:.3f} of "
+        f"bf16); engine step with {size.slots} requests, ms ({dtype} / MXFP4): decode "
+        f"{1e3 * dense_steps['decode_step_s']:.1f}"
         f" / {1e3 * mx_steps['decode_step_s']:.1f}, mixed (+ a 256-token prefill chunk) "
-        f"{1e3 * bf16_steps['mixed_step_s']:.1f} / {1e3 * mx_steps['mixed_step_s']:.1f}")
+        f"{1e3 * dense_steps['mixed_step_s']:.1f} / {1e3 * mx_steps['mixed_step_s']:.1f}")
 
   # (d) the decode step against reading the active weights once
   one = lambda: engine(min_decode_rows=1)
   step_times(one(), 1, vocab)
   b1 = step_times(one(), 1, vocab)["decode_step_s"]
   n_active = active_weight_params(cfg)
-  bounds = {1: weights_bound(n_active, 1, args.reps),
-            size.slots: weights_bound(n_active, size.slots, args.reps)}
-  decode = {1: b1, size.slots: bf16_steps["decode_step_s"]}
-  print(f"(d) decode step vs reading the {n_active / 1e6:.1f}M active weights once (bf16 matmul):")
+  bounds = {1: weights_bound(n_active, 1, args.reps, dtype),
+            size.slots: weights_bound(n_active, size.slots, args.reps, dtype)}
+  decode = {1: b1, size.slots: dense_steps["decode_step_s"]}
+  print(f"(d) decode step vs reading the {n_active / 1e6:.1f}M active weights once ({dtype} "
+        "matmul):")
   for b in bounds:
     print(f"  batch {b}: engine step {1e3 * decode[b]:.2f} ms, bound {1e3 * bounds[b]:.2f} ms, "
           f"{decode[b] / bounds[b]:.2f}x")
@@ -563,8 +575,9 @@ def main(argv=None) -> int:
         "expert_bytes_mxfp4_over_bf16": held_mx / size_bf16,
         "engine": res["engine"], "static": res["static"],
         "prefix_cache": res["prefix cache"], "no_prefix_cache": res["no prefix cache"],
-        "decode_step_s": {"bf16": bf16_steps["decode_step_s"], "mxfp4": mx_steps["decode_step_s"]},
-        "mixed_step_s": {"bf16": bf16_steps["mixed_step_s"], "mxfp4": mx_steps["mixed_step_s"]},
+        "dtype": dtype,
+        "decode_step_s": {dtype: dense_steps["decode_step_s"], "mxfp4": mx_steps["decode_step_s"]},
+        "mixed_step_s": {dtype: dense_steps["mixed_step_s"], "mxfp4": mx_steps["mixed_step_s"]},
         "decode_vs_weights_bound": {str(b): decode[b] / bounds[b] for b in bounds},
         "http_overhead_fraction": worst_overhead, "http": http_res,
         "http_timed_compiles": http_compiles,

@@ -176,6 +176,9 @@ def add_engine_flags(p: argparse.ArgumentParser, *, max_num_seqs: int,
   p.add_argument("--prefill-widths", type=positive_int, default=1, metavar="N",
                  help="prefill row widths compiled: --prefill-chunk and its halves, N in all "
                       "(a short prompt runs in a narrower row instead of a padded chunk)")
+  p.add_argument("--prefill-rows", type=positive_int, default=1, metavar="N",
+                 help="prompts read per engine step, at most (each a row of up to "
+                      "--prefill-chunk tokens; a step compiles 1, 2, 4, ... rows as it needs)")
   p.add_argument("--decode-steps", type=positive_int, default=decode_steps, metavar="N",
                  help="decode steps per engine call while no prompt is being read (one "
                       "jitted loop; a request that arrives meanwhile waits for it to end)")
@@ -200,5 +203,5 @@ def engine_options(args: argparse.Namespace, **fields):
                       experts=Experts(args.experts) if args.experts else None,
                       max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                       prefill_chunk=args.prefill_chunk, prefill_widths=args.prefill_widths,
-                      decode_steps=args.decode_steps,
+                      prefill_rows=args.prefill_rows, decode_steps=args.decode_steps,
                       prefix_state_every=args.prefix_state_every, **fields)

@@ -180,7 +180,7 @@ def engine_config(args, prompts: list[list[int]], limit: int | None) -> EngineCo
                     "(--max-model-len)")
   return EngineConfig(max_num_seqs=min(len(prompts), args.max_num_seqs), max_model_len=max_len,
                       prefill_chunk=args.prefill_chunk, prefill_widths=args.prefill_widths,
-                      decode_steps=args.decode_steps,
+                      prefill_rows=args.prefill_rows, decode_steps=args.decode_steps,
                       prefix_state_every=args.prefix_state_every)
 
 

@@ -19,8 +19,10 @@ class EngineConfig:
     num_pages: latent pages in the pool (None: enough for every slot at max_model_len).
     prefill_chunk: tokens per prefill row (a long prompt is fed in chunks of this size, so it
       never stalls the running requests for more than one chunk per step).
-    prefill_rows: prompts (or chunks of them) per step beside the decode tokens; the step's
-      token budget is max_num_seqs + prefill_rows * prefill_chunk.
+    prefill_rows: the most prompts (or chunks of them) per step beside the decode tokens; the
+      step's token budget is max_num_seqs + prefill_rows * prefill_chunk. A step compiles as
+      many prefill rows as the prompts it reads, rounded up to a power of two (at most
+      prefill_rows), so one waiting prompt does not pay for prefill_rows rows of padding.
     prefix_cache: reuse the latent pages and KDA states of full prompt blocks seen before.
     prefix_state_every: keep a KDA state snapshot every this many cached blocks (plus the last
       full block of each prompt): a hit restarts from the nearest snapshot at or before it.

@@ -150,9 +150,10 @@ class Engine:
     n_decode = bucket(max(len(decode), config.min_decode_rows), config.max_num_seqs)
     parts, chunks = [self._rows(decode, n_decode, 1)], [(decode, n_decode)]
     width = config.prefill_width(max((c.end - c.start for c in prefill), default=1))
+    n_prefill = bucket(len(prefill), config.prefill_rows)  # rows compiled: a power of two
     if prefill:
-      parts.append(self._rows(prefill, config.prefill_rows, width))
-      chunks.append((prefill, config.prefill_rows))
+      parts.append(self._rows(prefill, n_prefill, width))
+      chunks.append((prefill, n_prefill))
     ctx_pages, table = self._pages(decode + prefill)
     rows, index, offset = [], [], 0
     for (cs, n_rows), part in zip(chunks, parts):
@@ -164,7 +165,7 @@ class Engine:
       offset += n_rows * width
     sample_rows = self._sample_rows(rows, index)
     want_prompt = [c for c in prefill if c.request.params.prompt_logprobs]
-    targets = self._targets(prefill, width) if want_prompt else None
+    targets = self._targets(prefill, n_prefill, width) if want_prompt else None
     out = self.runner.step(tuple(parts), table, sample_rows, targets, ctx_pages)
     for i, c in enumerate(rows):
       if c is None:
@@ -261,9 +262,9 @@ class Engine:
     return SampleRows(np.asarray(index, np.int32), Sampling(temp, top_k, top_p, min_p), seed,
                       position, logprob_temp)
 
-  def _targets(self, prefill: list[Chunk], width: int) -> np.ndarray:
+  def _targets(self, prefill: list[Chunk], n_rows: int, width: int) -> np.ndarray:
     """The next prompt token of every prefill position (0 where there is none)."""
-    out = np.zeros((self.config.prefill_rows, width), np.int32)
+    out = np.zeros((n_rows, width), np.int32)
     for i, c in enumerate(prefill):
       nxt = c.request.tokens[c.start + 1:c.end + 1]
       out[i, :len(nxt)] = nxt

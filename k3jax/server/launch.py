@@ -57,6 +57,7 @@ class ServeOptions:
   max_model_len: int | None = None
   prefill_chunk: int = 512
   prefill_widths: int = 1
+  prefill_rows: int = 1
   decode_steps: int = 1
   prefix_state_every: int = 4
   log_level: str = "warning"
@@ -80,6 +81,7 @@ def build(options: ServeOptions) -> Server:
     engine_config = EngineConfig(max_num_seqs=options.max_num_seqs, max_model_len=limit,
                                  prefill_chunk=options.prefill_chunk,
                                  prefill_widths=options.prefill_widths,
+                                 prefill_rows=options.prefill_rows,
                                  decode_steps=options.decode_steps,
                                  prefix_state_every=options.prefix_state_every)
   except ValueError as e:

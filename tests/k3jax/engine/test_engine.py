@@ -158,7 +158,8 @@ def test_requests_arriving_together_share_the_prefix_one_computes(m):
 
 # decode blocks (several decode steps per call) and narrower prefill rows must not change a
 # token or a logprob: the same requests, served one token per step, are the reference
-BLOCKS = dataclasses.replace(CONFIG, decode_steps=4, prefill_widths=2)
+# decode blocks, two prefill widths, and up to two prompts per step (one or two rows compiled)
+BLOCKS = dataclasses.replace(CONFIG, decode_steps=4, prefill_widths=2, prefill_rows=2)
 
 
 @pytest.mark.parametrize("config", [CONFIG, BLOCKS], ids=["one-step", "blocks"])
@@ -294,14 +295,16 @@ def test_no_page_or_slot_leaks_after_random_traffic(m):
 @pytest.mark.parametrize("config", [CONFIG, BLOCKS], ids=["one-step", "blocks"])
 def test_compiled_programs_are_bounded(m, config):
   """Prompts of 20 different lengths: the step compiles for the decode-only shape and the
-  mixed shape of each prefill width (and the context buckets), the decode block once; not
-  per length or per block length."""
+  mixed shape of each prefill width and prefill row bucket (and the context buckets), the
+  decode block once; not per length, per number of prompts read or per block length."""
   before = runner._step._cache_size(), runner._decode_block._cache_size()
   eng = Engine(m, config)
   ps = prompts(10, range(3, 60, 3))
   drain(eng, {i: [(str(i), p, SamplingParams(max_tokens=2 + i % 5, temperature=0.0))]
               for i, p in enumerate(ps)})
-  assert runner._step._cache_size() - before[0] <= 1 + config.prefill_widths
+  row_buckets = len({runner.bucket(n, config.prefill_rows)
+                     for n in range(1, config.prefill_rows + 1)})
+  assert runner._step._cache_size() - before[0] <= 1 + config.prefill_widths * row_buckets
   assert runner._decode_block._cache_size() - before[1] <= (config.decode_steps > 1)
 
 
