@@ -5,8 +5,9 @@ MXFP4 against bf16 experts, and the engine's decode step against reading the wei
     python benchmarks/serve.py --quick --json   # reduced sizes (minutes on a 2-core CPU)
 
 On a small K3-shaped model ([KDA, KDA, KDA, MLA] blocks, dense first layer, LatentMoE, AttnRes;
-K3's per-head sizes), bf16 weights and compute, greedy, every request running to its
-max_tokens (no EOS), one process:
+K3's per-head sizes), weights and compute in --dtype (auto: float32 on a CPU, whose XLA backend
+has no fast bf16 matmul, bf16 on an accelerator; as the commands' --dtype), greedy, every
+request running to its max_tokens (no EOS), one process:
 
   (a) mixed: Poisson arrivals, uniform prompt and output lengths, on the engine and on the
       static batch (`StaticBatch`: requests in arrival order in batches of the engine's slot
@@ -21,10 +22,10 @@ max_tokens (no EOS), one process:
   (b) shared prefix: every request is a long system prompt + a short question, all arriving at
       once, on the engine with and without the prefix cache (wall time).
   (c) the same model with its routed experts packed as MXFP4 codes + scales
-      (`lora.adapt(base_experts="mxfp4")`) against bf16: their device bytes, and the engine's
-      decode and mixed (prefill) step times.
+      (`lora.adapt(base_experts="mxfp4")`) against --dtype: their device bytes (and over bf16),
+      and the engine's decode and mixed (prefill) step times.
   (d) the engine's decode step at batch 1 and at its slot count against the time to read the
-      active weights once (one bf16 [batch, 1024] @ [1024, n / 1024] matmul, as in
+      active weights once (one [batch, 1024] @ [1024, n / 1024] matmul in --dtype, as in
       benchmarks/decode.py).
 
   (e) HTTP: the same greedy requests (prompts 16-128 tokens, outputs 16-32) from 1, 8 and 32
@@ -40,7 +41,8 @@ arrival. Every program either side runs is compiled in a warm-up first (its time
 not counted), and the number of compilations during the timed runs is printed (0 expected).
 Both sides decode in blocks of 8 steps per call (the static batch's design; the engine's
 `decode_steps=8` once no prompt is being read), so a token is counted when its block arrives;
-the engine's prefill rows are 256, 128, 64 or 32 wide (`prefill_widths=4`). (c) and (d) give
+the engine's prefill rows are 256, 128, 64 or 32 wide (`prefill_widths=4`), one prompt read per
+step unless --prefill-rows says more. (c) and (d) give
 the engine's decode time per step (a block's time over its steps).
 
 Goals: engine >= 2x the static batch's throughput on (a); prefix cache >= 1.5x on (b); (d)
@@ -128,10 +130,10 @@ def engine_config(size: Size, **kw) -> EngineConfig:
   """Decode rows always the slot count and the attention context always max_model_len (one
   bucket each, so few programs: decode-only, the decode block, and a mixed step per prefill
   width and prefill-row bucket; on a 2-core CPU each compile takes seconds). Decode blocks of 8
-  steps, as the static batch's; up to 4 prompts read per step (1, 2 or 4 rows), 256, 128, 64
-  or 32 wide."""
+  steps, as the static batch's; prefill rows 256, 128, 64 or 32 wide (one prompt read per
+  step unless `prefill_rows` says more)."""
   return EngineConfig(max_num_seqs=size.slots, max_model_len=size.max_model_len, page_size=64,
-                      prefill_chunk=256, prefill_rows=4, min_decode_rows=size.slots,
+                      prefill_chunk=256, min_decode_rows=size.slots,
                       min_context=size.max_model_len, max_top_logprobs=1, decode_steps=8,
                       prefill_widths=4, **kw)
 
@@ -249,7 +251,10 @@ def warm_engine(engine: Engine, size: Size) -> None:
   for k, (n, rows) in enumerate((n, r) for n in widths for r in row_buckets):
     for j in range(rows):  # `rows` prompts of width n read together (distinct: no prefix hit)
       # two tokens: the mixed step draws the first, a one-step decode-only call the second
-      engine.add(f"p{k}.{j}", [2 + 8 * k + j] * n, SamplingParams(max_tokens=2, ignore_eos=True))
+      # (a row of width n holds prompts longer than n / 2: within max_model_len, that width)
+      length = min(n, cfg.max_model_len - 2)
+      engine.add(f"p{k}.{j}", [2 + 8 * k + j] * length,
+                 SamplingParams(max_tokens=2, ignore_eos=True))
     while engine.has_work():
       engine.step()
   long_prompt = cfg.min_context - 4
@@ -441,6 +446,8 @@ def main(argv=None) -> int:
   p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                  help="weights and compute (auto: float32 on a CPU, whose XLA backend has no "
                       "fast bf16 matmul, bfloat16 on an accelerator; as the commands' --dtype)")
+  p.add_argument("--prefill-rows", type=int, default=1,
+                 help="the engine's prompts read per step, at most (as `k3jax serve`'s flag)")
   p.add_argument("--reps", type=int, default=7, help="repetitions of the weight-reading matmul")
   args = p.parse_args(argv)
   size = TINY if args.tiny else QUICK if args.quick else FULL
@@ -448,7 +455,7 @@ def main(argv=None) -> int:
   vocab = cfg.vocab_size
   dtype = resolve_dtype(args.dtype)
   model = random_model(cfg, dtype, args.seed)
-  config = engine_config(size)
+  config = engine_config(size, prefill_rows=args.prefill_rows)
   print(f"platform {jax.default_backend()}, {os.cpu_count()} CPUs; {dtype}; model "
         f"d={cfg.hidden_size}, {cfg.num_layers} layers (MLA at {list(cfg.mla_layers)}), "
         f"{cfg.num_experts} experts top {cfg.num_experts_per_token}; engine: {size.slots} "
