@@ -6,9 +6,10 @@
 
 One call runs a whole step: the model over every token of the step (k3jax/model/paged.py),
 the head at the tokens that sample, the log-softmax and the draws. Its shapes come from a few
-buckets (decode rows: a power of two up to the slot count; prefill rows: none or all;
-attention context: a power of two of pages), so a run with any mix of prompt lengths compiles
-a bounded set of programs, once each.
+buckets (decode rows: a power of two up to the slot count; prefill rows: none, or a power of
+two up to prefill_rows, each of one of the prefill widths; attention context: a power of two
+of pages), so a run with any mix of prompt lengths compiles a bounded set of programs, once
+each.
 
 Draws: a row's key is fold_in(key(seed), position of the token drawn), so a request's tokens
 depend on its seed alone, not on which rows run beside it or whether it was preempted.
