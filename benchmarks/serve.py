@@ -474,8 +474,10 @@ def main(argv=None) -> int:
 
   # (a) mixed: arrivals at the engine's estimated capacity
   probe = mixed_workload(size, 1.0, vocab, args.seed)
-  est = (sum(-(-len(r.prompt) // config.prefill_chunk) + 1 for r in probe)
-         * dense_steps["mixed_step_s"]
+  # mixed steps: the prompts' chunks, `prefill_rows` of them per step (step_times reads 8
+  # prompts at once, so its mixed step reads as many as the engine allows)
+  est = (math.ceil(sum(-(-len(r.prompt) // config.prefill_chunk) + 1 for r in probe)
+                   / config.prefill_rows) * dense_steps["mixed_step_s"]
          + sum(r.out for r in probe) / size.slots * dense_steps["decode_step_s"])
   rate = args.load * size.requests / est
   work = mixed_workload(size, rate, vocab, args.seed)
