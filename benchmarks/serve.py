@@ -42,8 +42,8 @@ not counted), and the number of compilations during the timed runs is printed (0
 Both sides decode in blocks of 8 steps per call (the static batch's design; the engine's
 `decode_steps=8` once no prompt is being read), so a token is counted when its block arrives;
 the engine's prefill rows are 256, 128, 64 or 32 wide (`prefill_widths=4`), one prompt read per
-step unless --prefill-rows says more. (c) and (d) give
-the engine's decode time per step (a block's time over its steps).
+step unless --prefill-rows says more. (c) and (d) give the engine's decode time per step (a
+block's time over its steps).
 
 Goals: engine >= 2x the static batch's throughput on (a); prefix cache >= 1.5x on (b); (d)
 within 2x; (e) HTTP overhead <= 10% of throughput at each concurrency. The last line with
@@ -246,9 +246,7 @@ def warm_engine(engine: Engine, size: Size) -> None:
   through the buckets while short ones are prefilled beside it)."""
   cfg = engine.config
   widths = sorted({cfg.prefill_width(n) for n in range(1, cfg.prefill_chunk + 1)})
-  row_buckets = sorted({engine_runner.bucket(n, cfg.prefill_rows)
-                        for n in range(1, cfg.prefill_rows + 1)})
-  for k, (n, rows) in enumerate((n, r) for n in widths for r in row_buckets):
+  for k, (n, rows) in enumerate((n, r) for n in widths for r in cfg.prefill_row_counts):
     for j in range(rows):  # `rows` prompts of width n read together (distinct: no prefix hit)
       # two tokens: the mixed step draws the first, a one-step decode-only call the second
       # (a row of width n holds prompts longer than n / 2: within max_model_len, that width)

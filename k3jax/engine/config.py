@@ -8,6 +8,11 @@ import math
 DEFAULT_MAX_MODEL_LEN = 8192
 
 
+def bucket(n: int, cap: int) -> int:
+  """The smallest power of two >= n, at most cap (a compiled shape)."""
+  return min(cap, 1 << max(0, n - 1).bit_length())
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
   """Sizes of an engine; every shape it compiles derives from them.
@@ -84,6 +89,15 @@ class EngineConfig:
         break
       width //= 2
     return width
+
+  def prefill_row_count(self, prompts: int) -> int:
+    """The prefill rows of a step that reads `prompts` prompts (a compiled shape)."""
+    return bucket(prompts, self.prefill_rows)
+
+  @property
+  def prefill_row_counts(self) -> tuple[int, ...]:
+    """Every prefill row count a step may compile: 1, 2, 4, ... up to prefill_rows."""
+    return tuple(sorted({self.prefill_row_count(n) for n in range(1, self.prefill_rows + 1)}))
 
   @property
   def pages_per_seq(self) -> int:

@@ -25,9 +25,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from k3jax.engine.config import EngineConfig
+from k3jax.engine.config import EngineConfig, bucket
 from k3jax.engine.request import FinishReason, RequestOutput, SamplingParams
-from k3jax.engine.runner import Runner, SampleRows, bucket
+from k3jax.engine.runner import Runner, SampleRows
 from k3jax.engine.scheduler import Chunk, Request, Scheduler
 from k3jax.generate.sampling import Sampling
 from k3jax.model import paged
@@ -150,7 +150,7 @@ class Engine:
     n_decode = bucket(max(len(decode), config.min_decode_rows), config.max_num_seqs)
     parts, chunks = [self._rows(decode, n_decode, 1)], [(decode, n_decode)]
     width = config.prefill_width(max((c.end - c.start for c in prefill), default=1))
-    n_prefill = bucket(len(prefill), config.prefill_rows)  # rows compiled: a power of two
+    n_prefill = config.prefill_row_count(len(prefill))
     if prefill:
       parts.append(self._rows(prefill, n_prefill, width))
       chunks.append((prefill, n_prefill))

@@ -120,11 +120,6 @@ def _decode_block(static, params, cache: paged.PagedCache, page_table, part: pag
   return StepOut(*out, None, None, None), cache
 
 
-def bucket(n: int, cap: int) -> int:
-  """The smallest power of two >= n, at most cap (a compiled shape)."""
-  return min(cap, 1 << max(0, n - 1).bit_length())
-
-
 class Runner:
   """Holds the device cache and the weights; runs steps."""
 

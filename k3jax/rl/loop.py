@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from convert.fingerprint import weight_bytes
 from k3jax.engine import DEFAULT_MAX_MODEL_LEN, Engine, EngineConfig
-from k3jax.engine.runner import bucket
+from k3jax.engine.config import bucket
 from k3jax.errors import UserError
 from k3jax.folders import MODEL_DIR, absolute, max_model_len, model_folder
 from k3jax.rl import objectives as obj_lib
