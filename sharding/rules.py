@@ -97,11 +97,14 @@ TABLE: tuple[tuple[str, Target, Target], ...] = (
     ("expert_scores", None, None),
     ("latent", "fsdp", None),
     ("moe_mlp", "tensor", "tensor"),
-    # the serving engine's caches (k3jax/model/paged.py): every device indexes any request slot
-    # and any latent page (the pages hold the MLA latent, which has no head axis to split);
-    # the KDA state's heads follow `heads`
+    # the serving engine's caches (k3jax/model/paged.py): in one pool every device indexes
+    # any request slot and any latent page (the pages hold the MLA latent, which has no head
+    # axis to split); pools in shards (EngineConfig.data_shards) split the shards over the
+    # batch axes, each device serving its own shards' requests; the KDA state's heads follow
+    # `heads`
     ("slots", None, None),
     ("pages", None, None),
+    ("pool_shards", None, BATCH_MESH_AXES),
     ("page", None, None),
 )
 

@@ -182,6 +182,11 @@ def add_engine_flags(p: argparse.ArgumentParser, *, max_num_seqs: int,
   p.add_argument("--decode-steps", type=positive_int, default=decode_steps, metavar="N",
                  help="decode steps per engine call while no prompt is being read (one "
                       "jitted loop; a request that arrives meanwhile waits for it to end)")
+  p.add_argument("--data-shards", type=positive_int, default=1, metavar="N",
+                 help="split the slot, page and snapshot pools into N shards; with --mesh "
+                      "they split over the batch axes (data x fsdp x expert), each device "
+                      "serving its own shards' requests (N: a multiple of those devices; "
+                      "--max-num-seqs divides by it)")
   p.add_argument("--prefix-state-every", type=positive_int, default=4, metavar="K",
                  help="prefix cache: a KDA state snapshot every K cached blocks")
   p.add_argument("--compile-cache", default=default_compile_cache(),
@@ -204,4 +209,5 @@ def engine_options(args: argparse.Namespace, **fields):
                       max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                       prefill_chunk=args.prefill_chunk, prefill_widths=args.prefill_widths,
                       prefill_rows=args.prefill_rows, decode_steps=args.decode_steps,
-                      prefix_state_every=args.prefix_state_every, **fields)
+                      prefix_state_every=args.prefix_state_every,
+                      data_shards=args.data_shards, **fields)

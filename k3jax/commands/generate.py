@@ -157,6 +157,11 @@ def run(args: argparse.Namespace) -> int:
           f"{time.perf_counter() - t0:.1f}s; {len(prompts)} prompt(s) of "
           f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens", file=sys.stderr)
     config = engine_config(args, prompts, max_model_len(folder))
+    if mesh is not None:
+      try:
+        config.check_mesh(mesh)
+      except ValueError as e:
+        raise UserError(f"--data-shards: {e}") from None
     _generate(args, model, prompts, tokenizer, stops, config, mesh)
   return 0
 
@@ -178,10 +183,15 @@ def engine_config(args, prompts: list[list[int]], limit: int | None) -> EngineCo
   if longest > max_len:
     raise UserError(f"a prompt has {longest} tokens; the maximum model length is {max_len} "
                     "(--max-model-len)")
-  return EngineConfig(max_num_seqs=min(len(prompts), args.max_num_seqs), max_model_len=max_len,
-                      prefill_chunk=args.prefill_chunk, prefill_widths=args.prefill_widths,
-                      prefill_rows=args.prefill_rows, decode_steps=args.decode_steps,
-                      prefix_state_every=args.prefix_state_every)
+  shards = args.data_shards
+  slots = -(-min(len(prompts), args.max_num_seqs) // shards) * shards  # whole shards
+  try:
+    return EngineConfig(max_num_seqs=slots, max_model_len=max_len,
+                        prefill_chunk=args.prefill_chunk, prefill_widths=args.prefill_widths,
+                        prefill_rows=args.prefill_rows, decode_steps=args.decode_steps,
+                        prefix_state_every=args.prefix_state_every, data_shards=shards)
+  except ValueError as e:
+    raise UserError(str(e)) from None
 
 
 def _generate(args, model, prompts, tokenizer, stops, config: EngineConfig, mesh) -> None:

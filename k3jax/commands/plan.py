@@ -59,7 +59,8 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
       lora_targets=tuple(args.lora_targets) if args.lora_targets else None,
       base_experts=args.base_experts, prefill_chunk=args.prefill_chunk, block=args.block,
       serving=args.serving, experts=args.experts, page_size=args.page_size,
-      num_pages=args.num_pages, prefix_snapshots=args.prefix_snapshots, max_fit=args.max_fit)
+      num_pages=args.num_pages, prefix_snapshots=args.prefix_snapshots, max_fit=args.max_fit,
+      data_shards=args.data_shards)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -121,6 +122,11 @@ def register(sub) -> None:
   p.add_argument("--num-pages", type=positive_int, default=None,
                  help="--serving engine: latent pages in the pool (none given: every slot "
                  "at --seq)")
+  p.add_argument("--data-shards", type=positive_int, default=None, metavar="N",
+                 help="--serving engine: the slot, snapshot and page pools split into N "
+                 "shards over the batch axes (the engine's --data-shards; none given: the "
+                 "mesh's data x fsdp x expert devices, each holding one shard; 1: one pool "
+                 "whole on every device)")
   p.add_argument("--prefix-snapshots", type=nonneg_int, default=None, metavar="N",
                  help="--serving engine: the prefix cache's KDA state snapshots held (none "
                  "given: the engine's default, 2 per slot; --prefix-state-every sets how "

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from sharding.rules import BATCH_MESH_AXES
+
 DEFAULT_MAX_MODEL_LEN = 8192
 
 
@@ -24,8 +26,9 @@ class EngineConfig:
     num_pages: latent pages in the pool (None: enough for every slot at max_model_len).
     prefill_chunk: tokens per prefill row (a long prompt is fed in chunks of this size, so it
       never stalls the running requests for more than one chunk per step).
-    prefill_rows: the most prompts (or chunks of them) per step beside the decode tokens; the
-      step's token budget is max_num_seqs + prefill_rows * prefill_chunk. A step compiles as
+    prefill_rows: the most prompts (or chunks of them) per step beside the decode tokens (per
+      shard, with data_shards); the step's token budget is max_num_seqs + data_shards *
+      prefill_rows * prefill_chunk. A step compiles as
       many prefill rows as the prompts it reads, rounded up to a power of two (at most
       prefill_rows), so one waiting prompt does not pay for prefill_rows rows of padding.
     prefix_cache: reuse the latent pages and KDA states of full prompt blocks seen before.
@@ -45,6 +48,12 @@ class EngineConfig:
       it down to prefill_chunk / 2**(prefill_widths - 1); a step's prefill rows take the
       narrowest that holds its longest chunk, so a short prompt (or a prompt's last piece) does
       not pay for a whole chunk of padding. 1: always prefill_chunk.
+    data_shards: the slot, snapshot and page pools split into this many equal shards, each
+      with its own scratch slot, snapshot and page; a request lives on one shard, and a step's
+      rows are laid out shard by shard (each shard's block padded alike), so under a mesh the
+      mixers run under shard_map over the batch axes, every device reading only its own
+      shards' pools (docs/serving.md, "Pools split over the batch axes"). max_num_seqs,
+      num_pages and prefix_snapshots must divide by it. 1: one pool, whole on every device.
     layout: "unstacked" holds per-layer weights (a copy of the model's stacks, made once; XLA:CPU
       copies a stacked weight's slice on every read) or "stacked" slices the caller's stacks
       inside the step (no copy: what RL needs, where the optimizer owns the arrays); None picks
@@ -65,12 +74,13 @@ class EngineConfig:
   min_context: int = 1024
   decode_steps: int = 1
   prefill_widths: int = 1
+  data_shards: int = 1
   layout: str | None = None
 
   def __post_init__(self):
     for name in ("max_num_seqs", "max_model_len", "page_size", "prefill_chunk", "prefill_rows",
                  "prefix_state_every", "max_top_logprobs", "min_decode_rows", "min_context",
-                 "decode_steps", "prefill_widths"):
+                 "decode_steps", "prefill_widths", "data_shards"):
       if getattr(self, name) <= 0:
         raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
     if self.num_pages is not None and self.num_pages < self.pages_per_seq:
@@ -78,8 +88,25 @@ class EngineConfig:
                        f"{self.max_model_len} ({self.pages_per_seq} pages of {self.page_size})")
     if self.prefix_snapshots is not None and self.prefix_snapshots < 0:
       raise ValueError(f"prefix_snapshots must be >= 0, got {self.prefix_snapshots}")
+    d = self.data_shards
+    for name, n in (("max_num_seqs", self.max_num_seqs), ("num_pages", self.pool_pages),
+                    ("prefix_snapshots", self.snapshots)):
+      if n % d:
+        raise ValueError(f"{name} {n} does not divide into data_shards {d} equal shards")
+    if d > 1 and self.pool_pages // d < self.pages_per_seq:
+      raise ValueError(f"a shard's {self.pool_pages // d} pages (num_pages {self.pool_pages} / "
+                       f"data_shards {d}) cannot hold one request of max_model_len "
+                       f"{self.max_model_len}")
     if self.layout not in (None, "stacked", "unstacked"):
       raise ValueError(f"unknown layout {self.layout!r}; choose stacked or unstacked")
+
+  def check_mesh(self, mesh) -> None:
+    """ValueError unless the pool shards divide over `mesh`'s batch axes (data x fsdp x
+    expert), as they are placed: each device holds whole shards."""
+    ways = math.prod(dict(mesh.shape).get(a, 1) for a in BATCH_MESH_AXES)
+    if self.data_shards > 1 and self.data_shards % ways:
+      raise ValueError(f"data_shards {self.data_shards} do not divide over the mesh's "
+                       f"{ways} devices along data x fsdp x expert")
 
   def prefill_width(self, longest: int) -> int:
     """The prefill row width of a step whose longest chunk has `longest` tokens."""
@@ -115,5 +142,20 @@ class EngineConfig:
     return self.prefix_snapshots if self.prefix_snapshots is not None else 2 * self.max_num_seqs
 
   @property
+  def shard_slots(self) -> int:
+    """Request slots per shard (each shard has one more: its scratch slot)."""
+    return self.max_num_seqs // self.data_shards
+
+  @property
+  def shard_pages(self) -> int:
+    """Token pages per shard (each shard has one more: its scratch page 0)."""
+    return self.pool_pages // self.data_shards
+
+  @property
+  def shard_snapshots(self) -> int:
+    """KDA snapshots per shard (each shard has one more: its scratch snapshot)."""
+    return self.snapshots // self.data_shards
+
+  @property
   def token_budget(self) -> int:
-    return self.max_num_seqs + self.prefill_rows * self.prefill_chunk
+    return self.max_num_seqs + self.data_shards * self.prefill_rows * self.prefill_chunk

@@ -119,7 +119,7 @@ class Engine:
   def set_params(self, state) -> None:
     """New weights for the same model graph (an nnx.State); empties the prefix cache."""
     self.runner.set_params(state)
-    self.scheduler.prefix.clear()
+    self.scheduler.clear_prefix()
 
   # ---- one step ------------------------------------------------------------------------------
   def step(self) -> list[RequestOutput]:
@@ -144,28 +144,40 @@ class Engine:
         del self._requests[r.id]
     return outputs
 
+  def _layout(self, chunks: list[Chunk], least: int, cap: int) -> list[Chunk | None]:
+    """`chunks` as a part's rows: data_shards equal blocks, block s holding shard s's chunks
+    in order then padding (None), each of n rows: a power of two, at least `least` and the
+    most chunks of any shard, at most `cap` (a compiled shape)."""
+    by_shard = [[c for c in chunks if c.request.shard == s]
+                for s in range(self.config.data_shards)]
+    n = bucket(max([len(b) for b in by_shard] + [least]), cap)
+    return [b[i] if i < len(b) else None for b in by_shard for i in range(n)]
+
+  def _decode_layout(self, decode: list[Chunk]) -> list[Chunk | None]:
+    # the decode part is always there (a prefill-only step is one more program otherwise)
+    config = self.config
+    return self._layout(decode, -(-config.min_decode_rows // config.data_shards),
+                        config.shard_slots)
+
   def _run(self, decode: list[Chunk], prefill: list[Chunk]) -> None:
     config = self.config
-    # the decode part is always there (a prefill-only step is one more program otherwise)
-    n_decode = bucket(max(len(decode), config.min_decode_rows), config.max_num_seqs)
-    parts, chunks = [self._rows(decode, n_decode, 1)], [(decode, n_decode)]
+    laid = [self._decode_layout(decode)]
+    parts = [self._rows(laid[0], 1)]
     width = config.prefill_width(max((c.end - c.start for c in prefill), default=1))
-    n_prefill = config.prefill_row_count(len(prefill))
     if prefill:
-      parts.append(self._rows(prefill, n_prefill, width))
-      chunks.append((prefill, n_prefill))
+      laid.append(self._layout(prefill, 1, config.prefill_rows))
+      parts.append(self._rows(laid[1], width))
     ctx_pages, table = self._pages(decode + prefill)
     rows, index, offset = [], [], 0
-    for (cs, n_rows), part in zip(chunks, parts):
-      width = part[0].shape[1]
-      for i in range(n_rows):
-        c = cs[i] if i < len(cs) else None
+    for cs, part in zip(laid, parts):
+      part_width = part.ids.shape[1]
+      for i, c in enumerate(cs):
         rows.append(c)
-        index.append(offset + i * width + (c.end - c.start - 1 if c else 0))
-      offset += n_rows * width
+        index.append(offset + i * part_width + (c.end - c.start - 1 if c else 0))
+      offset += len(cs) * part_width
     sample_rows = self._sample_rows(rows, index)
     want_prompt = [c for c in prefill if c.request.params.prompt_logprobs]
-    targets = self._targets(prefill, n_prefill, width) if want_prompt else None
+    targets = self._targets(laid[-1], width) if want_prompt else None
     out = self.runner.step(tuple(parts), table, sample_rows, targets, ctx_pages)
     for i, c in enumerate(rows):
       if c is None:
@@ -177,7 +189,7 @@ class Engine:
       if c.samples and r.finish is None and r.params.max_tokens > 0:
         self._accept(r, out, i)
     if want_prompt:
-      self._prompt_logprobs(prefill, out, width)
+      self._prompt_logprobs(laid[-1], out, width)
 
   def _pages(self, chunks: list[Chunk], extra: int = 0) -> tuple[int, np.ndarray]:
     """(the step's attention context in pages, bucketed; the page table), for `chunks` and
@@ -185,9 +197,11 @@ class Engine:
     config = self.config
     longest = max([c.end + extra for c in chunks] + [config.min_context])
     ctx_pages = bucket(-(-longest // config.page_size), config.pages_per_seq)
-    table = np.zeros((config.max_num_seqs + 1, config.pages_per_seq), np.int32)
+    # shard by shard: shard_slots rows of its slots' pages (ids in its pool), then its scratch
+    n = config.shard_slots
+    table = np.zeros((config.data_shards * (n + 1), config.pages_per_seq), np.int32)
     for r in self.scheduler.running:
-      table[r.slot, :len(r.pages)] = r.pages
+      table[r.shard * (n + 1) + r.slot % n, :len(r.pages)] = r.pages
     return ctx_pages, table
 
   def _block_steps(self, decode: list[Chunk]) -> int:
@@ -206,37 +220,41 @@ class Engine:
     """`steps` decode steps of every decoding request in one call; each token is taken as a
     one-step run would take it, and a request's tokens after it finished are dropped."""
     config = self.config
-    n_decode = bucket(max(len(decode), config.min_decode_rows), config.max_num_seqs)
-    part = self._rows(decode, n_decode, 1)
+    rows = self._decode_layout(decode)
+    part = self._rows(rows, 1)
     ctx_pages, table = self._pages(decode, steps - 1)
-    rows: list[Chunk | None] = decode + [None] * (n_decode - len(decode))
-    sample_rows = self._sample_rows(rows, list(range(n_decode)))
+    sample_rows = self._sample_rows(rows, list(range(len(rows))))
     out = self.runner.decode_block(part, table, sample_rows, steps, config.decode_steps,
                                    ctx_pages)
     for j in range(steps):
       out_j = jax.tree.map(lambda a, j=j: a[j], out)
-      for i, c in enumerate(decode):
-        r = c.request
-        if r.finish is not None:
+      for i, c in enumerate(rows):
+        if c is None or c.request.finish is not None:
           continue
+        r = c.request
         self.scheduler.advance(Chunk(r, c.start + j, c.end + j))
         self._accept(r, out_j, i)
 
-  def _rows(self, chunks: list[Chunk], n_rows: int, width: int) -> paged.Rows:
-    scratch_slot, scratch_snap = self.config.max_num_seqs, self.config.snapshots
+  def _rows(self, chunks: list[Chunk | None], width: int) -> paged.Rows:
+    """A part's arrays for its laid-out rows (`_layout`), with ids local to each row's shard:
+    slot (its scratch slot: no request) and snapshots (its scratch snapshot: none saved)."""
+    n_slots, scratch_snap = self.config.shard_slots, self.config.shard_snapshots
+    n_rows = len(chunks)
     ids = np.zeros((n_rows, width), np.int32)
     pos = np.zeros((n_rows, width), np.int32)
     valid = np.zeros((n_rows, width), bool)
-    slot = np.full((n_rows,), scratch_slot, np.int32)
+    slot = np.full((n_rows,), n_slots, np.int32)
     source = np.full((n_rows,), paged.FROM_SLOT, np.int32)
     restore = np.zeros((n_rows,), np.int32)
     save = np.full((n_rows,), scratch_snap, np.int32)
     for i, c in enumerate(chunks):
+      if c is None:
+        continue
       r, n = c.request, c.end - c.start
       ids[i, :n] = r.tokens[c.start:c.end]
       pos[i, :n] = np.arange(c.start, c.end)
       valid[i, :n] = True
-      slot[i], source[i], restore[i] = r.slot, r.source, r.restore
+      slot[i], source[i], restore[i] = r.slot % n_slots, r.source, r.restore
       if c.save is not None:
         save[i] = c.save
     return paged.Rows(ids, pos, valid, slot, source, restore, save)
@@ -262,10 +280,12 @@ class Engine:
     return SampleRows(np.asarray(index, np.int32), Sampling(temp, top_k, top_p, min_p), seed,
                       position, logprob_temp)
 
-  def _targets(self, prefill: list[Chunk], n_rows: int, width: int) -> np.ndarray:
+  def _targets(self, prefill: list[Chunk | None], width: int) -> np.ndarray:
     """The next prompt token of every prefill position (0 where there is none)."""
-    out = np.zeros((n_rows, width), np.int32)
+    out = np.zeros((len(prefill), width), np.int32)
     for i, c in enumerate(prefill):
+      if c is None:
+        continue
       nxt = c.request.tokens[c.start + 1:c.end + 1]
       out[i, :len(nxt)] = nxt
     return out.reshape(-1)
@@ -303,8 +323,10 @@ class Engine:
     r.out().text = r.text
     return True
 
-  def _prompt_logprobs(self, prefill: list[Chunk], out, width: int) -> None:
+  def _prompt_logprobs(self, prefill: list[Chunk | None], out, width: int) -> None:
     for i, c in enumerate(prefill):
+      if c is None:
+        continue
       r = c.request
       if not r.params.prompt_logprobs:
         continue
@@ -338,8 +360,8 @@ class Engine:
   def stats(self) -> dict[str, float]:
     s = self.scheduler
     return {"running": len(s.running), "waiting": len(s.waiting),
-            "pages_used": s.pages.used, "pages_total": s.pages.size,
-            "cached_blocks": len(s.prefix.blocks), "prefix_hit_rate": s.prefix.hit_rate,
+            "pages_used": s.pages_used, "pages_total": s.pages_total,
+            "cached_blocks": len(s.cached_blocks), "prefix_hit_rate": s.hit_rate,
             "preemptions": s.preemptions, "generated_tokens": self.generated_tokens,
             "prompt_tokens": self.prompt_tokens, "steps": self.steps,
             "decode_blocks": self.block_calls}

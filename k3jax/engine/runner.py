@@ -66,12 +66,14 @@ def _log_softmax(logits: jax.Array, temperature: jax.Array | None = None) -> jax
   return jax.nn.log_softmax(wide, axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("static", "ctx_pages", "top_n", "prompt_targets"),
+@functools.partial(jax.jit, static_argnames=("static", "ctx_pages", "top_n", "prompt_targets",
+                                             "pools"),
                    donate_argnames=("cache",))
 def _step(static, params, cache: paged.PagedCache, page_table, parts, rows: SampleRows,
-          targets, *, ctx_pages: int, top_n: int, prompt_targets: bool):
+          targets, *, ctx_pages: int, top_n: int, prompt_targets: bool, pools=(1, ())):
   defs, per_layer = _per_layer(static, params)
-  features, cache = paged.forward(defs, per_layer, parts, cache, page_table, ctx_pages=ctx_pages)
+  features, cache = paged.forward(defs, per_layer, parts, cache, page_table, ctx_pages=ctx_pages,
+                                  shards=pools[0], axes=pools[1])
   drawn = _draw(defs, per_layer, features[rows.index], rows, rows.position, top_n)
   prompt = (None, None, None)
   if prompt_targets:  # every token of the last part (the prefill rows) scores its successor
@@ -93,10 +95,12 @@ def _draw(defs, per_layer, features, rows: SampleRows, position, top_n: int):
   return tokens, token_lp, top_ids, top_lp
 
 
-@functools.partial(jax.jit, static_argnames=("static", "ctx_pages", "top_n", "max_steps"),
+@functools.partial(jax.jit, static_argnames=("static", "ctx_pages", "top_n", "max_steps",
+                                             "pools"),
                    donate_argnames=("cache",))
 def _decode_block(static, params, cache: paged.PagedCache, page_table, part: paged.Rows,
-                  rows: SampleRows, steps, *, ctx_pages: int, top_n: int, max_steps: int):
+                  rows: SampleRows, steps, *, ctx_pages: int, top_n: int, max_steps: int,
+                  pools=(1, ())):
   """`steps` (<= max_steps) decode steps of the rows of `part` ([R, 1]) in one loop: step i
   feeds the token step i - 1 drew, at the next position, exactly as a one-step call would."""
   defs, per_layer = _per_layer(static, params)
@@ -110,7 +114,7 @@ def _decode_block(static, params, cache: paged.PagedCache, page_table, part: pag
     source = jnp.where(i == 0, part.source, paged.FROM_SLOT)
     rows_i = part._replace(ids=ids, positions=part.positions + i, source=source)
     features, cache = paged.forward(defs, per_layer, (rows_i,), cache, page_table,
-                                    ctx_pages=ctx_pages)
+                                    ctx_pages=ctx_pages, shards=pools[0], axes=pools[1])
     drawn = _draw(defs, per_layer, features, rows, rows.position + i, top_n)
     out = tuple(o.at[i].set(d) for o, d in zip(out, drawn))
     return i + 1, drawn[0][:, None], cache, out
@@ -124,17 +128,22 @@ class Runner:
   """Holds the device cache and the weights; runs steps."""
 
   def __init__(self, model: nnx.Module, config: EngineConfig, mesh=None):
+    if mesh is not None:
+      config.check_mesh(mesh)
     self.cfg, self.ex, self.config = model.cfg, model.ex, config
     layout = config.layout or ("unstacked" if jax.default_backend() == "cpu" else "stacked")
     self.layout = layout
     self.graphdef = nnx.graphdef(model)
     self.set_params(nnx.state(model))
+    shards = config.data_shards
     self.cache = paged.init_cache(self.cfg, self.ex, slots=config.max_num_seqs,
-                                  pages=config.pool_pages + 1, page_size=config.page_size,
-                                  snapshots=config.snapshots)
+                                  pages=config.pool_pages, page_size=config.page_size,
+                                  snapshots=config.snapshots, shards=shards)
     self.mesh = mesh
+    # (shards, the mesh axes they split over): static, one program per engine
+    self.pools = (shards, paged.shard_axes(self.cache, mesh, shards) if mesh else ())
     if mesh is not None:
-      self.cache = paged.place(self.cache, mesh)
+      self.cache = paged.place(self.cache, mesh, shards)
     else:  # committed, as each step's (donated) output is: an uncommitted first cache made
       # every program compile twice, once for the first step and once for the rest
       self.cache = jax.device_put(self.cache, jax.devices()[0])
@@ -163,7 +172,8 @@ class Runner:
           self.static, self.params, self.cache, jnp.asarray(page_table),
           paged.Rows(*(jnp.asarray(a) for a in part)), jax.tree.map(jnp.asarray, rows),
           jnp.int32(steps), ctx_pages=ctx_pages,
-          top_n=min(self.config.max_top_logprobs, self.cfg.vocab_size), max_steps=max_steps)
+          top_n=min(self.config.max_top_logprobs, self.cfg.vocab_size), max_steps=max_steps,
+          pools=self.pools)
       return jax.tree.map(lambda a: np.asarray(a)[:steps], out)
     if self.mesh is None:
       return run()
@@ -177,5 +187,5 @@ class Runner:
         jax.tree.map(jnp.asarray, rows),
         None if targets is None else jnp.asarray(targets),
         ctx_pages=ctx_pages, top_n=min(self.config.max_top_logprobs, self.cfg.vocab_size),
-        prompt_targets=targets is not None)
+        prompt_targets=targets is not None, pools=self.pools)
     return jax.tree.map(np.asarray, out)

@@ -12,12 +12,19 @@ and recomputed later, so a full pool never fails a request or changes a token.
 Chunk boundaries depend on the request alone (multiples of `prefill_chunk`, the prefix-cache
 snapshot positions, the end of its tokens), never on what else runs: a request computes the
 same chunks alone or in any company.
+
+With `data_shards` D > 1 the slots, pages and snapshots are D pools, each with its own free
+lists and prefix cache (a shard's pages live on its devices only). A request is pinned to one
+shard when admitted: the one whose prefix cache holds the longest restorable prefix of its
+prompt, else the one with the most free slots (then pages); it takes pages there, is preempted
+for its shard's sake only, and its full blocks are cached there. Up to `prefill_rows` prompts
+are read per shard per step.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
+from collections import Counter, deque
 
 from k3jax.engine.blocks import Block, PagePool, PrefixCache
 from k3jax.engine.config import EngineConfig
@@ -34,8 +41,9 @@ class Request:
   seed: int                      # 32-bit draw seed
   stop_ids: frozenset[int]
   output: list[int] = dataclasses.field(default_factory=list)
-  slot: int | None = None
-  pages: list[int] = dataclasses.field(default_factory=list)  # page of each block, in order
+  slot: int | None = None        # in [0, max_num_seqs): shard slot // shard_slots
+  shard: int = 0
+  pages: list[int] = dataclasses.field(default_factory=list)  # page of each block (its shard's)
   blocks: list[Block] = dataclasses.field(default_factory=list)  # held cached blocks (prefix)
   private: set[int] = dataclasses.field(default_factory=set)  # pages it owns (not cached)
   computed: int = 0              # tokens whose latents and KDA state are in the cache
@@ -74,32 +82,92 @@ class Chunk:
     return self.end == len(self.request.tokens)
 
 
+class Shard:
+  """One pool shard's host side: its page free list, prefix cache (and snapshot free list)
+  and free slots (ids in [0, max_num_seqs), this shard's range)."""
+
+  def __init__(self, config: EngineConfig, index: int):
+    n = config.shard_slots
+    self.pages = PagePool(config.shard_pages)
+    self.prefix = PrefixCache(self.pages, config.page_size, config.shard_snapshots)
+    self.free_slots = list(range((index + 1) * n - 1, index * n - 1, -1))
+
+
 class Scheduler:
 
   def __init__(self, config: EngineConfig):
     self.config = config
-    self.pages = PagePool(config.pool_pages)
-    self.prefix = PrefixCache(self.pages, config.page_size, config.snapshots)
+    self.shards = [Shard(config, i) for i in range(config.data_shards)]
     self.waiting: deque[Request] = deque()
     self.running: list[Request] = []   # admission order
-    self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))
     self.preemptions = 0
+
+  def prefix(self, r: Request) -> PrefixCache:
+    return self.shards[r.shard].prefix
+
+  # ---- totals over the shards (stats, tests) -------------------------------------------------
+  @property
+  def free_slots(self) -> list[int]:
+    return [slot for sh in self.shards for slot in sh.free_slots]
+
+  @property
+  def pages_used(self) -> int:
+    return sum(sh.pages.used for sh in self.shards)
+
+  @property
+  def pages_total(self) -> int:
+    return sum(sh.pages.size for sh in self.shards)
+
+  @property
+  def cached_blocks(self) -> list[Block]:
+    return [b for sh in self.shards for b in sh.prefix.blocks.values()]
+
+  @property
+  def hit_tokens(self) -> int:
+    return sum(sh.prefix.hit_tokens for sh in self.shards)
+
+  @property
+  def hit_rate(self) -> float:
+    queried = sum(sh.prefix.queried_tokens for sh in self.shards)
+    return self.hit_tokens / queried if queried else 0.0
+
+  def clear_prefix(self) -> None:
+    for sh in self.shards:
+      sh.prefix.clear()
 
   # ---- admission -----------------------------------------------------------------------------
   def admit(self) -> None:
     deferred = []
-    while self.waiting and self.free_slots:
+    while self.waiting and any(sh.free_slots for sh in self.shards):
       r = self.waiting.popleft()
       if self._prefix_in_flight(r):
         deferred.append(r)
         continue
-      r.slot = self.free_slots.pop()
+      hits = [self._hit(sh, r) if sh.free_slots else None for sh in self.shards]
+      r.shard = max((i for i, h in enumerate(hits) if h is not None), key=lambda i: (
+          len(hits[i]), len(self.shards[i].free_slots), self.shards[i].pages.free, -i))
+      r.slot = self.shards[r.shard].free_slots.pop()
       r.computed, r.source, r.restore = 0, FRESH, 0
-      if self.config.prefix_cache and not r.params.prompt_logprobs:
-        self._restore_prefix(r)
+      if self._caches(r):
+        self._restore_prefix(r, hits[r.shard])
       self.running.append(r)
 
     self.waiting.extendleft(reversed(deferred))
+
+  def _caches(self, r: Request) -> bool:
+    """Whether `r` may take (and need not recompute) cached prompt blocks."""
+    return self.config.prefix_cache and not r.params.prompt_logprobs
+
+  def _hit(self, shard: Shard, r: Request) -> list[Block]:
+    """The longest chain of `shard`'s cached blocks of `r`'s prompt that ends in a snapshot
+    (what `r` restores there); the last token is always computed."""
+    if not self._caches(r):
+      return []
+    limit = min(len(r.prompt), len(r.tokens) - 1)
+    chain = shard.prefix.match(r.tokens, limit)
+    while chain and chain[-1].snapshot is None:
+      chain.pop()
+    return chain
 
   def _prefix_in_flight(self, r: Request) -> bool:
     """Whether `r` should wait for a prefix another running request is computing: that
@@ -107,14 +175,14 @@ class Scheduler:
     snapshot, past what the prefix cache holds for `r` now. Admitted at once, `r` would
     compute the same blocks again beside it (requests sharing a system prompt, arriving
     together); waiting a few steps, it restores them."""
-    if not self.config.prefix_cache or r.params.prompt_logprobs:
+    if not self._caches(r):
       return False
     size = self.config.page_size
     limit = min(len(r.prompt), len(r.tokens) - 1)
-    have = len(self.prefix.match(r.tokens, limit)) * size
     for q in self.running:
       if q.computed >= len(q.prompt) or q.prompt[:size] != r.tokens[:size]:
         continue
+      have = len(self.prefix(q).match(r.tokens, limit)) * size  # where r would restore it
       common = 0
       for a, b in zip(q.prompt[:limit], r.tokens[:limit]):
         if a != b:
@@ -124,16 +192,13 @@ class Scheduler:
         return True
     return False
 
-  def _restore_prefix(self, r: Request) -> None:
+  def _restore_prefix(self, r: Request, chain: list[Block]) -> None:
     size = self.config.page_size
     limit = min(len(r.prompt), len(r.tokens) - 1)  # the last token is always computed
-    chain = self.prefix.match(r.tokens, limit)
-    while chain and chain[-1].snapshot is None:
-      chain.pop()
-    self.prefix.record(limit, len(chain) * size)
+    self.prefix(r).record(limit, len(chain) * size)
     if not chain:
       return
-    self.prefix.acquire(chain)
+    self.prefix(r).acquire(chain)
     r.blocks, r.pages = list(chain), [b.page for b in chain]
     r.computed = len(chain) * size
     r.source, r.restore = FROM_SNAPSHOT, chain[-1].snapshot
@@ -144,8 +209,11 @@ class Scheduler:
     self.admit()
     while True:
       decode = [Chunk(r, r.computed, r.computed + 1) for r in self.running if r.to_feed == 1]
-      prefill = [Chunk(r, r.computed, self._chunk_end(r)) for r in self.running
-                 if r.to_feed > 1][:self.config.prefill_rows]
+      prefill, reading = [], Counter()  # the oldest prompts still being read, per shard
+      for r in self.running:
+        if r.to_feed > 1 and reading[r.shard] < self.config.prefill_rows:
+          reading[r.shard] += 1
+          prefill.append(Chunk(r, r.computed, self._chunk_end(r)))
       victim = self._allocate(decode + prefill)
       if victim is None:
         break
@@ -177,21 +245,23 @@ class Scheduler:
     block = self._cached_block(r, c.end // self.config.page_size - 1)
     if block is not None and block.snapshot is not None:
       return None
-    return self.prefix.alloc_snapshot()
+    return self.prefix(r).alloc_snapshot()
 
   def _cached_block(self, r: Request, index: int) -> Block | None:
     size, parent = self.config.page_size, None
     for i in range(index + 1):
-      parent = self.prefix.lookup(parent, r.tokens[i * size:(i + 1) * size])
+      parent = self.prefix(r).lookup(parent, r.tokens[i * size:(i + 1) * size])
       if parent is None:
         return None
     return parent
 
   def _allocate(self, chunks: list[Chunk]) -> Request | None:
-    """Pages for every position of `chunks`; the request to preempt when they cannot be had."""
+    """Pages for every position of `chunks`; the request to preempt when they cannot be had
+    (the newest on the shard that ran out)."""
     for c in chunks:
       if not self._grow(c.request, c.end):
-        return max(self.running, key=lambda q: q.seq)
+        return max((q for q in self.running if q.shard == c.request.shard),
+                   key=lambda q: q.seq)
     return None
 
   def reserve(self, decode: list[Chunk], steps: int) -> bool:
@@ -203,11 +273,11 @@ class Scheduler:
   def _grow(self, r: Request, positions: int) -> bool:
     """Pages for `r`'s first `positions` positions, from free pages or idle prefix-cache
     blocks; False when there are none left."""
-    size = self.config.page_size
+    size, shard = self.config.page_size, self.shards[r.shard]
     while len(r.pages) * size < positions:
-      page = self.pages.alloc()
-      while page is None and self.prefix.evict_one():
-        page = self.pages.alloc()
+      page = shard.pages.alloc()
+      while page is None and shard.prefix.evict_one():
+        page = shard.pages.alloc()
       if page is None:
         return False
       r.pages.append(page)
@@ -217,12 +287,13 @@ class Scheduler:
   # ---- leaving ---------------------------------------------------------------------------------
   def release(self, r: Request) -> None:
     """Give back everything `r` holds (it ends, or is preempted)."""
+    shard = self.shards[r.shard]
     for page in r.private:
-      self.pages.release(page)
-    self.prefix.release(r.blocks)
+      shard.pages.release(page)
+    shard.prefix.release(r.blocks)
     r.pages, r.blocks, r.private = [], [], set()
     if r.slot is not None:
-      self.free_slots.append(r.slot)
+      shard.free_slots.append(r.slot)
       r.slot = None
     if r in self.running:
       self.running.remove(r)
@@ -248,9 +319,9 @@ class Scheduler:
     parent = r.blocks[-1] if r.blocks else None
     for i in range(len(r.blocks), full):
       tokens = r.tokens[i * size:(i + 1) * size]
-      block = self.prefix.register(parent, tokens, i, r.pages[i])
+      block = self.prefix(r).register(parent, tokens, i, r.pages[i])
       if block is None:  # cached already by another request: keep our page, note theirs
-        existing = self.prefix.lookup(parent, tokens)
+        existing = self.prefix(r).lookup(parent, tokens)
         if c.save is not None and i == c.end // size - 1 and existing.snapshot is None:
           existing.snapshot, c.save = c.save, None
         break
@@ -260,5 +331,5 @@ class Scheduler:
       if c.save is not None and i == c.end // size - 1:
         block.snapshot, c.save = c.save, None
     if c.save is not None:  # its block did not end up cached: the snapshot is free again
-      self.prefix.release_snapshot(c.save)
+      self.prefix(r).release_snapshot(c.save)
       c.save = None

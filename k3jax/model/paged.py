@@ -19,15 +19,18 @@ Nothing else carries between tokens (AttnRes mixes over depth per token), so a r
 numbers do not depend on which rows run beside it: every product a row computes reads only its
 own tokens, state and pages.
 
-Scratch entries keep every shape fixed and every write unconditional: slot `slots` (the last)
-takes the rows that carry no request, snapshot `snapshots` (the last) the rows that save none,
-and page 0 the padding.
+Scratch entries keep every shape fixed and every write unconditional: the last slot takes the
+rows that carry no request, the last snapshot the rows that save none, and page 0 the padding.
+With pool shards (`init_cache(shards=D)`) every pool is D blocks, each with its own scratch
+entries, and each part's rows are D blocks, row block s using pool block s with local ids
+(`_RowsMixer`; docs/serving.md, "Pools split over the batch axes").
 
 The layers run unrolled on per-layer weights (k3jax/model/decode.py's `Unstacked` form).
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -72,40 +75,70 @@ class Rows(NamedTuple):
 
 
 def init_cache(cfg: ModelConfig, ex: Execution, *, slots: int, pages: int, page_size: int,
-               snapshots: int) -> PagedCache:
-  """An empty engine cache: `slots` request slots, `pages` latent pages (page 0 is scratch,
-  so pages - 1 hold tokens) and `snapshots` KDA state snapshots, in `ex`'s compute dtype."""
+               snapshots: int, shards: int = 1) -> PagedCache:
+  """An empty engine cache of `slots` request slots, `pages` latent pages and `snapshots` KDA
+  state snapshots, in `ex`'s compute dtype, split into `shards` equal shards (each count
+  divides by it), each shard with one more of each for scratch: shard s holds slots
+  s * (slots / shards + 1) + [0, slots / shards] (the last: scratch), likewise the snapshots,
+  and pages s * (pages / shards + 1) + [0, pages / shards] (the first, local page 0:
+  scratch)."""
   def one(n):  # distinct buffers per field (the cache is donated: no two leaves may alias)
     return KDAState(*(jnp.zeros(a.shape, a.dtype) for a in kda_initial_state(cfg, ex, n)))
-  kda = tuple(one(slots + 1) for _ in cfg.kda_layers)
-  snaps = tuple(one(snapshots + 1) for _ in cfg.kda_layers)
-  shape = (pages, page_size)
+  per = lambda n: shards * (n // shards + 1)
+  kda = tuple(one(per(slots)) for _ in cfg.kda_layers)
+  snaps = tuple(one(per(snapshots)) for _ in cfg.kda_layers)
+  shape = (per(pages), page_size)
   dt = ex.jnp_dtype
   mla = tuple(MLACache(jnp.zeros((*shape, cfg.kv_lora_rank), dt),
                        jnp.zeros((*shape, cfg.qk_rope_head_dim), dt)) for _ in cfg.mla_layers)
   return PagedCache(kda, snaps, mla)
 
 
-_KDA_NAMES = KDAState(*(("slots", None, "heads", "head_dim"),) * 3,
-                      ("slots", "heads", "head_dim", None))
-_PAGE_NAMES = MLACache(("pages", "page", "kv_lora"), ("pages", "page", None))
+def _names(shards: int):
+  """Logical names of the cache's arrays: the pools' leading axis is `slots` / `pages` (whole
+  on every device) for one shard, `pool_shards` (over the batch axes) for more."""
+  slots, pages = ("slots", "pages") if shards == 1 else ("pool_shards", "pool_shards")
+  return (KDAState(*((slots, None, "heads", "head_dim"),) * 3, (slots, "heads", "head_dim", None)),
+          MLACache((pages, "page", "kv_lora"), (pages, "page", None)))
 
 
-def specs(cache: PagedCache, mesh) -> PagedCache:
-  """The PartitionSpec of every array of `cache` (concrete or abstract) on `mesh`, by the rules
-  table (KDA heads over `tensor`, slots and pages whole on every device): where `place` puts
-  them, and what `k3jax plan --mode decode` counts per device."""
+def specs(cache: PagedCache, mesh, shards: int = 1) -> PagedCache:
+  """The PartitionSpec of every array of `cache` (concrete or abstract, of `shards` shards) on
+  `mesh`, by the rules table (KDA heads over `tensor`; one shard: slots and pages whole on every
+  device; more: the shards over the batch axes): where `place` puts them, and what
+  `k3jax plan --mode decode` counts per device."""
+  kda_names, page_names = _names(shards)
+
   def spec(x, names):
     return activation_spec(names, x.shape, mesh)
-  return PagedCache(tuple(KDAState(*map(spec, e, _KDA_NAMES)) for e in cache.kda),
-                    tuple(KDAState(*map(spec, e, _KDA_NAMES)) for e in cache.snapshots),
-                    tuple(MLACache(*map(spec, e, _PAGE_NAMES)) for e in cache.pages))
+  return PagedCache(tuple(KDAState(*map(spec, e, kda_names)) for e in cache.kda),
+                    tuple(KDAState(*map(spec, e, kda_names)) for e in cache.snapshots),
+                    tuple(MLACache(*map(spec, e, page_names)) for e in cache.pages))
 
 
-def place(cache: PagedCache, mesh) -> PagedCache:
+def place(cache: PagedCache, mesh, shards: int = 1) -> PagedCache:
   """`cache` on `mesh`, placed by the rules table (`specs`)."""
   return jax.tree.map(lambda x, s: jax.device_put(x, jax.sharding.NamedSharding(mesh, s)),
-                      cache, specs(cache, mesh))
+                      cache, specs(cache, mesh, shards))
+
+
+def shard_axes(cache: PagedCache, mesh, shards: int) -> tuple[str, ...]:
+  """The mesh axes the pools' shards are split over (the leading axis of every pool array, as
+  `specs` places it); () for one shard or a mesh with no batch axis. ValueError when the
+  devices along them do not divide the shards (each device must hold whole shards)."""
+  if shards == 1:
+    return ()
+  leading = {s[0] if len(s) else None for s in jax.tree.leaves(
+      specs(cache, mesh, shards), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))}
+  if len(leading) != 1:
+    raise ValueError(f"the pools' shards split unevenly over the mesh: {sorted(map(str, leading))}")
+  axes = leading.pop()
+  axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+  ways = math.prod(mesh.shape[a] for a in axes)
+  if shards % ways:
+    raise ValueError(f"data_shards {shards} do not divide over the mesh's batch axes "
+                     f"{ {a: mesh.shape[a] for a in axes} } ({ways} ways)")
+  return axes
 
 
 def _start_state(entry: KDAState, snaps: KDAState, rows: Rows) -> KDAState:
@@ -121,58 +154,100 @@ def _start_state(entry: KDAState, snaps: KDAState, rows: Rows) -> KDAState:
 
 class _RowsMixer:
   """A mixer for `layer_step` over the step's flat tokens [1, N, d]: runs each part's rows
-  against the layer's cache entry; the updated entries end up in `.kda`, `.snaps`, `.pages`."""
+  against the layer's cache entry; the updated entries end up in `.entry`, `.snaps`.
+
+  With `shards` > 1 every array it indexes (the parts' rows, the page table, the pools) is
+  laid out shard by shard in equal blocks, and row block s reads and writes only pool block s
+  with ids local to it: the mixer runs once per shard on its blocks. Under `axes` (mesh axes
+  the blocks are split over) that runs inside shard_map, each device on its own blocks, so no
+  device gathers another's pages (a gather from a split pool outside it would be partitioned
+  into a masked gather and an all-reduce of every row's context)."""
 
   def __init__(self, module, parts: tuple[Rows, ...], entry, snaps, page_table, ctx_pages: int,
-               page_size: int, heads_major=None):
+               page_size: int, heads_major=None, shards: int = 1, axes: tuple[str, ...] = ()):
     self.module, self.parts, self.entry, self.snaps = module, parts, entry, snaps
     self.page_table, self.ctx_pages, self.page_size = page_table, ctx_pages, page_size
-    self.heads_major = heads_major
+    self.heads_major, self.shards, self.axes = heads_major, shards, axes
 
   def __call__(self, x_1nd: jax.Array, *, segment_ids=None) -> tuple[jax.Array, None]:
     del segment_ids
-    outs, offset = [], 0
+    xs, offset = [], 0
     for rows in self.parts:
       r, t = rows.ids.shape
-      x = x_1nd[0, offset:offset + r * t].reshape(r, t, -1)
+      xs.append(x_1nd[0, offset:offset + r * t].reshape(r, t, -1))
       offset += r * t
-      y = self._kda(x, rows) if isinstance(self.module, KDA) else self._mla(x, rows)
-      outs.append(y.reshape(1, r * t, -1))
-    return jnp.concatenate(outs, axis=1), None
+    state = (self.entry, self.snaps) if self.snaps is not None else (self.entry,)
+    args = (tuple(xs), self.parts, self.page_table, state)
+    if self.axes:
+      ways = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in self.axes)
+      spec = jax.sharding.PartitionSpec(self.axes)
+      run = jax.shard_map(lambda *a: self._blocks(*a, n=self.shards // ways),
+                          in_specs=(spec,) * 4, out_specs=(spec, spec),
+                          axis_names=frozenset(self.axes), check_vma=False)
+      ys, state = run(*args)
+    else:
+      ys, state = self._blocks(*args, n=self.shards)
+    self.entry = state[0]
+    if self.snaps is not None:
+      self.snaps = state[1]
+    return jnp.concatenate([y.reshape(1, -1, y.shape[-1]) for y in ys], axis=1), None
 
-  def _kda(self, x, rows: Rows):
-    state = _start_state(self.entry, self.snaps, rows)
+  def _blocks(self, xs, parts, table, state, *, n: int):
+    """The mixer on n shards' equal blocks of every array, each on its own."""
+    if n == 1:
+      return self._shard(xs, parts, table, state)
+    block = lambda a, s: a.reshape(n, -1, *a.shape[1:])[s]
+    outs = [self._shard(*jax.tree.map(lambda a, s=s: block(a, s), (xs, parts, table, state)))
+            for s in range(n)]
+    return jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *outs)
+
+  def _shard(self, xs, parts, table, state):
+    """One shard: every part's rows against its pools (ids local to them)."""
+    ys = []
+    for x, rows in zip(xs, parts):
+      if isinstance(self.module, KDA):
+        y, state = self._kda(x, rows, *state)
+      else:
+        y, state = self._mla(x, rows, table, *state)
+      ys.append(y)
+    return tuple(ys), state
+
+  def _kda(self, x, rows: Rows, entry, snaps):
+    state = _start_state(entry, snaps, rows)
     y, new = self.module(x, state=state, token_mask=rows.valid)
-    new = KDAState(*(n.astype(a.dtype) for n, a in zip(new, self.entry)))
-    self.entry = KDAState(*(a.at[rows.slot].set(n) for a, n in zip(self.entry, new)))
-    self.snaps = KDAState(*(a.at[rows.save].set(n) for a, n in zip(self.snaps, new)))
-    return y
+    new = KDAState(*(n.astype(a.dtype) for n, a in zip(new, entry)))
+    entry = KDAState(*(a.at[rows.slot].set(n) for a, n in zip(entry, new)))
+    snaps = KDAState(*(a.at[rows.save].set(n) for a, n in zip(snaps, new)))
+    return y, (entry, snaps)
 
-  def _mla(self, x, rows: Rows):
+  def _mla(self, x, rows: Rows, table, entry):
     ps = self.page_size
     c_new, rot_new = self.module.latent(x)                              # [R, T, kv], [R, T, rope]
-    page = jnp.take_along_axis(self.page_table[rows.slot], rows.positions // ps, axis=1)
+    page = jnp.take_along_axis(table[rows.slot], rows.positions // ps, axis=1)
     page = jnp.where(rows.valid, page, 0)                               # padding: scratch page
     offset = rows.positions % ps
-    c_pool, rot_pool = self.entry
+    c_pool, rot_pool = entry
     c_pool = c_pool.at[page, offset].set(c_new.astype(c_pool.dtype))
     rot_pool = rot_pool.at[page, offset].set(rot_new.astype(rot_pool.dtype))
-    self.entry = MLACache(c_pool, rot_pool)
-    ctx = self.page_table[rows.slot, :self.ctx_pages]                   # [R, P]
+    ctx = table[rows.slot, :self.ctx_pages]                             # [R, P]
     r = ctx.shape[0]
     c_ctx = c_pool[ctx].reshape(r, self.ctx_pages * ps, -1)
     rot_ctx = rot_pool[ctx].reshape(r, self.ctx_pages * ps, -1)
     start = jnp.zeros((r,), jnp.int32)
-    return self.module.attend_latent(x, c_ctx, rot_ctx, rows.positions, start,
-                                     heads_major=self.heads_major)
+    y = self.module.attend_latent(x, c_ctx, rot_ctx, rows.positions, start,
+                                  heads_major=self.heads_major)
+    return y, (MLACache(c_pool, rot_pool),)
 
 
 def forward(defs: UnstackedDefs, params: Unstacked, parts: tuple[Rows, ...], cache: PagedCache,
-            page_table: jax.Array, *, ctx_pages: int) -> tuple[jax.Array, PagedCache]:
+            page_table: jax.Array, *, ctx_pages: int, shards: int = 1,
+            axes: tuple[str, ...] = ()) -> tuple[jax.Array, PagedCache]:
   """The final-norm features [N, d] of every token of `parts` (in order, row-major) and the
-  cache after them. page_table [slots + 1, max_pages] int32; `ctx_pages` (static): how many of
-  each row's pages its attention reads (the engine rounds the step's longest context up to a
-  bucket, so few shapes compile)."""
+  cache after them. page_table [slot entries, max_pages] int32; `ctx_pages` (static): how many
+  of each row's pages its attention reads (the engine rounds the step's longest context up to
+  a bucket, so few shapes compile). `shards` (static): the pools' shards (init_cache), each
+  part's rows and the page table laid out shard by shard in equal blocks with shard-local ids;
+  `axes`: the mesh axes they are split over (shard_axes), () on one device."""
   cfg = defs.cfg
   page_size = cache.pages[0].c.shape[1] if cache.pages else 1
   ids = jnp.concatenate([rows.ids.reshape(-1) for rows in parts])
@@ -184,10 +259,11 @@ def forward(defs: UnstackedDefs, params: Unstacked, parts: tuple[Rows, ...], cac
     norms, mixer, mlp = (nnx.merge(graphdefs[k], params.layers[k][i]) for k, i in zip(kinds, idx))
     i = idx[1]
     if kinds[1] == "kda":
-      rows_mixer = _RowsMixer(mixer, parts, kda[i], snaps[i], page_table, ctx_pages, page_size)
+      rows_mixer = _RowsMixer(mixer, parts, kda[i], snaps[i], page_table, ctx_pages, page_size,
+                              shards=shards, axes=axes)
     else:
       rows_mixer = _RowsMixer(mixer, parts, pages[i], None, page_table, ctx_pages, page_size,
-                              params.mla_heads_major[i])
+                              params.mla_heads_major[i], shards=shards, axes=axes)
     carry, _, _ = layer_step(cfg, l, norms, rows_mixer, mlp, carry, None)
     if kinds[1] == "kda":
       kda[i], snaps[i] = rows_mixer.entry, rows_mixer.snaps

@@ -58,6 +58,7 @@ from k3jax.execution import Execution, GroupedMatmul, KdaBackend, Precision
 from k3jax.generate.sampling import Sampling
 from k3jax.generate.static_batch import decode_block, extend_jit
 from k3jax.model import cache as cache_lib
+from k3jax.model import paged
 from k3jax.model.transformer import K3Model
 from k3jax.plan import engine_memory, hlo, report
 from k3jax.plan.analytic import bytes_per_device, decode_temp, engine_temp, moe_layer_bytes
@@ -68,6 +69,7 @@ from k3jax.plan.search import search
 from k3jax.train import flops as flops_lib
 from sharding.mesh import format_sizes, make_mesh
 from sharding.placement import batch_rows_ways, check_batch, check_model_fits, variable_spec
+from sharding.rules import BATCH_MESH_AXES
 
 
 @dataclasses.dataclass
@@ -109,6 +111,7 @@ class DecodePlan:
   latent_page_bytes_per_device: float | None = None
   snapshot_bytes_per_device: float | None = None
   max_fit_batch: int | None = None             # --max-fit: the most slots at --seq that fit
+  data_shards: int | None = None               # the engine's pool shards (over the batch axes)
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
@@ -121,7 +124,8 @@ class DecodePlan:
       lines = [
           f"plan: {p.topology} ({p.devices} devices), mesh {p.mesh}, serving engine: "
           f"{p.batch} slots x {p.seq} positions (pages of {p.page_size}: {p.pool_pages}, "
-          f"{p.snapshots} snapshots, prefill chunk {p.prefill_chunk}), {p.experts} experts: "
+          f"{p.snapshots} snapshots, prefill chunk {p.prefill_chunk}, {p.data_shards} pool "
+          f"shard{'s' if p.data_shards != 1 else ''}), {p.experts} experts: "
           f"{report.method(p)}",
           f"  parameters      {p.param_count / 1e9:10.3f} B",
           f"  weights         {report.gib(p.weight_bytes_per_device)} per device",
@@ -189,29 +193,50 @@ def abstract_inputs(cfg, ex, mesh, batch: int, seq: int):
   return graphdef, params, cache
 
 
-def engine_config(request: PlanRequest, batch: int | None = None) -> EngineConfig:
-  """The engine `request` describes: `batch` (else the request's) slots of `--seq` positions."""
+def data_shards(request: PlanRequest, mesh) -> int:
+  """The engine's pool shards: --data-shards, else the mesh's batch ways (data x fsdp x
+  expert: a shard per device) when the slots (and --num-pages, --prefix-snapshots) divide
+  into them, else 1 (one pool, whole on every device)."""
+  if request.data_shards is not None:
+    return request.data_shards
+  ways = math.prod(dict(mesh.shape).get(a, 1) for a in BATCH_MESH_AXES)
+  counts = (request.batch, request.num_pages or 0, request.prefix_snapshots or 0)
+  return ways if all(n % ways == 0 for n in counts) else 1
+
+
+def engine_config(request: PlanRequest, batch: int | None = None,
+                  shards: int = 1) -> EngineConfig:
+  """The engine `request` describes: `batch` (else the request's) slots of `--seq` positions,
+  its pools in `shards` shards."""
   try:
     return EngineConfig(max_num_seqs=batch or request.batch, max_model_len=request.seq,
                         page_size=request.page_size, num_pages=request.num_pages,
                         prefill_chunk=min(request.prefill_chunk, request.seq),
-                        prefix_snapshots=request.prefix_snapshots)
+                        prefix_snapshots=request.prefix_snapshots, data_shards=shards)
   except ValueError as e:
     raise UserError(f"--mode decode: {e}") from None
 
 
-def engine_figures(request: PlanRequest, cfg, ex, mesh, weights: int, batch: int):
+def engine_figures(request: PlanRequest, cfg, ex, mesh, weights: int, batch: int,
+                   shards: int = 1):
   """(engine config, cache bytes, [mixed, decode-only] step temporaries, peak) per device of
-  the engine with `batch` slots on `mesh`, beside `weights` bytes of weights."""
-  config = engine_config(request, batch)
-  cache = engine_memory.cache_bytes(cfg, ex, config, mesh)
+  the engine with `batch` slots in `shards` pool shards on `mesh`, beside `weights` bytes of
+  weights."""
+  config = engine_config(request, batch, shards)
+  try:
+    cache = engine_memory.cache_bytes(cfg, ex, config, mesh)
+  except ValueError as e:
+    raise UserError(f"--mode decode: {e}") from None
+  ways = math.prod(dict(mesh.shape)[a] for a in paged.shard_axes(
+      engine_memory.abstract_cache(cfg, ex, config), mesh, shards))
   ctx = config.pages_per_seq * config.page_size  # the longest context bucket
   temps = []
-  for prefill_rows in (config.prefill_rows, 0):
+  for prefill_rows in (shards * config.prefill_rows, 0):  # up to prefill_rows per shard
     tokens = config.max_num_seqs + prefill_rows * config.prefill_chunk
     temps.append(engine_temp(cfg, mesh, decode_rows=config.max_num_seqs,
                              prefill_rows=prefill_rows, chunk=config.prefill_chunk, ctx=ctx,
-                             moe_bytes=moe_layer_bytes(cfg, ex, mesh, tokens) / 2))
+                             moe_bytes=moe_layer_bytes(cfg, ex, mesh, tokens) / 2,
+                             row_ways=ways))
   return config, cache, temps, weights + cache.total + max(temps)
 
 
@@ -222,7 +247,8 @@ def plan_engine(request: PlanRequest, cfg, ex, devices, mesh_spec, variables) ->
   mesh = make_mesh(mesh_spec, devices)
   chip = chip_of(request.topology, devices[0].device_kind)
   weights = engine_memory.weight_bytes(variables, mesh)
-  config, cache, temps, peak = engine_figures(request, cfg, ex, mesh, weights, batch)
+  shards = data_shards(request, mesh)
+  config, cache, temps, peak = engine_figures(request, cfg, ex, mesh, weights, batch, shards)
   n = len(devices)
   model_flops = batch * flops_lib.decode_per_token(cfg, seq)
   # a decode step reads every weight once (at serving batches nearly every expert is routed
@@ -231,8 +257,8 @@ def plan_engine(request: PlanRequest, cfg, ex, devices, mesh_spec, variables) ->
             (weights + cache.kda_slots + cache.latent_pages) / chip.hbm_bandwidth)
   max_fit = None
   if request.max_fit:
-    max_fit = engine_memory.largest(lambda b: engine_figures(
-        request, cfg, ex, mesh, weights, b)[3] <= chip.hbm_bytes)
+    max_fit = engine_memory.largest_multiple(lambda b: engine_figures(
+        request, cfg, ex, mesh, weights, b, shards)[3] <= chip.hbm_bytes, shards)
   return DecodePlan(
       topology=request.topology, devices=n, mesh=format_sizes(dict(mesh.shape)), batch=batch,
       seq=seq, prefill_chunk=config.prefill_chunk, block=request.block,
@@ -247,7 +273,7 @@ def plan_engine(request: PlanRequest, cfg, ex, devices, mesh_spec, variables) ->
       page_size=config.page_size, pool_pages=config.pool_pages, snapshots=config.snapshots,
       kda_slot_bytes_per_device=cache.kda_slots,
       latent_page_bytes_per_device=cache.latent_pages,
-      snapshot_bytes_per_device=cache.snapshots, max_fit_batch=max_fit)
+      snapshot_bytes_per_device=cache.snapshots, max_fit_batch=max_fit, data_shards=shards)
 
 
 def plan_one(request: PlanRequest, cfg, ex, devices, mesh_spec, *,

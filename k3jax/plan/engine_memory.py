@@ -12,6 +12,9 @@ from sharded shapes: what `k3jax plan --mode decode --analytic` prices.
                  every device indexes any page);
   snapshots      the prefix cache's KDA state snapshots (+ 1 scratch), each a slot's size.
 
+With data_shards D > 1 each pool is D shards (each with its own scratch entry), split over the
+batch axes (data x fsdp x expert): a device holds D / (those devices) shards.
+
 The cache's arrays are exactly those `paged.init_cache` builds, placed as `paged.place` places
 them (`paged.specs`); the step's temporaries are a hand count (analytic.engine_temp)."""
 
@@ -81,14 +84,15 @@ def param_count(variables: dict) -> int:
 def abstract_cache(cfg: ModelConfig, ex: Execution, config: EngineConfig) -> paged.PagedCache:
   """The engine's cache (Runner's `init_cache` call) as ShapeDtypeStructs: nothing allocated."""
   return jax.eval_shape(lambda: paged.init_cache(
-      cfg, ex, slots=config.max_num_seqs, pages=config.pool_pages + 1,
-      page_size=config.page_size, snapshots=config.snapshots))
+      cfg, ex, slots=config.max_num_seqs, pages=config.pool_pages,
+      page_size=config.page_size, snapshots=config.snapshots, shards=config.data_shards))
 
 
 def cache_bytes(cfg: ModelConfig, ex: Execution, config: EngineConfig, mesh) -> CacheBytes:
   """One device's share of the engine's cache on `mesh`, placed as `paged.place` does."""
   cache = abstract_cache(cfg, ex, config)
-  specs = paged.specs(cache, mesh)
+  paged.shard_axes(cache, mesh, config.data_shards)  # ValueError: shards split unevenly
+  specs = paged.specs(cache, mesh, config.data_shards)
 
   def part(arrays, part_specs) -> int:
     return sum(bytes_per_device(jax.ShapeDtypeStruct(a.shape, a.dtype,
@@ -119,3 +123,8 @@ def largest(fits, cap: int = 1 << 20) -> int:
     mid = (lo + hi) // 2
     lo, hi = (mid, hi) if fits(mid) else (lo, mid)
   return lo
+
+
+def largest_multiple(fits, step: int, cap: int = 1 << 20) -> int:
+  """The largest multiple of `step` n <= cap with fits(n) (as `largest`; 0: none)."""
+  return step * largest(lambda k: fits(k * step), cap // step)

@@ -60,6 +60,7 @@ class PlanRequest:
   page_size: int = 64                  # engine: positions per latent page
   num_pages: int | None = None         # engine: latent pages; None: every slot at --seq
   prefix_snapshots: int | None = None  # engine: KDA state snapshots; None: 2 per slot
+  data_shards: int | None = None       # engine: pool shards; None: the mesh's batch ways
   max_fit: bool = False                # decode --analytic: also the largest batch at --seq
 
   def __post_init__(self):

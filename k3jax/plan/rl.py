@@ -76,8 +76,9 @@ def run(request: PlanRequest, cfg, devices) -> list[RlPlan]:
   plans = []
   for t in train.run(lora_request, cfg, devices):
     mesh = make_mesh(t.mesh, devices)
+    # the rollouts' engine keeps one pool, whole on every device (k3jax/rl/loop.py)
     config, cache, temps, _ = decode.engine_figures(engine_request, cfg, ex, mesh, 0,
-                                                    request.batch)
+                                                    request.batch, shards=1)
     train_phase = t.peak_bytes_per_device + cache.total
     rollout_phase = t.state_bytes_per_device + cache.total + max(temps)
     peak = max(train_phase, rollout_phase)

@@ -60,6 +60,7 @@ class ServeOptions:
   prefill_rows: int = 1
   decode_steps: int = 1
   prefix_state_every: int = 4
+  data_shards: int = 1
   log_level: str = "warning"
 
 
@@ -83,10 +84,16 @@ def build(options: ServeOptions) -> Server:
                                  prefill_widths=options.prefill_widths,
                                  prefill_rows=options.prefill_rows,
                                  decode_steps=options.decode_steps,
-                                 prefix_state_every=options.prefix_state_every)
+                                 prefix_state_every=options.prefix_state_every,
+                                 data_shards=options.data_shards)
   except ValueError as e:
     raise UserError(str(e)) from None
   mesh = make_mesh(options.mesh) if options.mesh else None
+  if mesh is not None:
+    try:
+      engine_config.check_mesh(mesh)
+    except ValueError as e:
+      raise UserError(f"--data-shards: {e}") from None
   keep_packed = (stores_packed_experts(folder.weights) if options.experts is None
                  else options.experts == Experts.MXFP4)
 

@@ -130,7 +130,7 @@ def test_prefix_cache_hits_serve_the_same_logits(m):
   # evict everything (a long stream of other prompts), then hit the rebuilt blocks
   others = prompts(3, (64,) * 6)
   drain(cached, {0: [(f"o{i}", p, GREEDY) for i, p in enumerate(others)]})
-  prefix = cached.scheduler.prefix
+  prefix = cached.scheduler.shards[0].prefix
   while prefix.evict_one():  # the traffic evicted the oldest leaves; evict the rest too
     pass
   assert not prefix.match(base, 8)
@@ -142,27 +142,36 @@ def test_prefix_cache_hits_serve_the_same_logits(m):
   assert prefix.hit_tokens >= hits + 16  # the rebuilt blocks served the second one
 
 
-def test_requests_arriving_together_share_the_prefix_one_computes(m):
+@pytest.mark.parametrize("shards", [1, 2])
+def test_requests_arriving_together_share_the_prefix_one_computes(m, shards):
   """Three prompts with a common 33-token prefix added in one step: the first computes it,
   the others wait until its blocks (with their KDA snapshots) are cached and restore them;
-  every one still gets the tokens and logprobs of the full forward."""
+  every one still gets the tokens and logprobs of the full forward. With two pool shards of
+  two slots, the second joins the first's shard (where the blocks are) and hits; the third
+  finds that shard full and computes the prefix on the other."""
   shared = prompts(12, (33,))[0]
   ps = [shared + [1, 2], shared + [3], shared + [4, 5, 6]]
-  eng = Engine(m, CONFIG)
+  eng = Engine(m, dataclasses.replace(CONFIG, data_shards=shards, num_pages=24 * shards))
   got = drain(eng, {0: [(str(i), p, GREEDY) for i, p in enumerate(ps)]})
   for i, p in enumerate(ps):
     check_against_truth(m, p, got[str(i)])
-  # the two later ones restored the 32 cached positions (the snapshot at the last full block)
-  assert eng.scheduler.prefix.hit_tokens == 2 * 32
+  # the later ones restored the 32 cached positions (the snapshot at the last full block)
+  assert eng.scheduler.hit_tokens == (2 if shards == 1 else 1) * 32
+  blocks = [len(sh.prefix.blocks) for sh in eng.scheduler.shards]
+  assert all(n == 4 for n in blocks), blocks  # each shard cached the prefix's 4 full blocks
 
 
 # decode blocks (several decode steps per call), narrower prefill rows and up to two prompts
 # per step (one or two rows compiled) must not change a token or a logprob: the same
 # requests, served one token per step and one prompt per step, are the reference
 BLOCKS = dataclasses.replace(CONFIG, decode_steps=4, prefill_widths=2, prefill_rows=2)
+# the pools in two shards on one device: rows laid out shard by shard, ids local to a shard
+# (a shorter max_model_len: a shard of 2 slots must hold one longest request only)
+SHARDED = dataclasses.replace(BLOCKS, data_shards=2, max_model_len=56, num_pages=14)
 
 
-@pytest.mark.parametrize("config", [CONFIG, BLOCKS], ids=["one-step", "blocks"])
+@pytest.mark.parametrize("config", [CONFIG, BLOCKS, SHARDED], ids=["one-step", "blocks",
+                                                                    "shards"])
 def test_batch_invariance_arrivals_aborts_preemption(m, config):
   """Each request served among others (staggered arrivals, an abort, a pool so small that
   requests are preempted) gets the tokens and logprobs it gets alone, one token per step.
@@ -176,7 +185,8 @@ def test_batch_invariance_arrivals_aborts_preemption(m, config):
   alone = {}
   for i, (p, sp) in enumerate(zip(ps, params)):
     alone[str(i)] = drain(Engine(m, CONFIG), {0: [(str(i), p, sp)]})[str(i)]
-  tight = dataclasses.replace(config, num_pages=12)   # 96 positions for all
+  # max_model_len positions for all (per shard): requests are preempted
+  tight = dataclasses.replace(config, num_pages=config.pages_per_seq * config.data_shards)
   eng = Engine(m, tight)
   arrivals = {0: [("0", ps[0], params[0]), ("1", ps[1], params[1])],
               1: [("2", ps[2], params[2]), ("x", ps[3], GREEDY)],
@@ -184,6 +194,7 @@ def test_batch_invariance_arrivals_aborts_preemption(m, config):
   together = drain(eng, arrivals, aborts={4: ["x"]})
   assert together["x"].finish == "abort"
   assert eng.scheduler.preemptions > 0
+  assert all(sh.prefix.queried_tokens > 0 for sh in eng.scheduler.shards)  # each shard served
   for rid in alone:
     assert together[rid].tokens == alone[rid].tokens, rid
     np.testing.assert_allclose(together[rid].logprobs, alone[rid].logprobs, rtol=0, atol=TOL)
@@ -265,9 +276,10 @@ def test_bad_requests_are_refused_alone(m):
   assert list(out) == ["ok"] and out["ok"].finish == "length"
 
 
-def test_no_page_or_slot_leaks_after_random_traffic(m):
+@pytest.mark.parametrize("shards", [1, 2])
+def test_no_page_or_slot_leaks_after_random_traffic(m, shards):
   rng = np.random.default_rng(9)
-  eng = Engine(m, EngineConfig(**{**CONFIG.__dict__, "num_pages": 16}))
+  eng = Engine(m, dataclasses.replace(CONFIG, num_pages=16 * shards, data_shards=shards))
   live, n = set(), 0
   for _ in range(1000):
     action = rng.integers(3)
@@ -286,10 +298,12 @@ def test_no_page_or_slot_leaks_after_random_traffic(m):
   s = eng.scheduler
   assert not s.running and not s.waiting
   assert sorted(s.free_slots) == list(range(CONFIG.max_num_seqs))
-  assert s.pages.used == sum(1 for b in s.prefix.blocks.values())  # cached blocks only
-  assert all(b.refs == 0 for b in s.prefix.blocks.values())
-  s.prefix.clear()
-  assert s.pages.used == 0
+  for sh in s.shards:  # every shard served requests, and holds only cached blocks now
+    assert sh.prefix.queried_tokens > 0
+    assert sh.pages.used == len(sh.prefix.blocks)
+    assert all(b.refs == 0 for b in sh.prefix.blocks.values())
+    sh.prefix.clear()
+    assert sh.pages.used == 0
 
 
 @pytest.mark.parametrize("config", [CONFIG, BLOCKS], ids=["one-step", "blocks"])

@@ -1,12 +1,14 @@
 """The engine on a mesh of 8 CPU devices gives what it gives on one device (float64): the
 weights placed by the rules table, KDA heads over `tensor`, experts over `expert` (the MoE
 expert-parallel inside shard_map), slots and latent pages whole on every device; with decode
-blocks and narrower prefill rows too."""
+blocks and narrower prefill rows too; and with the pools in 4 shards over data x expert (each
+device holding its shard's slots, pages and snapshots, the mixers under shard_map)."""
 
 import dataclasses
 
 import jax
 import numpy as np
+import pytest
 
 from k3jax.engine.engine import Engine
 from k3jax.engine.request import SamplingParams
@@ -25,7 +27,26 @@ def test_mesh_decode_blocks_serve_the_tokens_of_one_device():
   _check(dataclasses.replace(CONFIG, decode_steps=4, prefill_widths=2))
 
 
-def _check(config):
+@pytest.mark.parametrize("mesh, axes", [(MESH, ("data", "expert")),
+                                        ("fsdp=4,tensor=2", "fsdp")])
+def test_mesh_pool_shards_serve_the_tokens_of_one_device(mesh, axes):
+  """Also on an fsdp mesh: the weights split over fsdp too (gathered for use), the pools'
+  shards over fsdp."""
+  engine = _check(dataclasses.replace(CONFIG, data_shards=4, num_pages=48), mesh)
+  cache = engine.runner.cache
+  for pool in (cache.kda[0].recurrent, cache.snapshots[0].recurrent, cache.pages[0].c):
+    assert pool.sharding.spec[0] == axes
+    assert pool.addressable_shards[0].data.shape[0] == pool.shape[0] // 4  # one shard each
+  assert engine.runner.pools == (4, axes if isinstance(axes, tuple) else (axes,))
+
+
+def test_pool_shards_must_divide_over_the_mesh():
+  with pytest.raises(ValueError, match="data_shards 2 do not divide over the mesh's 4"):
+    Engine(model(), dataclasses.replace(CONFIG, data_shards=2, num_pages=48),
+           mesh=make_mesh(MESH))
+
+
+def _check(config, mesh_spec=MESH):
   with jax.enable_x64(True):
     rng = np.random.default_rng(0)
     ps = [[int(t) for t in rng.integers(0, 64, n)] for n in (9, 30, 17)]
@@ -35,7 +56,7 @@ def _check(config):
     arrivals = {0: [("0", ps[0], params[0]), ("1", ps[1], params[1])],
                 2: [("2", ps[2], params[2])]}
     one = drain(Engine(model(), CONFIG), arrivals)
-    mesh = make_mesh(MESH)
+    mesh = make_mesh(mesh_spec)
     sharded_model = model()
     place_model(sharded_model, mesh)
     engine = Engine(sharded_model, config, mesh=mesh)
@@ -46,3 +67,4 @@ def _check(config):
   for rid in one:
     assert many[rid].tokens == one[rid].tokens
     np.testing.assert_allclose(many[rid].logprobs, one[rid].logprobs, rtol=0, atol=1e-12)
+  return engine

@@ -43,29 +43,34 @@ def setup():
   return devices, ex, make_mesh(MESH, devices)
 
 
-@pytest.mark.parametrize("request_", [
-    REQUEST,
-    REQUEST.replace(num_pages=None, prefix_snapshots=None, page_size=16)])
-def test_cache_bytes_equal_the_placed_paged_cache(setup, request_):
+@pytest.mark.parametrize("request_, shards", [
+    (REQUEST, 1),  # 3 slots do not divide over data x expert: one pool, whole on every device
+    (REQUEST.replace(num_pages=None, prefix_snapshots=None, page_size=16), 1),
+    (REQUEST.replace(batch=4, num_pages=48, prefix_snapshots=8), 4),  # a shard per data x expert
+    (REQUEST.replace(batch=8, num_pages=96, prefix_snapshots=8, data_shards=8), 8)])  # 2 each
+def test_cache_bytes_equal_the_placed_paged_cache(setup, request_, shards):
   devices, ex, mesh = setup
   variables = engine_memory.weight_variables(CFG, ex, "mxfp4")
   plan = decode.plan_one(request_, CFG, ex, devices, MESH, analytic=True, variables=variables)
+  assert plan.data_shards == shards
   config = EngineConfig(max_num_seqs=request_.batch, max_model_len=request_.seq,
                         page_size=request_.page_size, num_pages=request_.num_pages,
                         prefill_chunk=request_.prefill_chunk,
-                        prefix_snapshots=request_.prefix_snapshots)
+                        prefix_snapshots=request_.prefix_snapshots, data_shards=shards)
   # what the engine's Runner builds, and where it puts it
   cache = paged.place(paged.init_cache(CFG, ex, slots=config.max_num_seqs,
-                                       pages=config.pool_pages + 1, page_size=config.page_size,
-                                       snapshots=config.snapshots), mesh)
+                                       pages=config.pool_pages, page_size=config.page_size,
+                                       snapshots=config.snapshots, shards=shards), mesh, shards)
   assert plan.kda_slot_bytes_per_device == _device0_bytes(cache.kda)
   assert plan.latent_page_bytes_per_device == _device0_bytes(cache.pages)
   assert plan.snapshot_bytes_per_device == _device0_bytes(cache.snapshots)
   assert plan.cache_bytes_per_device == _device0_bytes(cache)
   assert (plan.pool_pages, plan.snapshots) == (config.pool_pages, config.snapshots)
-  # the KDA state splits its heads over tensor; the pages are whole on every device
-  assert _device0_bytes(cache.kda) * 2 == sum(x.nbytes for x in jax.tree.leaves(cache.kda))
-  assert _device0_bytes(cache.pages) == sum(x.nbytes for x in jax.tree.leaves(cache.pages))
+  # the KDA state splits its heads over tensor; the pages are whole on every device, or with
+  # shards split over data x expert (4 devices)
+  ways = 1 if shards == 1 else 4
+  assert _device0_bytes(cache.kda) * 2 * ways == sum(x.nbytes for x in jax.tree.leaves(cache.kda))
+  assert _device0_bytes(cache.pages) * ways == sum(x.nbytes for x in jax.tree.leaves(cache.pages))
   assert plan.peak_bytes_per_device == (plan.weight_bytes_per_device + plan.cache_bytes_per_device
                                         + max(plan.prefill_temp_bytes_per_device,
                                               plan.decode_temp_bytes_per_device))
@@ -108,3 +113,5 @@ def test_largest_batch_search():
   assert engine_memory.largest(lambda n: n <= 64) == 64
   assert engine_memory.largest(lambda n: False) == 0
   assert engine_memory.largest(lambda n: True, cap=100) == 100
+  assert engine_memory.largest_multiple(lambda n: n <= 37, 4) == 36
+  assert engine_memory.largest_multiple(lambda n: n <= 3, 4) == 0

@@ -17,8 +17,9 @@ def test_rl_is_the_lora_step_beside_the_engine_cache(mesh):
   # RL plans its step at `k3jax train`'s defaults for the knobs it is not given
   lora, = plan.run(plan.PlanRequest(**COMMON, mode=plan.Mode.LORA, mesh=mesh, remat="none",
                                     attention="dense", loss_chunk=0, capacity_factor=0))
+  # RL's engine keeps one pool (its rollouts do not take --data-shards)
   serve, = plan.run(plan.PlanRequest(**COMMON, mode=plan.Mode.DECODE, mesh=mesh,
-                                     serving="engine"))
+                                     serving="engine", data_shards=1))
   assert rl.mesh == lora.mesh == serve.mesh
   cache = serve.cache_bytes_per_device
   temp = max(serve.prefill_temp_bytes_per_device, serve.decode_temp_bytes_per_device)

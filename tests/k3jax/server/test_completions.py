@@ -125,16 +125,16 @@ def test_stream_equals_whole(client, sampling):
 
 
 def test_decode_blocks_serve_what_one_step_serves(client, run):
-  """`k3jax serve --decode-steps 4 --prefill-widths 2 --prefill-rows 2`: streamed, the same
-  text, finish reasons and logprobs as the one-step server's whole responses, greedy, sampled
-  (two choices: their prompts read in one step), and with a stop string that completes inside
-  a block."""
+  """`k3jax serve --decode-steps 4 --prefill-widths 2 --prefill-rows 2 --data-shards 2`:
+  streamed, the same text, finish reasons and logprobs as the one-step, one-pool server's whole
+  responses, greedy, sampled (two choices: their prompts read in one step, on the two pool
+  shards), and with a stop string that completes inside a block."""
   one_step = greedy(client, "Blocks of", max_tokens=16).choices[0].text
   stop = one_step[5:7]
   cases = [dict(temperature=0), dict(temperature=1.0, seed=3, n=2),
            dict(temperature=0, stop=[stop])]
   with helpers.serving(run, *FLAGS, "--decode-steps", "4", "--prefill-widths", "2",
-                       "--prefill-rows", "2") as blocks:
+                       "--prefill-rows", "2", "--data-shards", "2") as blocks:
     blocks_client = helpers.openai_client(blocks)
     for kw in cases:
       kw = dict(model="tiny", prompt="Blocks of", max_tokens=16, logprobs=1, **kw)
