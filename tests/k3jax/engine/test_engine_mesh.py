@@ -5,13 +5,16 @@ blocks and narrower prefill rows too; and with the pools in 4 shards over data x
 device holding its shard's slots, pages and snapshots, the mixers under shard_map)."""
 
 import dataclasses
+import re
 
 import jax
 import numpy as np
 import pytest
 
+from k3jax.engine import runner
 from k3jax.engine.engine import Engine
 from k3jax.engine.request import SamplingParams
+from k3jax.plan.hlo import collectives
 from sharding.mesh import make_mesh
 from sharding.placement import place_model
 from tests.k3jax.engine.helpers import CONFIG, drain, model
@@ -38,6 +41,47 @@ def test_mesh_pool_shards_serve_the_tokens_of_one_device(mesh, axes):
     assert pool.sharding.spec[0] == axes
     assert pool.addressable_shards[0].data.shape[0] == pool.shape[0] // 4  # one shard each
   assert engine.runner.pools == (4, axes if isinstance(axes, tuple) else (axes,))
+
+
+def test_pool_shards_move_no_page_or_state_between_devices(monkeypatch):
+  """The compiled mixed step of 4 pool shards over data x expert: no collective carries a
+  pool, a device's shard of one or a row's gathered context (the mixers read their own
+  device's shards, under shard_map); what moves is the step's token activations."""
+  captured = []
+  step = runner._step
+
+  def spy(*args, **kwargs):  # the avals and shardings of a mixed step's call
+    if len(args[4]) == 2 and not captured:
+      captured.append(jax.tree.map(
+          lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+          if isinstance(a, jax.Array) else a, (args, kwargs)))
+    return step(*args, **kwargs)
+  monkeypatch.setattr(runner, "_step", spy)
+  config = dataclasses.replace(CONFIG, data_shards=4, num_pages=48)
+  with jax.enable_x64(True):
+    mesh = make_mesh(MESH)
+    m = model()
+    place_model(m, mesh)
+    engine = Engine(m, config, mesh=mesh)
+    drain(engine, {0: [("a", list(range(1, 30)), SamplingParams(max_tokens=2,
+                                                                  temperature=0.0))]})
+    args, kwargs = captured[0]
+    with jax.set_mesh(mesh):
+      hlo = step.lower(*args, **kwargs).compile().as_text()
+  cache = engine.runner.cache
+  ctx_pages = kwargs["ctx_pages"]
+  ctx = ctx_pages * config.page_size
+  squeeze = lambda shape: tuple(d for d in shape if d != 1)
+  pools = [a.shape for a in jax.tree.leaves(cache)]
+  pools = {squeeze(p) for n, *rest in pools for p in ((n, *rest), (n // 4, *rest))}
+  ops = collectives(hlo)
+  assert ops, "expected the token activations to move"
+  for c in ops:
+    for dims in re.findall(r"\[([\d,]*)\]", c.result):
+      shape = squeeze(int(d) for d in dims.split(",") if d)
+      assert ctx not in shape, c                  # a row's gathered context, by position
+      assert (ctx_pages, config.page_size) not in set(zip(shape, shape[1:])), c  # by page
+      assert shape not in pools, c                # a pool, or a device's shard of one
 
 
 def test_pool_shards_must_divide_over_the_mesh():
