@@ -9,7 +9,8 @@ K3's per-head sizes), weights and compute in --dtype (auto: float32 on a CPU, wh
 has no fast bf16 matmul, bf16 on an accelerator; as the commands' --dtype), greedy, every
 request running to its max_tokens (no EOS), one process:
 
-  (a) mixed: Poisson arrivals, uniform prompt and output lengths, on the engine and on the
+  (a) mixed: Poisson arrivals, prompt and output lengths uniform in their ranges (--lengths
+      loguniform: log-uniform, heavy-tailed as serving traces are), on the engine and on the
       static batch (`StaticBatch`: requests in arrival order in batches of the engine's slot
       count, each started when its last request has arrived and the previous batch has ended;
       a batch pads its prompts to the longest and decodes until its longest output is done).
@@ -267,13 +268,22 @@ def warm_engine(engine: Engine, size: Size) -> None:
     engine.step()
 
 
-def mixed_workload(size: Size, rate: float, vocab: int, seed: int) -> list[Req]:
+def length(rng, lo: int, hi: int, lengths: str) -> int:
+  """A length in [lo, hi]: uniform, or log-uniform (heavy-tailed: as many in [lo, 2 lo] as in
+  [hi / 2, hi])."""
+  if lengths == "uniform":
+    return int(rng.integers(lo, hi + 1))
+  return min(hi, int(math.exp(rng.uniform(math.log(lo), math.log(hi + 1)))))
+
+
+def mixed_workload(size: Size, rate: float, vocab: int, seed: int,
+                   lengths: str = "uniform") -> list[Req]:
   rng = np.random.default_rng(seed)
   t, reqs = 0.0, []
   for i in range(size.requests):
-    n = int(rng.integers(size.prompt[0], size.prompt[1] + 1))
+    n = length(rng, *size.prompt, lengths)
     reqs.append(Req(f"m{i}", rng.integers(1, vocab, n).tolist(),
-                    int(rng.integers(size.output[0], size.output[1] + 1)), t))
+                    length(rng, *size.output, lengths), t))
     t += rng.exponential(1 / rate)
   return reqs
 
@@ -446,6 +456,9 @@ def main(argv=None) -> int:
                       "fast bf16 matmul, bfloat16 on an accelerator; as the commands' --dtype)")
   p.add_argument("--prefill-rows", type=int, default=1,
                  help="the engine's prompts read per step, at most (as `k3jax serve`'s flag)")
+  p.add_argument("--lengths", choices=("uniform", "loguniform"), default="uniform",
+                 help="(a)'s prompt and output lengths in their ranges: uniform, or "
+                      "log-uniform (heavy-tailed, as serving traces are)")
   p.add_argument("--reps", type=int, default=7, help="repetitions of the weight-reading matmul")
   args = p.parse_args(argv)
   size = TINY if args.tiny else QUICK if args.quick else FULL
@@ -471,14 +484,14 @@ def main(argv=None) -> int:
   dense_steps = step_times(engine(), size.slots, vocab)
 
   # (a) mixed: arrivals at the engine's estimated capacity
-  probe = mixed_workload(size, 1.0, vocab, args.seed)
+  probe = mixed_workload(size, 1.0, vocab, args.seed, args.lengths)
   # mixed steps: the prompts' chunks, `prefill_rows` of them per step (step_times reads 8
   # prompts at once, so its mixed step reads as many as the engine allows)
   est = (math.ceil(sum(-(-len(r.prompt) // config.prefill_chunk) + 1 for r in probe)
                    / config.prefill_rows) * dense_steps["mixed_step_s"]
          + sum(r.out for r in probe) / size.slots * dense_steps["decode_step_s"])
   rate = args.load * size.requests / est
-  work = mixed_workload(size, rate, vocab, args.seed)
+  work = mixed_workload(size, rate, vocab, args.seed, args.lengths)
   gen = static_batch.StaticBatch(model)
   compile_s["static"] = timed_warmup(lambda: warm_static(gen, work, size.slots, vocab))
   before = compiles()
@@ -487,7 +500,7 @@ def main(argv=None) -> int:
          "static": latency(reqs["static"], run_static(gen, reqs["static"], size.slots))}
   print(f"(a) mixed: {size.requests} requests, Poisson arrivals at {rate:.2f}/s ({args.load:g}x "
         f"the engine's estimated capacity), prompts {size.prompt[0]}-{size.prompt[1]}, outputs "
-        f"{size.output[0]}-{size.output[1]}")
+        f"{size.output[0]}-{size.output[1]}, {args.lengths}")
   print(f"  {'':<22} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
         f"{'TPOT p99':>9} {'wall s':>8}   (ms)")
   show("engine", res["engine"])
@@ -588,7 +601,8 @@ def main(argv=None) -> int:
         "decode_vs_weights_bound": {str(b): decode[b] / bounds[b] for b in bounds},
         "http_overhead_fraction": worst_overhead, "http": http_res,
         "http_timed_compiles": http_compiles,
-        "arrival_rate_per_s": rate, "compile_s": compile_s, "timed_compiles": timed_compiles,
+        "arrival_rate_per_s": rate, "lengths": args.lengths, "compile_s": compile_s,
+        "timed_compiles": timed_compiles,
         "quick": args.quick}))
   return 0
 

@@ -168,16 +168,20 @@ class Engine:
       laid.append(self._layout(prefill, 1, config.prefill_rows))
       parts.append(self._rows(laid[1], width))
     ctx_pages, table = self._pages(decode + prefill)
-    rows, index, offset = [], [], 0
-    for cs, part in zip(laid, parts):
-      part_width = part.ids.shape[1]
+    # where each token's features are (paged.forward: shard by shard, then part by part)
+    widths, shards = tuple(part.ids.shape for part in parts), config.data_shards
+    rows, index = [], []
+    for p, cs in enumerate(laid):
       for i, c in enumerate(cs):
         rows.append(c)
-        index.append(offset + i * part_width + (c.end - c.start - 1 if c else 0))
-      offset += len(cs) * part_width
+        index.append(paged.token_index(widths, shards, p, i, c.end - c.start - 1 if c else 0))
     sample_rows = self._sample_rows(rows, index)
     want_prompt = [c for c in prefill if c.request.params.prompt_logprobs]
-    targets = self._targets(laid[-1], width) if want_prompt else None
+    targets = None
+    if want_prompt:  # every prefill position, row-major, and where its features are
+      targets = (self._targets(laid[-1], width), np.asarray(
+          [paged.token_index(widths, shards, 1, i, j) for i in range(len(laid[-1]))
+           for j in range(width)], np.int32))
     out = self.runner.step(tuple(parts), table, sample_rows, targets, ctx_pages)
     for i, c in enumerate(rows):
       if c is None:

@@ -76,11 +76,12 @@ def _step(static, params, cache: paged.PagedCache, page_table, parts, rows: Samp
                                   shards=pools[0], axes=pools[1])
   drawn = _draw(defs, per_layer, features[rows.index], rows, rows.position, top_n)
   prompt = (None, None, None)
-  if prompt_targets:  # every token of the last part (the prefill rows) scores its successor
-    n = targets.shape[0]
-    p_logp = _log_softmax(paged.logits(defs, per_layer, features[-n:]))
+  if prompt_targets:  # every token of the prefill rows scores its successor
+    target_ids, target_index = targets
+    p_logp = _log_softmax(paged.logits(defs, per_layer, features[target_index]))
     p_top_lp, p_top_ids = jax.lax.top_k(p_logp, top_n)
-    prompt = (jnp.take_along_axis(p_logp, targets[:, None], axis=1)[:, 0], p_top_ids, p_top_lp)
+    prompt = (jnp.take_along_axis(p_logp, target_ids[:, None], axis=1)[:, 0], p_top_ids,
+              p_top_lp)
   return StepOut(*drawn, *prompt), cache
 
 
@@ -158,7 +159,7 @@ class Runner:
       self.static = ("unstacked", defs)
 
   def step(self, parts: tuple[paged.Rows, ...], page_table: np.ndarray, rows: SampleRows,
-           targets: np.ndarray | None, ctx_pages: int) -> StepOut:
+           targets: tuple[np.ndarray, np.ndarray] | None, ctx_pages: int) -> StepOut:
     if self.mesh is None:
       return self._step(parts, page_table, rows, targets, ctx_pages)
     with jax.set_mesh(self.mesh):  # the model's constraints and expert parallelism see it
@@ -185,7 +186,7 @@ class Runner:
         self.static, self.params, self.cache, jnp.asarray(page_table),
         tuple(paged.Rows(*(jnp.asarray(a) for a in p)) for p in parts),
         jax.tree.map(jnp.asarray, rows),
-        None if targets is None else jnp.asarray(targets),
+        None if targets is None else tuple(map(jnp.asarray, targets)),
         ctx_pages=ctx_pages, top_n=min(self.config.max_top_logprobs, self.cfg.vocab_size),
         prompt_targets=targets is not None, pools=self.pools)
     return jax.tree.map(np.asarray, out)

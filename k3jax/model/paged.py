@@ -169,13 +169,15 @@ class _RowsMixer:
     self.page_table, self.ctx_pages, self.page_size = page_table, ctx_pages, page_size
     self.heads_major, self.shards, self.axes = heads_major, shards, axes
 
-  def __call__(self, x_1nd: jax.Array, *, segment_ids=None) -> tuple[jax.Array, None]:
+  def __call__(self, x_bnd: jax.Array, *, segment_ids=None) -> tuple[jax.Array, None]:
+    """x_bnd [shards, N / shards, d]: shard s's tokens, part by part, row-major (`forward`)."""
     del segment_ids
     xs, offset = [], 0
     for rows in self.parts:
       r, t = rows.ids.shape
-      xs.append(x_1nd[0, offset:offset + r * t].reshape(r, t, -1))
-      offset += r * t
+      n = r // self.shards * t  # a shard's tokens of this part
+      xs.append(x_bnd[:, offset:offset + n].reshape(r, t, -1))
+      offset += n
     state = (self.entry, self.snaps) if self.snaps is not None else (self.entry,)
     args = (tuple(xs), self.parts, self.page_table, state)
     if self.axes:
@@ -190,7 +192,7 @@ class _RowsMixer:
     self.entry = state[0]
     if self.snaps is not None:
       self.snaps = state[1]
-    return jnp.concatenate([y.reshape(1, -1, y.shape[-1]) for y in ys], axis=1), None
+    return jnp.concatenate([y.reshape(self.shards, -1, y.shape[-1]) for y in ys], axis=1), None
 
   def _blocks(self, xs, parts, table, state, *, n: int):
     """The mixer on n shards' equal blocks of every array, each on its own."""
@@ -242,16 +244,19 @@ class _RowsMixer:
 def forward(defs: UnstackedDefs, params: Unstacked, parts: tuple[Rows, ...], cache: PagedCache,
             page_table: jax.Array, *, ctx_pages: int, shards: int = 1,
             axes: tuple[str, ...] = ()) -> tuple[jax.Array, PagedCache]:
-  """The final-norm features [N, d] of every token of `parts` (in order, row-major) and the
-  cache after them. page_table [slot entries, max_pages] int32; `ctx_pages` (static): how many
-  of each row's pages its attention reads (the engine rounds the step's longest context up to
-  a bucket, so few shapes compile). `shards` (static): the pools' shards (init_cache), each
-  part's rows and the page table laid out shard by shard in equal blocks with shard-local ids;
-  `axes`: the mesh axes they are split over (shard_axes), () on one device."""
+  """The final-norm features [N, d] of every token of `parts` and the cache after them: shard
+  by shard, within a shard part by part, within a part row-major (`token_index`; with one
+  shard: the parts' tokens in order). page_table [slot entries, max_pages] int32;
+  `ctx_pages` (static): how many of each row's pages its attention reads (the engine rounds
+  the step's longest context up to a bucket, so few shapes compile). `shards` (static): the
+  pools' shards (init_cache), each part's rows and the page table laid out shard by shard in
+  equal blocks with shard-local ids; the per-token work runs on [shards, N / shards, d], its
+  rows (the shards) placed as the batch (over the batch axes under a mesh); `axes`: the mesh
+  axes the shards are split over (shard_axes), () on one device."""
   cfg = defs.cfg
   page_size = cache.pages[0].c.shape[1] if cache.pages else 1
-  ids = jnp.concatenate([rows.ids.reshape(-1) for rows in parts])
-  carry = initial_carry(cfg, params.embed[ids][None].astype(defs.ex.jnp_dtype))
+  ids = jnp.concatenate([rows.ids.reshape(shards, -1) for rows in parts], axis=1)
+  carry = initial_carry(cfg, params.embed[ids].astype(defs.ex.jnp_dtype))
   graphdefs = dict(defs.kinds)
   kda, snaps, pages = list(cache.kda), list(cache.snapshots), list(cache.pages)
   for l in range(cfg.num_layers):
@@ -272,8 +277,19 @@ def forward(defs: UnstackedDefs, params: Unstacked, parts: tuple[Rows, ...], cac
   h = carry.partial
   if cfg.attn_res_block_size is not None:
     h = nnx.merge(defs.output_res, params.output_res)(carry.blocks, carry.partial, _valid(carry))
-  features = nnx.merge(defs.final_norm, params.final_norm)(h)[0]
-  return features, PagedCache(tuple(kda), tuple(snaps), tuple(pages))
+  features = nnx.merge(defs.final_norm, params.final_norm)(h)
+  return features.reshape(-1, features.shape[-1]), PagedCache(tuple(kda), tuple(snaps),
+                                                              tuple(pages))
+
+
+def token_index(widths: tuple[tuple[int, int], ...], shards: int, part: int, row: int,
+                position: int) -> int:
+  """Where `forward`'s features hold the token at `position` of row `row` of part `part`,
+  for parts of (rows, width) `widths` laid out in `shards` equal blocks of rows."""
+  per_shard = [r // shards * t for r, t in widths]
+  rows_per_shard, width = widths[part][0] // shards, widths[part][1]
+  shard, local = divmod(row, rows_per_shard)
+  return shard * sum(per_shard) + sum(per_shard[:part]) + local * width + position
 
 
 def logits(defs: UnstackedDefs, params: Unstacked, features_md: jax.Array) -> jax.Array:

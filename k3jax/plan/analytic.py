@@ -147,9 +147,9 @@ def engine_temp(cfg, mesh, *, decode_rows: int, prefill_rows: int, chunk: int, c
   """Per-device temporaries of one serving-engine step (k3jax/engine/runner.py `_step`) by
   hand: `decode_rows` rows of one token and `prefill_rows` rows of `chunk` tokens (0 rows:
   a decode-only step), every row attending over `ctx` gathered positions; the engine's arrays
-  are whole on every device but for the heads over `tensor` and, with pool shards, the mixers'
-  rows over `row_ways` devices (each runs its shards' rows under shard_map). n = the step's
-  tokens, m = the rows that draw; compute width c = 2:
+  are whole on every device but for the heads over `tensor` and, with pool shards, the tokens
+  and the mixers' rows over `row_ways` devices (each runs its shards' tokens; the mixers under
+  shard_map). n = the step's tokens, m = the rows that draw; compute width c = 2:
     logits          the head at the m drawing tokens [m, V / tensor] in c, the log-softmax
                     and the sampler's [m, V] fp32 x 5;
     the carry       AttnRes's sealed blocks and partial sum [n_seals + 1, n, d] x 2;
@@ -168,7 +168,7 @@ def engine_temp(cfg, mesh, *, decode_rows: int, prefill_rows: int, chunk: int, c
   m = decode_rows + prefill_rows
   logits = m * math.ceil(cfg.vocab_size / tensor) * c + m * cfg.vocab_size * 4 * 5
   seals = schedule.num_seals(cfg) if cfg.attn_res_block_size is not None else 0
-  carry = (seals + 1) * n * d * c * 2
+  carry = (seals + 1) * n * d * c * 2 / row_ways
   mla = 0
   if cfg.mla_layers:
     heads = max(1, cfg.mla_num_heads // tensor)
@@ -178,7 +178,7 @@ def engine_temp(cfg, mesh, *, decode_rows: int, prefill_rows: int, chunk: int, c
   if cfg.kda_layers:
     heads, k = max(1, cfg.kda_num_heads // tensor), cfg.kda_head_dim
     kda = (m * heads * k * k * 4 * 4 + prefill_rows * chunk * heads * k * 8 * 4) / row_ways
-  return logits + carry + 12 * n * d * 4 + max(mla, kda) + moe_bytes
+  return logits + carry + 12 * n * d * 4 / row_ways + max(mla, kda) + moe_bytes
 
 
 def routed_fill(cfg, ex, mesh, tokens: int) -> float:

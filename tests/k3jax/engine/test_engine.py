@@ -61,9 +61,11 @@ def check_against_truth(m, prompt, result, params=GREEDY):
                                  atol=TOL)
 
 
-def test_greedy_tokens_and_logprobs_equal_the_full_forward(m):
+@pytest.mark.parametrize("config", [CONFIG, dataclasses.replace(CONFIG, data_shards=2)],
+                         ids=["one-pool", "shards"])
+def test_greedy_tokens_and_logprobs_equal_the_full_forward(m, config):
   ps = prompts(0, (1, 7, 16, 17, 40))
-  eng = Engine(m, CONFIG)
+  eng = Engine(m, config)
   arrivals = {0: [("a", ps[0], GREEDY), ("b", ps[1], GREEDY)],
               2: [("c", ps[2], GREEDY), ("d", ps[3], GREEDY)],
               3: [("e", ps[4], SamplingParams(max_tokens=3, temperature=0.0, logprobs=2,
