@@ -41,7 +41,7 @@ class Request:
   seed: int                      # 32-bit draw seed
   stop_ids: frozenset[int]
   output: list[int] = dataclasses.field(default_factory=list)
-  slot: int | None = None        # in [0, max_num_seqs): shard slot // shard_slots
+  slot: int | None = None        # in [0, max_num_seqs), within its shard's range
   shard: int = 0
   pages: list[int] = dataclasses.field(default_factory=list)  # page of each block (its shard's)
   blocks: list[Block] = dataclasses.field(default_factory=list)  # held cached blocks (prefix)
