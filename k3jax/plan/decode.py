@@ -112,6 +112,10 @@ class DecodePlan:
   snapshot_bytes_per_device: float | None = None
   max_fit_batch: int | None = None             # --max-fit: the most slots at --seq that fit
   data_shards: int | None = None               # the engine's pool shards (over the batch axes)
+  # weights a device gathers over fsdp per step (not in the step estimate), and that over its
+  # ICI links at full speed (None: the chip's ICI is not known)
+  fsdp_gather_bytes_per_device: float | None = None
+  fsdp_gather_seconds: float | None = None
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
@@ -159,6 +163,11 @@ class DecodePlan:
     if not math.isnan(p.step_seconds_estimate):
       lines.append(f"  decode step     {p.step_seconds_estimate * 1e3:.2f} ms, "
                    f"{p.tokens_per_second_estimate:,.0f} tokens/s  {report.ESTIMATE}")
+    if p.fsdp_gather_bytes_per_device:
+      time = ("" if p.fsdp_gather_seconds is None else
+              f", at least {p.fsdp_gather_seconds * 1e3:.1f} ms over ICI")
+      lines.append(f"  fsdp gathers    {report.gib(p.fsdp_gather_bytes_per_device).strip()} of "
+                   f"weights per device per step{time} (not in the estimate)")
     if p.max_fit_batch is not None:
       lines.append(f"  max fit         {p.max_fit_batch} slots x {p.seq} positions")
     return "\n".join(lines)
@@ -249,6 +258,7 @@ def plan_engine(request: PlanRequest, cfg, ex, devices, mesh_spec, variables) ->
   weights = engine_memory.weight_bytes(variables, mesh)
   shards = data_shards(request, mesh)
   config, cache, temps, peak = engine_figures(request, cfg, ex, mesh, weights, batch, shards)
+  gathered = engine_memory.fsdp_gather_bytes(variables, mesh)
   n = len(devices)
   model_flops = batch * flops_lib.decode_per_token(cfg, seq)
   # a decode step reads every weight once (at serving batches nearly every expert is routed
@@ -273,7 +283,9 @@ def plan_engine(request: PlanRequest, cfg, ex, devices, mesh_spec, variables) ->
       page_size=config.page_size, pool_pages=config.pool_pages, snapshots=config.snapshots,
       kda_slot_bytes_per_device=cache.kda_slots,
       latent_page_bytes_per_device=cache.latent_pages,
-      snapshot_bytes_per_device=cache.snapshots, max_fit_batch=max_fit, data_shards=shards)
+      snapshot_bytes_per_device=cache.snapshots, max_fit_batch=max_fit, data_shards=shards,
+      fsdp_gather_bytes_per_device=gathered,
+      fsdp_gather_seconds=gathered / chip.ici_bandwidth if chip.ici_bandwidth else None)
 
 
 def plan_one(request: PlanRequest, cfg, ex, devices, mesh_spec, *,

@@ -68,6 +68,30 @@ def weight_bytes(variables: dict, mesh) -> int:
              for p, v in variables.items())
 
 
+def fsdp_gather_bytes(variables: dict, mesh) -> int:
+  """Bytes one device receives per step gathering the weights split over `fsdp` for use (the
+  dense weights, layer by layer: what fsdp costs a serving step); a routed-expert weight whose
+  experts split over fsdp does not move (the expert-parallel layer sends tokens to it)."""
+  fsdp = dict(mesh.shape).get("fsdp", 1)
+  if fsdp == 1:
+    return 0
+  shardings = path_shardings(variables, mesh)
+  total = 0
+  for path, v in variables.items():
+    names = v.get_metadata().get("out_sharding") or ()
+    shape = list(shardings[path].shard_shape(tuple(v.shape)))
+    spec = tuple(shardings[path].spec)
+    moved = False
+    for dim, entry in enumerate(spec):
+      axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+      if "fsdp" in axes and (dim >= len(names) or names[dim] != "experts"):
+        shape[dim] *= fsdp
+        moved = True
+    if moved:
+      total += math.prod(shape) * v.dtype.itemsize * (fsdp - 1) // fsdp
+  return total
+
+
 def param_count(variables: dict) -> int:
   """The model's parameters in `variables`: a packed expert's codes hold 2 weights a byte, and
   its scales are not weights."""

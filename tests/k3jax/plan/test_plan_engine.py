@@ -115,3 +115,30 @@ def test_largest_batch_search():
   assert engine_memory.largest(lambda n: True, cap=100) == 100
   assert engine_memory.largest_multiple(lambda n: n <= 37, 4) == 36
   assert engine_memory.largest_multiple(lambda n: n <= 3, 4) == 0
+
+
+def test_fsdp_gather_bytes_are_the_placed_dense_weights_gathered(setup):
+  """On fsdp=2 x expert=2 x tensor=2 a step gathers every weight split over fsdp (a device
+  receives the other half of each), except the routed experts, whose experts split over
+  expert x fsdp and stay (tokens travel to them): counted from the placed model's arrays."""
+  devices, ex, _ = setup
+  mesh_spec = "fsdp=2,expert=2,tensor=2"
+  model = K3Model(CFG, ex, rngs=nnx.Rngs(0))
+  lora.adapt(model, lora.AdaptSpec(base_experts="mxfp4"), nnx.Rngs(0))
+  place_model(model, make_mesh(mesh_spec, devices))
+  want = moved_experts = 0
+  for path, var in nnx.to_flat_state(nnx.state(model)):
+    x = var.get_value()
+    entries = [e if isinstance(e, tuple) else (e,) for e in x.sharding.spec]
+    if any("fsdp" in e for e in entries):
+      local = next(s.data.nbytes for s in x.addressable_shards if s.device == devices[0])
+      if "experts" in tuple(map(str, path)):  # the routed experts' stacks
+        moved_experts += local
+      else:
+        want += local  # the other fsdp device's half of it
+  plan = decode.plan_one(REQUEST.replace(batch=4, num_pages=48, prefix_snapshots=8), CFG, ex,
+                         devices, mesh_spec, analytic=True,
+                         variables=engine_memory.weight_variables(CFG, ex, "mxfp4"))
+  assert want > 0 and moved_experts > 0
+  assert plan.fsdp_gather_bytes_per_device == want
+  assert plan.fsdp_gather_seconds is not None  # v5e's ICI is known
