@@ -33,7 +33,7 @@ from k3jax.commands._args import (
   token_ids,
   use_compile_cache,
 )
-from k3jax.engine import DEFAULT_MAX_MODEL_LEN, Engine, EngineConfig, SamplingParams
+from k3jax.engine import DEFAULT_MAX_MODEL_LEN, Engine, EngineConfig, SamplingParams, check_shards
 from k3jax.errors import CheckpointError, UserError
 from k3jax.execution import NUMERICS, resolve_dtype
 from k3jax.folders import max_model_len, model_folder
@@ -140,6 +140,11 @@ def run(args: argparse.Namespace) -> int:
   folder = model_folder(args.model)
   weights, source = folder.weights, folder.tokenizer
   mesh = make_mesh(args.mesh) if args.mesh else None
+  if mesh is not None:  # before loading: a mesh the pools cannot split is refused at once
+    try:
+      check_shards(args.data_shards, mesh)
+    except ValueError as e:
+      raise UserError(f"--data-shards: {e}") from None
   with jax.enable_x64(dtype == "float64"):
     t0 = time.perf_counter()
     try:  # placed on the mesh as loaded (a converted checkpoint straight into its shards)
@@ -157,11 +162,6 @@ def run(args: argparse.Namespace) -> int:
           f"{time.perf_counter() - t0:.1f}s; {len(prompts)} prompt(s) of "
           f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens", file=sys.stderr)
     config = engine_config(args, prompts, max_model_len(folder))
-    if mesh is not None:
-      try:
-        config.check_mesh(mesh)
-      except ValueError as e:
-        raise UserError(f"--data-shards: {e}") from None
     _generate(args, model, prompts, tokenizer, stops, config, mesh)
   return 0
 

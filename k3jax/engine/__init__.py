@@ -6,12 +6,12 @@ paged MLA latent cache, with an exact prefix cache.
   blocks     the page pool and the prefix cache's hash-chained blocks
   runner     the device side: the cache and the one jitted call per step
   request    `SamplingParams`, `RequestOutput`, `FinishReason`
-  config     `EngineConfig`
+  config     `EngineConfig`, `check_shards`
 """
 
-from k3jax.engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
+from k3jax.engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, check_shards
 from k3jax.engine.engine import Engine
 from k3jax.engine.request import FinishReason, RequestOutput, SamplingParams
 
 __all__ = ["DEFAULT_MAX_MODEL_LEN", "Engine", "EngineConfig", "FinishReason", "RequestOutput",
-           "SamplingParams"]
+           "SamplingParams", "check_shards"]

@@ -15,6 +15,15 @@ def bucket(n: int, cap: int) -> int:
   return min(cap, 1 << max(0, n - 1).bit_length())
 
 
+def check_shards(data_shards: int, mesh) -> None:
+  """ValueError unless `data_shards` pool shards divide over `mesh`'s batch axes (data x fsdp
+  x expert), as they are placed: each device holds whole shards."""
+  ways = math.prod(dict(mesh.shape).get(a, 1) for a in BATCH_MESH_AXES)
+  if data_shards > 1 and data_shards % ways:
+    raise ValueError(f"data_shards {data_shards} do not divide over the mesh's {ways} devices "
+                     "along data x fsdp x expert")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
   """Sizes of an engine; every shape it compiles derives from them.
@@ -101,12 +110,7 @@ class EngineConfig:
       raise ValueError(f"unknown layout {self.layout!r}; choose stacked or unstacked")
 
   def check_mesh(self, mesh) -> None:
-    """ValueError unless the pool shards divide over `mesh`'s batch axes (data x fsdp x
-    expert), as they are placed: each device holds whole shards."""
-    ways = math.prod(dict(mesh.shape).get(a, 1) for a in BATCH_MESH_AXES)
-    if self.data_shards > 1 and self.data_shards % ways:
-      raise ValueError(f"data_shards {self.data_shards} do not divide over the mesh's "
-                       f"{ways} devices along data x fsdp x expert")
+    check_shards(self.data_shards, mesh)
 
   def prefill_width(self, longest: int) -> int:
     """The prefill row width of a step whose longest chunk has `longest` tokens."""

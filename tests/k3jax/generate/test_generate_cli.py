@@ -95,7 +95,8 @@ def test_batch_of_different_lengths_and_stop(run_dir, capsys):
 
 def test_sampling_by_seed_and_under_a_mesh(run_dir, capsys):
   """Same seed, same tokens; top-k 1 is greedy; a data x tensor mesh gives the greedy tokens
-  of one device (float64: rounding cannot flip an argmax)."""
+  of one device (float64: rounding cannot flip an argmax), with the pools in one shard or in
+  a shard per data device."""
   base = [run_dir, "--prompt-ids", "1,2,3", "--prompt-ids", "7", "--max-new-tokens", "5",
           "--json", "--dtype", "float64"]
   tokens = lambda out: [r["tokens"] for r in sorted(map(json.loads, out.splitlines()),
@@ -107,6 +108,9 @@ def test_sampling_by_seed_and_under_a_mesh(run_dir, capsys):
   assert tokens(generate(capsys, *base, *hot, "--top-k", "1")[1]) == greedy
   rc, out, _ = generate(capsys, *base, "--mesh", "data=-1,tensor=2")
   assert rc == 0 and tokens(out) == greedy
+  # the pools in a shard per data device (4 slots for the 2 prompts: whole shards)
+  rc, out, _ = generate(capsys, *base, "--mesh", "data=-1,tensor=2", "--data-shards", "4")
+  assert rc == 0 and tokens(out) == greedy
 
 
 @pytest.mark.parametrize("args,message", [
@@ -116,6 +120,7 @@ def test_sampling_by_seed_and_under_a_mesh(run_dir, capsys):
     (["--prompt-ids", "1", "--chat"], "--chat"),
     (["--prompt", "x", "--mesh", "data=3"], "--mesh"),
     (["--prompt", "x", "--stop", "ab"], "--stop"),
+    (["--prompt", "x", "--mesh", "data=4,tensor=2", "--data-shards", "2"], "--data-shards"),
 ])
 def test_bad_input_is_one_line(run_dir, capsys, args, message):
   rc, out, err = generate(capsys, run_dir, *args)
