@@ -30,12 +30,13 @@ def test_mesh_decode_blocks_serve_the_tokens_of_one_device():
   _check(dataclasses.replace(CONFIG, decode_steps=4, prefill_widths=2))
 
 
-@pytest.mark.parametrize("mesh, axes", [(MESH, ("data", "expert")),
-                                        ("fsdp=4,tensor=2", "fsdp")])
-def test_mesh_pool_shards_serve_the_tokens_of_one_device(mesh, axes):
-  """Also on an fsdp mesh: the weights split over fsdp too (gathered for use), the pools'
-  shards over fsdp."""
-  engine = _check(dataclasses.replace(CONFIG, data_shards=4, num_pages=48), mesh)
+@pytest.mark.parametrize("mesh, axes, steps", [(MESH, ("data", "expert"), 4),
+                                               ("fsdp=4,tensor=2", "fsdp", 1)])
+def test_mesh_pool_shards_serve_the_tokens_of_one_device(mesh, axes, steps):
+  """With decode blocks (shard_map inside the block's loop); and on an fsdp mesh: the weights
+  split over fsdp too (gathered for use), the pools' shards over fsdp."""
+  engine = _check(dataclasses.replace(CONFIG, data_shards=4, num_pages=48, decode_steps=steps,
+                                      prefill_widths=2), mesh)
   cache = engine.runner.cache
   for pool in (cache.kda[0].recurrent, cache.snapshots[0].recurrent, cache.pages[0].c):
     assert pool.sharding.spec[0] == axes
