@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from sharding.rules import BATCH_MESH_AXES
+from sharding.placement import batch_rows_ways
 
 DEFAULT_MAX_MODEL_LEN = 8192
 
@@ -18,7 +18,7 @@ def bucket(n: int, cap: int) -> int:
 def check_shards(data_shards: int, mesh) -> None:
   """ValueError unless `data_shards` pool shards divide over `mesh`'s batch axes (data x fsdp
   x expert), as they are placed: each device holds whole shards."""
-  ways = math.prod(dict(mesh.shape).get(a, 1) for a in BATCH_MESH_AXES)
+  ways = batch_rows_ways(mesh)
   if data_shards > 1 and data_shards % ways:
     raise ValueError(f"data_shards {data_shards} do not divide over the mesh's {ways} devices "
                      "along data x fsdp x expert")
@@ -108,9 +108,6 @@ class EngineConfig:
                        f"{self.max_model_len}")
     if self.layout not in (None, "stacked", "unstacked"):
       raise ValueError(f"unknown layout {self.layout!r}; choose stacked or unstacked")
-
-  def check_mesh(self, mesh) -> None:
-    check_shards(self.data_shards, mesh)
 
   def prefill_width(self, longest: int) -> int:
     """The prefill row width of a step whose longest chunk has `longest` tokens."""

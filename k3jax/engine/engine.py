@@ -179,9 +179,10 @@ class Engine:
     want_prompt = [c for c in prefill if c.request.params.prompt_logprobs]
     targets = None
     if want_prompt:  # every prefill position, row-major, and where its features are
-      targets = (self._targets(laid[-1], width), np.asarray(
-          [paged.token_index(widths, shards, 1, i, j) for i in range(len(laid[-1]))
-           for j in range(width)], np.int32))
+      starts = [paged.token_index(widths, shards, 1, i, 0) for i in range(len(laid[-1]))]
+      targets = (self._targets(laid[-1], width),
+                 (np.asarray(starts, np.int32)[:, None] + np.arange(width, dtype=np.int32))
+                 .reshape(-1))
     out = self.runner.step(tuple(parts), table, sample_rows, targets, ctx_pages)
     for i, c in enumerate(rows):
       if c is None:

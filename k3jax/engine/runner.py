@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from k3jax.engine.config import EngineConfig
+from k3jax.engine.config import EngineConfig, check_shards
 from k3jax.generate.sampling import Sampling, sample
 from k3jax.model import paged
 from k3jax.model.decode import unstack_model
@@ -130,7 +130,7 @@ class Runner:
 
   def __init__(self, model: nnx.Module, config: EngineConfig, mesh=None):
     if mesh is not None:
-      config.check_mesh(mesh)
+      check_shards(config.data_shards, mesh)
     self.cfg, self.ex, self.config = model.cfg, model.ex, config
     layout = config.layout or ("unstacked" if jax.default_backend() == "cpu" else "stacked")
     self.layout = layout

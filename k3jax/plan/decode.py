@@ -58,7 +58,6 @@ from k3jax.execution import Execution, GroupedMatmul, KdaBackend, Precision
 from k3jax.generate.sampling import Sampling
 from k3jax.generate.static_batch import decode_block, extend_jit
 from k3jax.model import cache as cache_lib
-from k3jax.model import paged
 from k3jax.model.transformer import K3Model
 from k3jax.plan import engine_memory, hlo, report
 from k3jax.plan.analytic import bytes_per_device, decode_temp, engine_temp, moe_layer_bytes
@@ -69,7 +68,6 @@ from k3jax.plan.search import search
 from k3jax.train import flops as flops_lib
 from sharding.mesh import format_sizes, make_mesh
 from sharding.placement import batch_rows_ways, check_batch, check_model_fits, variable_spec
-from sharding.rules import BATCH_MESH_AXES
 
 
 @dataclasses.dataclass
@@ -208,7 +206,7 @@ def data_shards(request: PlanRequest, mesh) -> int:
   into them, else 1 (one pool, whole on every device)."""
   if request.data_shards is not None:
     return request.data_shards
-  ways = math.prod(dict(mesh.shape).get(a, 1) for a in BATCH_MESH_AXES)
+  ways = batch_rows_ways(mesh)
   counts = (request.batch, request.num_pages or 0, request.prefix_snapshots or 0)
   return ways if all(n % ways == 0 for n in counts) else 1
 
@@ -236,8 +234,6 @@ def engine_figures(request: PlanRequest, cfg, ex, mesh, weights: int, batch: int
     cache = engine_memory.cache_bytes(cfg, ex, config, mesh)
   except ValueError as e:
     raise UserError(f"--mode decode: {e}") from None
-  ways = math.prod(dict(mesh.shape)[a] for a in paged.shard_axes(
-      engine_memory.abstract_cache(cfg, ex, config), mesh, shards))
   ctx = config.pages_per_seq * config.page_size  # the longest context bucket
   temps = []
   for prefill_rows in (shards * config.prefill_rows, 0):  # up to prefill_rows per shard
@@ -245,7 +241,7 @@ def engine_figures(request: PlanRequest, cfg, ex, mesh, weights: int, batch: int
     temps.append(engine_temp(cfg, mesh, decode_rows=config.max_num_seqs,
                              prefill_rows=prefill_rows, chunk=config.prefill_chunk, ctx=ctx,
                              moe_bytes=moe_layer_bytes(cfg, ex, mesh, tokens) / 2,
-                             row_ways=ways))
+                             row_ways=cache.shard_devices))
   return config, cache, temps, weights + cache.total + max(temps)
 
 

@@ -45,6 +45,7 @@ class CacheBytes:
   kda_slots: int
   latent_pages: int
   snapshots: int
+  shard_devices: int = 1  # the devices the pools' shards split over (1: one pool, whole)
 
   @property
   def total(self) -> int:
@@ -115,7 +116,7 @@ def abstract_cache(cfg: ModelConfig, ex: Execution, config: EngineConfig) -> pag
 def cache_bytes(cfg: ModelConfig, ex: Execution, config: EngineConfig, mesh) -> CacheBytes:
   """One device's share of the engine's cache on `mesh`, placed as `paged.place` does."""
   cache = abstract_cache(cfg, ex, config)
-  paged.shard_axes(cache, mesh, config.data_shards)  # ValueError: shards split unevenly
+  axes = paged.shard_axes(cache, mesh, config.data_shards)  # ValueError: split unevenly
   specs = paged.specs(cache, mesh, config.data_shards)
 
   def part(arrays, part_specs) -> int:
@@ -125,7 +126,8 @@ def cache_bytes(cfg: ModelConfig, ex: Execution, config: EngineConfig, mesh) -> 
 
   return CacheBytes(kda_slots=part(cache.kda, specs.kda),
                     latent_pages=part(cache.pages, specs.pages),
-                    snapshots=part(cache.snapshots, specs.snapshots))
+                    snapshots=part(cache.snapshots, specs.snapshots),
+                    shard_devices=math.prod(mesh.shape[a] for a in axes))
 
 
 def _spec_leaves(tree) -> list:

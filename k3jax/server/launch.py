@@ -23,7 +23,7 @@ import uvicorn
 
 import configs
 from convert.load import load_any, stores_packed_experts
-from k3jax.engine import DEFAULT_MAX_MODEL_LEN, Engine, EngineConfig
+from k3jax.engine import DEFAULT_MAX_MODEL_LEN, Engine, EngineConfig, check_shards
 from k3jax.errors import UserError
 from k3jax.execution import NUMERICS, resolve_dtype
 from k3jax.folders import max_model_len, model_folder
@@ -91,7 +91,7 @@ def build(options: ServeOptions) -> Server:
   mesh = make_mesh(options.mesh) if options.mesh else None
   if mesh is not None:
     try:
-      engine_config.check_mesh(mesh)
+      check_shards(engine_config.data_shards, mesh)
     except ValueError as e:
       raise UserError(f"--data-shards: {e}") from None
   keep_packed = (stores_packed_experts(folder.weights) if options.experts is None
