@@ -162,7 +162,7 @@ class Engine:
   def _run(self, decode: list[Chunk], prefill: list[Chunk]) -> None:
     config = self.config
     laid = [self._decode_layout(decode)]
-    parts = [self._rows(laid[0], 1)]
+    parts = [self._rows(laid[0], 1)._replace(save=None)]  # decode rows save no snapshot
     width = config.prefill_width(max((c.end - c.start for c in prefill), default=1))
     if prefill:
       laid.append(self._layout(prefill, 1, config.prefill_rows))

@@ -108,12 +108,14 @@ def _decode_block(static, params, cache: paged.PagedCache, page_table, part: pag
   r, wide = part.ids.shape[0], wide_dtype(defs.ex.jnp_dtype)  # the logprobs' dtype
   out = (jnp.zeros((max_steps, r), jnp.int32), jnp.zeros((max_steps, r), wide),
          jnp.zeros((max_steps, r, top_n), jnp.int32), jnp.zeros((max_steps, r, top_n), wide))
+  # every row's starting KDA state into its slot once: the steps then continue the slots
+  # alone, reading no snapshot and writing none
+  cache = paged.start_slots(cache, part, shards=pools[0], axes=pools[1])
+  from_slots = part._replace(source=None, restore=None, save=None)
 
   def body(carry):
     i, ids, cache, out = carry
-    # after the first step every row continues its own slot's state
-    source = jnp.where(i == 0, part.source, paged.FROM_SLOT)
-    rows_i = part._replace(ids=ids, positions=part.positions + i, source=source)
+    rows_i = from_slots._replace(ids=ids, positions=part.positions + i)
     features, cache = paged.forward(defs, per_layer, (rows_i,), cache, page_table,
                                     ctx_pages=ctx_pages, shards=pools[0], axes=pools[1])
     drawn = _draw(defs, per_layer, features, rows, rows.position + i, top_n)
@@ -123,6 +125,10 @@ def _decode_block(static, params, cache: paged.PagedCache, page_table, part: pag
   _, _, cache, out = jax.lax.while_loop(lambda c: c[0] < steps, body,
                                         (jnp.int32(0), part.ids, cache, out))
   return StepOut(*out, None, None, None), cache
+
+
+def _device_rows(part: paged.Rows) -> paged.Rows:
+  return paged.Rows(*(None if a is None else jnp.asarray(a) for a in part))
 
 
 class Runner:
@@ -171,7 +177,7 @@ class Runner:
     def run():
       out, self.cache = _decode_block(
           self.static, self.params, self.cache, jnp.asarray(page_table),
-          paged.Rows(*(jnp.asarray(a) for a in part)), jax.tree.map(jnp.asarray, rows),
+          _device_rows(part), jax.tree.map(jnp.asarray, rows),
           jnp.int32(steps), ctx_pages=ctx_pages,
           top_n=min(self.config.max_top_logprobs, self.cfg.vocab_size), max_steps=max_steps,
           pools=self.pools)
@@ -184,7 +190,7 @@ class Runner:
   def _step(self, parts, page_table, rows, targets, ctx_pages) -> StepOut:
     out, self.cache = _step(
         self.static, self.params, self.cache, jnp.asarray(page_table),
-        tuple(paged.Rows(*(jnp.asarray(a) for a in p)) for p in parts),
+        tuple(map(_device_rows, parts)),
         jax.tree.map(jnp.asarray, rows),
         None if targets is None else tuple(map(jnp.asarray, targets)),
         ctx_pages=ctx_pages, top_n=min(self.config.max_top_logprobs, self.cfg.vocab_size),

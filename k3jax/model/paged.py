@@ -69,9 +69,10 @@ class Rows(NamedTuple):
   positions: jax.Array  # [R, T] int32 absolute position of each token in its sequence
   valid: jax.Array      # [R, T] bool, False at padding
   slot: jax.Array       # [R] int32 the slot the row continues (scratch slot: no request)
-  source: jax.Array     # [R] int32 FROM_SLOT, FRESH or FROM_SNAPSHOT
-  restore: jax.Array    # [R] int32 snapshot to start from (FROM_SNAPSHOT)
-  save: jax.Array       # [R] int32 snapshot to save the row's final state to (scratch: none)
+  source: jax.Array | None   # [R] int32 FROM_SLOT, FRESH or FROM_SNAPSHOT (None: all FROM_SLOT)
+  restore: jax.Array | None  # [R] int32 snapshot to start from (FROM_SNAPSHOT)
+  save: jax.Array | None     # [R] int32 snapshot to save the row's final state to (scratch:
+                             #   none; None: the part saves none, as decode rows never do)
 
 
 def init_cache(cfg: ModelConfig, ex: Execution, *, slots: int, pages: int, page_size: int,
@@ -142,6 +143,11 @@ def shard_axes(cache: PagedCache, mesh, shards: int) -> tuple[str, ...]:
 
 
 def _start_state(entry: KDAState, snaps: KDAState, rows: Rows) -> KDAState:
+  """Each row's KDA state before its tokens: its slot's, zeros (FRESH) or a snapshot's; its
+  slot's alone when `rows.source` is None (rows that all continue their slots)."""
+  if rows.source is None:
+    return KDAState(*(a[rows.slot] for a in entry))
+
   def pick(slot_a, snap_a):
     from_slot = slot_a[rows.slot]
     from_snap = snap_a[rows.restore]
@@ -150,6 +156,38 @@ def _start_state(entry: KDAState, snaps: KDAState, rows: Rows) -> KDAState:
     zero = jnp.zeros((), from_slot.dtype)
     return jnp.where(src == FRESH, zero, jnp.where(src == FROM_SNAPSHOT, from_snap, from_slot))
   return KDAState(*(pick(a, s) for a, s in zip(entry, snaps)))
+
+
+def _per_shard(fn, args: tuple, shards: int, axes: tuple[str, ...]):
+  """`fn(*args)` on each shard's equal blocks of every array of `args` (leading axes laid out
+  shard by shard), the outputs' blocks concatenated back; under `axes` inside shard_map, each
+  device on its own shards, so no device reads another's pool."""
+  def blocks(*a, n: int):
+    if n == 1:
+      return fn(*a)
+    block = lambda x, s: x.reshape(n, -1, *x.shape[1:])[s]
+    outs = [fn(*jax.tree.map(lambda x, s=s: block(x, s), a)) for s in range(n)]
+    return jax.tree.map(lambda *o: jnp.concatenate(o, axis=0), *outs)
+
+  if not axes:
+    return blocks(*args, n=shards)
+  ways = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes)
+  spec = jax.sharding.PartitionSpec(axes)
+  return jax.shard_map(lambda *a: blocks(*a, n=shards // ways), in_specs=(spec,) * len(args),
+                       out_specs=spec, axis_names=frozenset(axes), check_vma=False)(*args)
+
+
+def start_slots(cache: PagedCache, part: Rows, *, shards: int = 1,
+                axes: tuple[str, ...] = ()) -> PagedCache:
+  """`cache` with every row of `part` starting from its slot: the KDA state a row starts from
+  (`part.source`: its slot's, zeros or a snapshot) written to its slot. A decode block does
+  this once, before its loop, so that its steps read and write the slots alone (`part` with
+  source, restore and save None) instead of reading a snapshot and writing the scratch one
+  every step of every layer."""
+  def one(rows, kda, snaps):
+    return tuple(KDAState(*(a.at[rows.slot].set(n) for a, n in zip(e, _start_state(e, s, rows))))
+                 for e, s in zip(kda, snaps))
+  return cache._replace(kda=_per_shard(one, (part, cache.kda, cache.snapshots), shards, axes))
 
 
 class _RowsMixer:
@@ -179,29 +217,12 @@ class _RowsMixer:
       xs.append(x_bnd[:, offset:offset + n].reshape(r, t, -1))
       offset += n
     state = (self.entry, self.snaps) if self.snaps is not None else (self.entry,)
-    args = (tuple(xs), self.parts, self.page_table, state)
-    if self.axes:
-      ways = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in self.axes)
-      spec = jax.sharding.PartitionSpec(self.axes)
-      run = jax.shard_map(lambda *a: self._blocks(*a, n=self.shards // ways),
-                          in_specs=(spec,) * 4, out_specs=(spec, spec),
-                          axis_names=frozenset(self.axes), check_vma=False)
-      ys, state = run(*args)
-    else:
-      ys, state = self._blocks(*args, n=self.shards)
+    ys, state = _per_shard(self._shard, (tuple(xs), self.parts, self.page_table, state),
+                           self.shards, self.axes)
     self.entry = state[0]
     if self.snaps is not None:
       self.snaps = state[1]
     return jnp.concatenate([y.reshape(self.shards, -1, y.shape[-1]) for y in ys], axis=1), None
-
-  def _blocks(self, xs, parts, table, state, *, n: int):
-    """The mixer on n shards' equal blocks of every array, each on its own."""
-    if n == 1:
-      return self._shard(xs, parts, table, state)
-    block = lambda a, s: a.reshape(n, -1, *a.shape[1:])[s]
-    outs = [self._shard(*jax.tree.map(lambda a, s=s: block(a, s), (xs, parts, table, state)))
-            for s in range(n)]
-    return jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *outs)
 
   def _shard(self, xs, parts, table, state):
     """One shard: every part's rows against its pools (ids local to them)."""
@@ -219,7 +240,8 @@ class _RowsMixer:
     y, new = self.module(x, state=state, token_mask=rows.valid)
     new = KDAState(*(n.astype(a.dtype) for n, a in zip(new, entry)))
     entry = KDAState(*(a.at[rows.slot].set(n) for a, n in zip(entry, new)))
-    snaps = KDAState(*(a.at[rows.save].set(n) for a, n in zip(snaps, new)))
+    if rows.save is not None:  # None: the part saves no snapshot (decode rows never do)
+      snaps = KDAState(*(a.at[rows.save].set(n) for a, n in zip(snaps, new)))
     return y, (entry, snaps)
 
   def _mla(self, x, rows: Rows, table, entry):

@@ -21,7 +21,7 @@ from k3jax.engine.config import EngineConfig
 from k3jax.engine.engine import Engine
 from k3jax.engine.request import SamplingParams
 from k3jax.model import lora
-from tests.k3jax.engine.helpers import CONFIG, drain, log_softmax, model, truth
+from tests.k3jax.engine.helpers import CONFIG, Result, drain, log_softmax, model, truth
 from tests.k3jax.model.helpers import F64
 
 TOL = 1e-12
@@ -207,6 +207,31 @@ def test_batch_invariance_arrivals_aborts_preemption(m, config):
     assert eng.block_calls > 0
   for rid, p in zip("03", (ps[0], ps[3])):
     check_against_truth(m, p, together[rid])
+
+
+def test_decode_blocks_start_from_a_snapshot_and_from_zeros(m):
+  """A decode block whose rows start from a prefix-cache snapshot (a prompt cached up to its
+  last token) and from zeros (a one-token prompt): the block writes those states into the
+  slots before its loop, and its steps read the slots alone. Tokens and logprobs are the full
+  forward's; the first step after the two arrive is one block of 4 steps."""
+  base = prompts(2, (40,))[0]
+  eng = Engine(m, BLOCKS)
+  drain(eng, {0: [("base", base, GREEDY)]})
+  calls, hits = eng.block_calls, eng.scheduler.hit_tokens
+  cases = {"at33": base[:33], "one": [5]}
+  for rid, p in cases.items():
+    eng.add(rid, p, GREEDY)
+  first = {o.request_id: o for o in eng.step()}
+  assert eng.block_calls == calls + 1
+  assert {rid: len(o.token_ids) for rid, o in first.items()} == {"at33": 4, "one": 4}
+  assert eng.scheduler.hit_tokens == hits + 32  # at33 restored the snapshot at 32
+  rest = drain(eng)
+  for rid, p in cases.items():
+    got = Result(first[rid].token_ids + rest[rid].tokens,
+                 first[rid].logprobs + rest[rid].logprobs,
+                 first[rid].top_logprobs + rest[rid].top)
+    assert len(got.tokens) == GREEDY.max_tokens
+    check_against_truth(m, p, got)
 
 
 def test_stacked_layout_equals_unstacked(m):
