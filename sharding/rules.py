@@ -27,6 +27,7 @@ Names and what they mean:
   expert_scores router output axis (one score per expert; the router is one whole matrix)
   latent        LatentMoE width l
   moe_mlp       routed-expert intermediate width
+  moe_mlp_groups  MXFP4 scale groups (of 32) along moe_mlp (w2's packed scales)
   batch, length activations (rows and positions)
 
 Per-Head Muon reads the same names: `layers`, `experts`, `q_heads`, `kv_heads` are batch axes
@@ -97,6 +98,11 @@ TABLE: tuple[tuple[str, Target, Target], ...] = (
     ("expert_scores", None, None),
     ("latent", "fsdp", None),
     ("moe_mlp", "tensor", "tensor"),
+    # MXFP4 scales of w2 along moe_mlp (one per group of 32): split with the codes where the
+    # groups divide over tensor, else whole (the packed matmul refuses such a mesh when it
+    # runs: a rank would hold part of a group)
+    ("moe_mlp_groups", "tensor", "tensor"),
+    ("moe_mlp_groups", None, None),
     # the serving engine's caches (k3jax/model/paged.py): in one pool every device indexes
     # any request slot and any latent page (the pages hold the MLA latent, which has no head
     # axis to split); pools in shards (EngineConfig.data_shards) split the shards over the

@@ -164,8 +164,12 @@ def pack_experts(ex, names_of: dict[str, tuple]) -> None:
     var = getattr(ex, weight)
     codes, scales = mx.quantize(var[...])
     names = names_of[weight]
-    # the checkpoint's orientation [out, in/2]; scales are never split along `in`
-    for suffix, value, last in (("_packed", codes, names[-2]), ("_scale", scales, None)):
+    # the checkpoint's orientation [out, in/2]; the scales [out, in/32] are split along `in`
+    # with the codes when `in` is the experts' F and its groups of 32 divide over `tensor`
+    # (w2: what expert_parallel's shard_map hands each rank anyway), and whole along h (7168
+    # / 32 = 224 groups, which fsdp need not divide)
+    scale_in = "moe_mlp_groups" if names[-2] == "moe_mlp" else None
+    for suffix, value, last in (("_packed", codes, names[-2]), ("_scale", scales, scale_in)):
       setattr(ex, weight + suffix, PackedExperts(value, out_sharding=(*names[:-2], names[-1],
                                                                       last),
                                                   eager_sharding=False))

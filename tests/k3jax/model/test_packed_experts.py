@@ -146,6 +146,24 @@ def test_expert_parallel_packed_equals_one_device(case, adapters):
   assert_same(one, ep)
 
 
+@pytest.mark.parametrize("tensor, f, split", [(2, 64, True), (4, 64, False), (2, 32, False)])
+def test_w2_scales_split_over_tensor_with_their_codes(tensor, f, split):
+  """At rest, w2's scales [E, l, F / 32] are split over `tensor` along F, as its codes are,
+  when F's groups of 32 divide over it (one rank's scales are those of its own codes, which
+  the packed matmul hands each rank anyway; at K3 the whole scales are 3.3 GiB a device on
+  expert=8), and whole where they do not (a mesh the packed matmul then refuses when it
+  runs). w1 / w3's scales stay whole along their input h."""
+  moe = make_moe(tiny_cfg(latent_size=32, moe_intermediate_size=f), ex=Execution())
+  lora.pack_experts(moe.experts, {w: lora._names(getattr(moe.experts, w))
+                                  for w in lora.EXPERT_WEIGHTS})
+  mesh = jax.sharding.AbstractMesh((2, tensor), ("expert", "tensor"))
+  spec = lambda name: tuple(variable_spec(getattr(moe.experts, name), mesh))
+  assert spec("w2_packed") == ("expert", None, "tensor")
+  assert spec("w2_scale") == ("expert", None, "tensor" if split else None)
+  assert spec("w1_packed") == ("expert", "tensor", None)
+  assert spec("w1_scale") == ("expert", "tensor", None)
+
+
 def _jaxpr_avals(jaxpr):
   """Every intermediate value of a (closed) jaxpr and its sub-jaxprs (loops, custom_vjp,
   shard_map, pjit...)."""
