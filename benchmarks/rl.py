@@ -73,7 +73,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax
 import numpy as np
 
-from benchmarks.serve import bf16_model, model_config
+from benchmarks.serve import model_config, random_model
 from k3jax import plan
 from k3jax.rl.loop import RLOptions
 from k3jax.rl.loop import run as rl_run
@@ -110,7 +110,7 @@ def rl_config(size: Size):
 def save_folder(root: str, cfg, seed: int) -> str:
   """A `k3jax train`-style output: model/ (bf16 random weights) + run.json (byte tokenizer)."""
   out = os.path.join(root, "init")
-  graphdef, params, bias = split_model(bf16_model(cfg, seed))
+  graphdef, params, bias = split_model(random_model(cfg, "bfloat16", seed))
   save_model(os.path.join(out, "model"), graphdef, params, bias, cfg)
   with open(os.path.join(out, "run.json"), "w") as f:
     json.dump({"options": {"tokenizer": "byte", "init_from": None}, "model": cfg.to_dict()}, f)
