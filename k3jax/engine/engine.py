@@ -162,7 +162,7 @@ class Engine:
   def _run(self, decode: list[Chunk], prefill: list[Chunk]) -> None:
     config = self.config
     laid = [self._decode_layout(decode)]
-    parts = [self._rows(laid[0], 1)._replace(save=None)]  # decode rows save no snapshot
+    parts = [self._rows(laid[0], 1, decode=True)]
     width = config.prefill_width(max((c.end - c.start for c in prefill), default=1))
     if prefill:
       laid.append(self._layout(prefill, 1, config.prefill_rows))
@@ -226,7 +226,7 @@ class Engine:
     one-step run would take it, and a request's tokens after it finished are dropped."""
     config = self.config
     rows = self._decode_layout(decode)
-    part = self._rows(rows, 1)
+    part = self._rows(rows, 1, decode=True)
     ctx_pages, table = self._pages(decode, steps - 1)
     sample_rows = self._sample_rows(rows, list(range(len(rows))))
     out = self.runner.decode_block(part, table, sample_rows, steps, config.decode_steps,
@@ -240,9 +240,11 @@ class Engine:
         self.scheduler.advance(Chunk(r, c.start + j, c.end + j))
         self._accept(r, out_j, i)
 
-  def _rows(self, chunks: list[Chunk | None], width: int) -> paged.Rows:
+  def _rows(self, chunks: list[Chunk | None], width: int, decode: bool = False) -> paged.Rows:
     """A part's arrays for its laid-out rows (`_layout`), with ids local to each row's shard:
-    slot (its scratch slot: no request) and snapshots (its scratch snapshot: none saved)."""
+    slot (its scratch slot: no request) and snapshots (its scratch snapshot: none saved).
+    decode: every row continues its slot and saves nothing (the scheduler's decode chunks),
+    so the part carries no source, restore or save and its steps touch no snapshot."""
     n_slots, scratch_snap = self.config.shard_slots, self.config.shard_snapshots
     n_rows = len(chunks)
     ids = np.zeros((n_rows, width), np.int32)
@@ -262,6 +264,10 @@ class Engine:
       slot[i], source[i], restore[i] = r.slot % n_slots, r.source, r.restore
       if c.save is not None:
         save[i] = c.save
+    if decode:
+      if (source != paged.FROM_SLOT).any() or (save != scratch_snap).any():
+        raise RuntimeError("a decode row that does not continue its slot (scheduler bug)")
+      return paged.Rows(ids, pos, valid, slot, None, None, None)
     return paged.Rows(ids, pos, valid, slot, source, restore, save)
 
   def _sample_rows(self, rows: list[Chunk | None], index: list[int]) -> SampleRows:

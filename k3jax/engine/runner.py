@@ -102,20 +102,17 @@ def _draw(defs, per_layer, features, rows: SampleRows, position, top_n: int):
 def _decode_block(static, params, cache: paged.PagedCache, page_table, part: paged.Rows,
                   rows: SampleRows, steps, *, ctx_pages: int, top_n: int, max_steps: int,
                   pools=(1, ())):
-  """`steps` (<= max_steps) decode steps of the rows of `part` ([R, 1]) in one loop: step i
-  feeds the token step i - 1 drew, at the next position, exactly as a one-step call would."""
+  """`steps` (<= max_steps) decode steps of the rows of `part` ([R, 1], every row continuing
+  its slot: no source, restore or save) in one loop: step i feeds the token step i - 1 drew,
+  at the next position, exactly as a one-step call would."""
   defs, per_layer = _per_layer(static, params)
   r, wide = part.ids.shape[0], wide_dtype(defs.ex.jnp_dtype)  # the logprobs' dtype
   out = (jnp.zeros((max_steps, r), jnp.int32), jnp.zeros((max_steps, r), wide),
          jnp.zeros((max_steps, r, top_n), jnp.int32), jnp.zeros((max_steps, r, top_n), wide))
-  # every row's starting KDA state into its slot once: the steps then continue the slots
-  # alone, reading no snapshot and writing none
-  cache = paged.start_slots(cache, part, shards=pools[0], axes=pools[1])
-  from_slots = part._replace(source=None, restore=None, save=None)
 
   def body(carry):
     i, ids, cache, out = carry
-    rows_i = from_slots._replace(ids=ids, positions=part.positions + i)
+    rows_i = part._replace(ids=ids, positions=part.positions + i)
     features, cache = paged.forward(defs, per_layer, (rows_i,), cache, page_table,
                                     ctx_pages=ctx_pages, shards=pools[0], axes=pools[1])
     drawn = _draw(defs, per_layer, features, rows, rows.position + i, top_n)

@@ -4,10 +4,11 @@ Every step: admit waiting requests to free slots (oldest first; a prefix-cache h
 snapshot and shares the cached pages; a request whose prompt shares a prefix that a running
 request is still computing waits for it, then hits), then take one token of every request
 that is decoding and a chunk of up to `prefill_chunk` tokens of the oldest `prefill_rows`
-requests still reading their prompt, and make sure every position taken has a page. When no
-page is free the prefix cache gives up its least recently used idle block; when it has none,
-the newest running request is preempted (its pages and slot freed, its tokens so far kept)
-and recomputed later, so a full pool never fails a request or changes a token.
+requests still reading their prompt (or starting from a snapshot or from zeros with one
+token left: decode rows only continue their slots), and make sure every position taken has a
+page. When no page is free the prefix cache gives up its least recently used idle block; when
+it has none, the newest running request is preempted (its pages and slot freed, its tokens so
+far kept) and recomputed later, so a full pool never fails a request or changes a token.
 
 Chunk boundaries depend on the request alone (multiples of `prefill_chunk`, the prefix-cache
 snapshot positions, the end of its tokens), never on what else runs: a request computes the
@@ -205,13 +206,18 @@ class Scheduler:
 
   # ---- one step's work -----------------------------------------------------------------------
   def schedule(self) -> tuple[list[Chunk], list[Chunk]]:
-    """(decode chunks, prefill chunks) of the next step, pages allocated."""
+    """(decode chunks, prefill chunks) of the next step, pages allocated. A decode chunk is
+    the one token left of a request that continues its slot's KDA state; one that starts from
+    a snapshot or from zeros (a prompt cached up to its last token, a one-token prompt) is
+    read in a prefill row instead, so decode rows only ever read and write their slots."""
     self.admit()
     while True:
-      decode = [Chunk(r, r.computed, r.computed + 1) for r in self.running if r.to_feed == 1]
+      decode = [Chunk(r, r.computed, r.computed + 1) for r in self.running
+                if r.to_feed == 1 and r.source == FROM_SLOT]
       prefill, reading = [], Counter()  # the oldest prompts still being read, per shard
       for r in self.running:
-        if r.to_feed > 1 and reading[r.shard] < self.config.prefill_rows:
+        starts = r.to_feed > 1 or (r.to_feed == 1 and r.source != FROM_SLOT)
+        if starts and reading[r.shard] < self.config.prefill_rows:
           reading[r.shard] += 1
           prefill.append(Chunk(r, r.computed, self._chunk_end(r)))
       victim = self._allocate(decode + prefill)

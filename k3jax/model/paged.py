@@ -177,19 +177,6 @@ def _per_shard(fn, args: tuple, shards: int, axes: tuple[str, ...]):
                        out_specs=spec, axis_names=frozenset(axes), check_vma=False)(*args)
 
 
-def start_slots(cache: PagedCache, part: Rows, *, shards: int = 1,
-                axes: tuple[str, ...] = ()) -> PagedCache:
-  """`cache` with every row of `part` starting from its slot: the KDA state a row starts from
-  (`part.source`: its slot's, zeros or a snapshot) written to its slot. A decode block does
-  this once, before its loop, so that its steps read and write the slots alone (`part` with
-  source, restore and save None) instead of reading a snapshot and writing the scratch one
-  every step of every layer."""
-  def one(rows, kda, snaps):
-    return tuple(KDAState(*(a.at[rows.slot].set(n) for a, n in zip(e, _start_state(e, s, rows))))
-                 for e, s in zip(kda, snaps))
-  return cache._replace(kda=_per_shard(one, (part, cache.kda, cache.snapshots), shards, axes))
-
-
 class _RowsMixer:
   """A mixer for `layer_step` over the step's flat tokens [1, N, d]: runs each part's rows
   against the layer's cache entry; the updated entries end up in `.entry`, `.snaps`.

@@ -21,7 +21,7 @@ from k3jax.engine.config import EngineConfig
 from k3jax.engine.engine import Engine
 from k3jax.engine.request import SamplingParams
 from k3jax.model import lora
-from tests.k3jax.engine.helpers import CONFIG, Result, drain, log_softmax, model, truth
+from tests.k3jax.engine.helpers import CONFIG, drain, log_softmax, model, truth
 from tests.k3jax.model.helpers import F64
 
 TOL = 1e-12
@@ -209,29 +209,46 @@ def test_batch_invariance_arrivals_aborts_preemption(m, config):
     check_against_truth(m, p, together[rid])
 
 
-def test_decode_blocks_start_from_a_snapshot_and_from_zeros(m):
-  """A decode block whose rows start from a prefix-cache snapshot (a prompt cached up to its
-  last token) and from zeros (a one-token prompt): the block writes those states into the
-  slots before its loop, and its steps read the slots alone. Tokens and logprobs are the full
-  forward's; the first step after the two arrive is one block of 4 steps."""
+def test_one_token_left_from_a_snapshot_or_zeros_is_read_as_a_prefill_row(m):
+  """Decode rows only continue their slots (the engine's decode parts index no snapshot): a
+  request with one token left that starts from a prefix-cache snapshot (a prompt cached up
+  to its last token) or from zeros (a one-token prompt) is read in a prefill row, then decodes
+  in blocks. Tokens and logprobs are the full forward's; served one token per step they are
+  the same."""
   base = prompts(2, (40,))[0]
-  eng = Engine(m, BLOCKS)
-  drain(eng, {0: [("base", base, GREEDY)]})
-  calls, hits = eng.block_calls, eng.scheduler.hit_tokens
   cases = {"at33": base[:33], "one": [5]}
-  for rid, p in cases.items():
-    eng.add(rid, p, GREEDY)
-  first = {o.request_id: o for o in eng.step()}
-  assert eng.block_calls == calls + 1
-  assert {rid: len(o.token_ids) for rid, o in first.items()} == {"at33": 4, "one": 4}
-  assert eng.scheduler.hit_tokens == hits + 32  # at33 restored the snapshot at 32
-  rest = drain(eng)
-  for rid, p in cases.items():
-    got = Result(first[rid].token_ids + rest[rid].tokens,
-                 first[rid].logprobs + rest[rid].logprobs,
-                 first[rid].top_logprobs + rest[rid].top)
-    assert len(got.tokens) == GREEDY.max_tokens
-    check_against_truth(m, p, got)
+  results = {}
+  for config in (BLOCKS, CONFIG):
+    eng = Engine(m, config)
+    drain(eng, {0: [("base", base, GREEDY)]})
+    calls, hits = eng.block_calls, eng.scheduler.hit_tokens
+    for rid, p in cases.items():
+      eng.add(rid, p, GREEDY)
+    seen = []  # what the next step runs
+    eng.scheduler.schedule = lambda f=eng.scheduler.schedule, seen=seen: (
+        seen.append(f()) or seen[-1])
+    first = eng.step()
+    decode, prefill = seen[0]
+    # the oldest prefill_rows of them (both with BLOCKS, at33 alone with CONFIG's one row)
+    assert not decode
+    assert [c.request.id for c in prefill] == ["at33", "one"][:config.prefill_rows]
+    assert all(c.end - c.start == 1 for c in prefill)
+    assert eng.scheduler.hit_tokens == hits + 32  # at33 restored the snapshot at 32
+    got = drain(eng)
+    for o in first:  # the first step's tokens before the rest
+      r = got[o.request_id]
+      r.tokens, r.logprobs, r.top = (o.token_ids + r.tokens, o.logprobs + r.logprobs,
+                                     o.top_logprobs + r.top)
+    results[config.decode_steps] = got
+    if config is BLOCKS:
+      assert eng.block_calls > calls  # the rest ran in decode blocks
+    for rid, p in cases.items():
+      assert len(got[rid].tokens) == GREEDY.max_tokens
+      check_against_truth(m, p, got[rid])
+  for rid in cases:
+    assert results[4][rid].tokens == results[1][rid].tokens
+    np.testing.assert_allclose(results[4][rid].logprobs, results[1][rid].logprobs, rtol=0,
+                               atol=TOL)
 
 
 def test_stacked_layout_equals_unstacked(m):
