@@ -64,6 +64,12 @@ class Request:
   def to_feed(self) -> int:
     return len(self.prompt) + len(self.output) - self.computed
 
+  @property
+  def decodes(self) -> bool:
+    """Its next step is a decode row: one token left, continuing its slot's KDA state (one
+    starting from a snapshot or from zeros is read in a prefill row instead)."""
+    return self.to_feed == 1 and self.source == FROM_SLOT
+
   def out(self) -> RequestOutput:
     if self.pending is None:
       self.pending = RequestOutput(self.id)
@@ -212,12 +218,10 @@ class Scheduler:
     read in a prefill row instead, so decode rows only ever read and write their slots."""
     self.admit()
     while True:
-      decode = [Chunk(r, r.computed, r.computed + 1) for r in self.running
-                if r.to_feed == 1 and r.source == FROM_SLOT]
+      decode = [Chunk(r, r.computed, r.computed + 1) for r in self.running if r.decodes]
       prefill, reading = [], Counter()  # the oldest prompts still being read, per shard
       for r in self.running:
-        starts = r.to_feed > 1 or (r.to_feed == 1 and r.source != FROM_SLOT)
-        if starts and reading[r.shard] < self.config.prefill_rows:
+        if r.to_feed and not r.decodes and reading[r.shard] < self.config.prefill_rows:
           reading[r.shard] += 1
           prefill.append(Chunk(r, r.computed, self._chunk_end(r)))
       victim = self._allocate(decode + prefill)
