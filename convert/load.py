@@ -96,14 +96,15 @@ def named_shardings(cfg: ModelConfig, mesh, *, keep_packed: bool = False) -> dic
   return out
 
 
-def _pack(model):
+def pack_experts(model):
   """The model with its routed experts held as MXFP4 codes + scales (in place)."""
   return lora.adapt(model, lora.AdaptSpec(base_experts="mxfp4"), nnx.Rngs(0))
 
 
+
 def packed_variables(cfg: ModelConfig, ex: Execution) -> dict:
   """k3jax path -> abstract variable of the model (run as `ex`) with packed routed experts."""
-  abstract = nnx.eval_shape(lambda: _pack(_model(cfg, ex)))
+  abstract = nnx.eval_shape(lambda: pack_experts(_model(cfg, ex)))
   return {tuple(str(p) for p in path): v for path, v in nnx.to_flat_state(nnx.state(abstract))}
 
 
@@ -128,7 +129,7 @@ def load_checkpoint(directory: str, ex: Execution | None = None, *, allow_partia
   if keep_packed and not codes:  # bf16 experts: loaded, then packed
     model, cfg = load_checkpoint(directory, ex, allow_partial=allow_partial,
                                  shardings=shardings, **overrides)
-    return _pack(model), cfg
+    return pack_experts(model), cfg
   if keep_packed:  # the codes and scales are the packed model's own variables
     return _load_packed(directory, cfg, ex, layers, shardings)
   variables = abstract_variables(cfg, ex)
@@ -193,7 +194,7 @@ def _load_packed(directory: str, cfg: ModelConfig, ex: Execution, layers, shardi
         path: orbax_io.shape_dtype(var.shape, np.dtype(var.get_value().dtype),
                                    (shardings or {}).get(path))
         for path, var in variables.items()})
-  abstract = nnx.eval_shape(lambda: _pack(_model(cfg, ex)))
+  abstract = nnx.eval_shape(lambda: pack_experts(_model(cfg, ex)))
   return build_model(cfg, ex, arrays, abstract=abstract), cfg
 
 
@@ -289,21 +290,35 @@ def load_any(path: str, ex: Execution | None = None, *, mesh=None, keep_packed: 
     if is_checkpoint(path):
       return load_checkpoint(path, ex, allow_partial=True, keep_packed=keep_packed, **overrides)
     model, cfg = load_model(path, ex or Execution(), **overrides)
-    return (_pack(model) if keep_packed else model), cfg
+    return (pack_experts(model) if keep_packed else model), cfg
+  model, cfg = load_sharded(path, ex, mesh, keep_packed=keep_packed, allow_partial=True,
+                            **overrides)
+  place_model(model, mesh)  # a no-op for arrays already in their shardings
+  return model, cfg
+
+
+def load_sharded(path: str, ex: Execution | None, mesh, *, keep_packed: bool = False,
+                 allow_partial: bool = False, **overrides: Any):
+  """(model, cfg) with every array read straight into its sharding on `mesh` from the rules
+  table (a mesh that cannot split the model is refused before anything is read): a checkpoint
+  by Orbax's sharded restore, an official-layout folder by each process reading the byte
+  ranges of its own devices' blocks (convert/stream.py). No host holds a tensor it does not
+  keep. keep_packed: as `load_any`'s (a folder's float experts are packed after loading)."""
   shardings = named_shardings(configs.resolve(path, **overrides), mesh, keep_packed=keep_packed)
   if is_checkpoint(path):
-    model, cfg = load_checkpoint(path, ex, allow_partial=True, shardings=shardings,
-                                 keep_packed=keep_packed, **overrides)
-  else:  # each process reads the boxes of its own devices' blocks (convert/stream.py)
-    source, ex = open_source(path, **overrides), ex or Execution()
-    cfg = source.cfg
+    return load_checkpoint(path, ex, allow_partial=allow_partial, shardings=shardings,
+                           keep_packed=keep_packed, **overrides)
+  source, ex = open_source(path, **overrides), ex or Execution()
+  cfg = source.cfg
+  try:
     if keep_packed and stores_packed_experts(path):  # the codes and scales as released
       arrays = load_folder_sharded(source, cfg, ex, shardings, packed_variables(cfg, ex))
-      model = build_model(cfg, ex, arrays, abstract=nnx.eval_shape(lambda: _pack(_model(cfg, ex))))
+      abstract = nnx.eval_shape(lambda: pack_experts(_model(cfg, ex)))
+      model = build_model(cfg, ex, arrays, abstract=abstract)
     else:
       model = build_model(cfg, ex, load_folder_sharded(source, cfg, ex, shardings))
       if keep_packed:
-        model = _pack(model)
+        model = pack_experts(model)
+  finally:
     source.reader.close()
-  place_model(model, mesh)  # a no-op for arrays already in their shardings
   return model, cfg

@@ -29,7 +29,7 @@ import contextlib
 import os
 import re
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -137,6 +137,32 @@ def together(name: str, timeout_s: float) -> Iterator[None]:
       raise MeshError(f"process {missing[0]} did not finish {name!r} within {timeout_s:g} s "
                       "(it died, or is slower)")
     time.sleep(_POLL_S)
+
+
+_decisions: collections.Counter = collections.Counter()  # name -> calls so far
+_KEEP_DECISIONS = 16  # keys of older decisions are deleted (every process read them long ago)
+
+
+def decided_by_main(name: str, decide: Callable[[], bool], timeout_s: float) -> bool:
+  """Process 0's `decide()` at this point, the same answer on every process: process 0 posts
+  it as a key of the coordination service and the others wait for the key (no collective, no
+  device). For decisions that depend on process 0 alone (its clock: a save every M minutes).
+  Every process must call it at the same points in the same order (the calls of one `name`
+  are numbered); with one process it is `decide()`."""
+  client = _jax_distributed.global_state.client
+  if client is None or jax.process_count() == 1:
+    return bool(decide())
+  _decisions[name] += 1
+  n = _decisions[name]
+  key = f"k3jax/{name}/{n}"
+  if jax.process_index() != 0:
+    return client.blocking_key_value_get(key, int(timeout_s * 1000)) == "1"
+  value = bool(decide())
+  client.key_value_set(key, "1" if value else "0")
+  if n > _KEEP_DECISIONS:
+    with contextlib.suppress(Exception):
+      client.key_value_delete(f"k3jax/{name}/{n - _KEEP_DECISIONS}")
+  return value
 
 
 def _platforms_include_cpu() -> bool:

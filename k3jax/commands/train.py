@@ -31,6 +31,7 @@ from k3jax.commands._args import (
   add_remat,
   add_step_knobs,
   default_compile_cache,
+  nonneg_float,
   optional_float,
   positive_float,
   positive_int,
@@ -38,6 +39,18 @@ from k3jax.commands._args import (
 from k3jax.errors import UserError
 from k3jax.train.loop import RunOptions
 from k3jax.train.loop import run as run_training
+from k3jax.train.step import Schedule
+
+
+def step_range(text: str) -> tuple[int, int]:
+  """'A:B' -> (A, B), 1 <= A <= B."""
+  try:
+    a, b = (int(x) for x in text.split(":"))
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected A:B (two step numbers), got {text!r}") from None
+  if not 1 <= a <= b:
+    raise argparse.ArgumentTypeError(f"expected 1 <= A <= B, got {text}")
+  return a, b
 
 
 def options_from_args(args: argparse.Namespace):
@@ -46,20 +59,25 @@ def options_from_args(args: argparse.Namespace):
   cache = None if args.compile_cache.lower() == "none" else args.compile_cache
   return RunOptions(
       out=args.out, config=args.config, init_from=args.init_from, steps=args.steps,
+      new_stage=args.new_stage,
       data=args.data, data_format=args.format, skip_bad_rows=args.skip_bad_rows,
       tokenizer=args.tokenizer, batch_size=args.batch_size,
       grad_accum=args.grad_accum, seq_len=args.seq_len, learning_rate=args.lr,
       adam_learning_rate=args.adam_lr, warmup_steps=args.warmup, decay_steps=args.decay_steps,
-      end_lr_ratio=args.end_lr_ratio, weight_decay=args.weight_decay, clip_norm=args.clip,
+      end_lr_ratio=args.end_lr_ratio, schedule=args.schedule, decay_frac=args.decay_frac,
+      z_loss=args.z_loss, weight_decay=args.weight_decay, clip_norm=args.clip,
       qb=not args.no_qb, qb_method=args.qb_method, qb_rule=args.qb_rule,
       qk_clip=args.qk_clip, remat=args.remat, loss_chunk=args.loss_chunk,
       attention=args.attention, capacity_factor=args.capacity_factor, mesh=args.mesh,
       data_shards=args.data_shards,
       coordinator=args.coordinator, num_processes=args.num_processes,
       process_id=args.process_id, startup_timeout=args.startup_timeout,
+      step_timeout=args.step_timeout,
       dtype=args.dtype, eval_every=args.eval_every, eval_batches=args.eval_batches,
-      save_every=args.save_every, keep=args.keep, log_every=args.log_every, seed=args.seed,
-      peak_tflops=args.peak_tflops, progress=not args.no_progress,
+      save_every=args.save_every, save_every_minutes=args.save_every_minutes,
+      keep=args.keep, log_every=args.log_every, seed=args.seed,
+      peak_tflops=args.peak_tflops, profile_steps=args.profile_steps,
+      progress=not args.no_progress,
       tensorboard=not args.no_tensorboard, plots=not args.no_plots, compile_cache=cache,
       **_fine_tuning_options(args))
 
@@ -74,16 +92,22 @@ def run(args: argparse.Namespace) -> int:
   summary = run_training(options_from_args(args))
   if jax.process_index() != 0:  # one report per run, from process 0
     return 0
-  if summary["first_loss"] is None:
+  if summary["preempted"] is not None:  # the run said so in one line: saved, resumable
+    pass
+  elif summary["first_loss"] is None:
     print(f"nothing to do: {summary['out']} is already at step {summary['start_step']} "
           f"(raise --steps to train on)")
   else:
     mfu = summary["mfu"]
+    peak = {"chip": "the chip's dense bf16", "flag": "--peak-tflops'",
+            "measured": "a measured matmul"}[summary["peak_source"]]
     print(f"steps {summary['start_step']}->{summary['steps']}: loss {summary['first_loss']:.4f}"
           f" -> {summary['last_loss']:.4f}, eval {summary['eval_loss']:.4f}; compile + first "
           f"step {summary['compile_and_first_step_s']:.1f}s"
-          + (f", {summary['tokens_per_s']:.0f} tokens/s, MFU {100 * mfu:.1f}% of a measured "
-             f"{summary['peak_flops'] / 1e9:.0f} GFLOP/s matmul peak" if mfu else ""))
+          + (f", {summary['tokens_per_s']:.0f} tokens/s, MFU {100 * mfu:.1f}% of {peak} "
+             f"peak ({summary['peak_flops'] / 1e9:.0f} GFLOP/s)" if mfu else "")
+          + f"; goodput {100 * summary['goodput']:.0f}% of {summary['wall_s']:.0f}s since "
+          "the first start")
     print(f"outputs: {summary['out']} (metrics.jsonl, tb/, plots/, checkpoints/"
           f"{summary['checkpoints'][-1] if summary['checkpoints'] else ''})")
   if args.json:
@@ -103,6 +127,10 @@ def register(sub) -> None:
                       "a `k3jax train` output")
   g.add_argument("--steps", type=positive_int, default=300, help="train until this step")
   g.add_argument("--seed", type=int, default=0, help="init and data-order seed")
+  g.add_argument("--new-stage", action="store_true",
+                 help="resume OUT as a new stage: --seq-len, --batch-size, --data and the "
+                      "schedule may change; parameters, optimizer state and step continue, "
+                      "and the data continues where it was for a source in both stages")
   g = p.add_argument_group("data")
   g.add_argument("--data", default=None,
                  help="text file or folder (none given: this Python's standard-library "
@@ -127,9 +155,18 @@ def register(sub) -> None:
                  help="AdamW peak learning rate (none given: --lr); under --lora the adapters' "
                       "(LoRA recipes use ~1e-4 to 2e-4)")
   g.add_argument("--warmup", type=int, default=20, help="linear warm-up steps")
+  g.add_argument("--schedule", choices=[s.value for s in Schedule], default="cosine",
+                 help="after the warm-up: cosine to --end-lr-ratio at --decay-steps; wsd: "
+                      "stable at the peak, then a cosine decay over the last --decay-frac of "
+                      "--decay-steps; constant: the peak")
   g.add_argument("--decay-steps", type=positive_int, default=None,
-                 help="cosine horizon (none given: --steps)")
+                 help="the schedule's horizon (none given: --steps)")
+  g.add_argument("--decay-frac", type=float, default=0.2, metavar="F",
+                 help="wsd: the fraction of --decay-steps that decays, in (0, 1]")
   g.add_argument("--end-lr-ratio", type=float, default=0.1, help="final lr / peak lr")
+  g.add_argument("--z-loss", type=nonneg_float, default=0.0, metavar="W",
+                 help="add W * logsumexp(logits)^2 per loss token to the loss (logged as "
+                      "z_loss; PaLM used 1e-4); 0: off")
   g.add_argument("--weight-decay", type=float, default=0.1)
   g.add_argument("--clip", type=optional_float, default=1.0,
                  help="clip the global gradient norm (none: off)")
@@ -157,7 +194,12 @@ def register(sub) -> None:
   add_remat(g, default="none", bare="full")
   add_step_knobs(g, whole="0")
   g.add_argument("--peak-tflops", type=positive_float, default=None,
-                 help="peak for MFU (none given: a dense matmul measured at start-up)")
+                 help="one device's peak for MFU (none given: the chip table's dense bf16 "
+                      "peak for TPUs and NVIDIA H100 / H200, else a dense matmul measured at "
+                      "start-up)")
+  g.add_argument("--profile-steps", type=step_range, default=None, metavar="A:B",
+                 help="write a jax.profiler trace of steps A to B per process under "
+                      "OUT/profile/ (TensorBoard's profile plugin, Perfetto)")
   g.add_argument("--compile-cache", default=default_compile_cache(),
                  help="persistent XLA compilation cache folder (none: off)")
   g = p.add_argument_group("scale-out (devices and hosts)")
@@ -169,11 +211,18 @@ def register(sub) -> None:
                       "micro-batch's rows; never tied to the process count; a resume keeps it")
   add_processes(g, what="each supplies its devices' rows of every batch",
                 compiled="the train step")
+  g.add_argument("--step-timeout", type=positive_float, default=None, metavar="SECONDS",
+                 help="watchdog: a step, eval or save not done in this time ends the process "
+                      "(exit 75: restart to resume) (none given: 10x the slowest recent step, "
+                      "at least 300 s)")
   g = p.add_argument_group("eval, logging, checkpoints")
   g.add_argument("--eval-every", type=positive_int, default=50)
   g.add_argument("--eval-batches", type=positive_int, default=4)
   g.add_argument("--log-every", type=positive_int, default=1)
   g.add_argument("--save-every", type=positive_int, default=100)
+  g.add_argument("--save-every-minutes", type=positive_float, default=None, metavar="M",
+                 help="also save once M minutes passed since the last save (process 0's clock; "
+                      "every process saves the same step)")
   g.add_argument("--keep", type=positive_int, default=3, help="checkpoints kept")
   g.add_argument("--no-progress", action="store_true", help="no progress bar")
   g.add_argument("--no-tensorboard", action="store_true")

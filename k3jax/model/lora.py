@@ -136,6 +136,15 @@ def _attach_projection(proj: Projection, spec: AdaptSpec, rngs: nnx.Rngs, dtype)
   proj.lora_in_dims = n_in
 
 
+def dense_names(ex, weight: str) -> tuple:
+  """The logical names [..., in, out] of a routed expert weight, held dense or packed (whose
+  codes are [..., out, in/2])."""
+  if hasattr(ex, weight):
+    return _names(getattr(ex, weight))
+  names = _names(getattr(ex, f"{weight}_packed"))
+  return (*names[:-2], names[-1], names[-2])
+
+
 def expert_shape(ex, weight: str) -> tuple[int, ...]:
   """[..., in, out] of a routed expert weight, held dense or packed."""
   if hasattr(ex, weight):
@@ -182,10 +191,11 @@ def adapt(model: nnx.Module, spec: AdaptSpec, rngs: nnx.Rngs) -> nnx.Module:
     raise ValueError(f"--lora rank must be > 0, got {spec.rank}")
   dtype = model.ex.jnp_param_dtype
   experts = expert_paths(model)
-  names = {p: {w: _names(getattr(ex, w)) for w in EXPERT_WEIGHTS} for p, ex in experts.items()}
+  names = {p: {w: dense_names(ex, w) for w in EXPERT_WEIGHTS} for p, ex in experts.items()}
   if spec.base_experts == "mxfp4":
     for path, ex in experts.items():
-      pack_experts(ex, names[path])
+      if hasattr(ex, EXPERT_WEIGHTS[0]):  # not already packed (read packed from a folder)
+        pack_experts(ex, names[path])
   elif spec.base_experts != "float":
     raise ValueError(f"--base-experts {spec.base_experts!r}: expected float or mxfp4")
   for ex in experts.values():
@@ -220,10 +230,7 @@ def merge(model: nnx.Module) -> nnx.Module:
       proj.lora = nnx.data(None)
   for ex in expert_paths(model).values():
     for weight in EXPERT_WEIGHTS:
-      names = (_names(getattr(ex, weight)) if hasattr(ex, weight)
-               else _names(getattr(ex, f"{weight}_packed")))
-      if not hasattr(ex, weight):  # packed: (..., out, in)
-        names = (*names[:-2], names[-1], names[-2])
+      names = dense_names(ex, weight)
       w = ex.weight(weight).astype(dtype)
       for suffix in ("", "_packed", "_scale", "_lora_a", "_lora_b"):
         if hasattr(ex, weight + suffix):

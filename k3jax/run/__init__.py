@@ -8,7 +8,9 @@
   placement  shardings of the parameters from the rules table; the initial parameters,
              created, loaded or adapted and placed
   resume     OUT/run.json and the checks a resume passes
-  start      a run's process: compilation cache, processes joined, mesh
+  start      a run's process: processes joined, compilation cache, mesh
+  preemption when a run stops to save: SIGTERM / the preemption notice, saves every M minutes
+  watchdog   deadlines for the phases that wait on the devices or other processes
 
 It sits below the train step and the serving engine (docs/architecture.md#floors): nothing
 here compiles or knows a step.

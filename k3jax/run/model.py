@@ -43,19 +43,24 @@ def model_config(init_from: str | None, config: str | None = None) -> ModelConfi
   return configs.resolve(weights)
 
 
-def load_init(path: str, ex: Execution, shardings: dict | None = None):
+def load_init(path: str, ex: Execution, mesh=None, *, keep_packed: bool = False):
   """(model, cfg) from a converted checkpoint or an official-layout folder, run as `ex` says.
-  `shardings` (k3jax path -> NamedSharding) makes Orbax restore a checkpoint's arrays into
-  their shards; an official-layout folder is read into host memory (convert it first for big
-  models)."""
+  With `mesh` every array is read straight into its sharding from the rules table: a
+  checkpoint by Orbax's sharded restore, an official folder by per-host reads of the byte
+  ranges each process's devices hold (convert.load.load_sharded); without one, into host
+  memory. keep_packed: the routed experts held as MXFP4 codes + scales."""
   if not os.path.isdir(path):
     raise UserError(f"--init-from {path}: no such folder")
-  if convert_load.is_checkpoint(path):
-    return convert_load.load_checkpoint(path, ex, shardings=shardings)
-  if os.path.exists(os.path.join(path, "config.json")):
-    return load_model(path, ex)
-  raise UserError(f"--init-from {path}: neither a k3jax checkpoint (k3jax_config.json) nor an "
-                  "official-layout model folder (config.json)")
+  checkpoint = convert_load.is_checkpoint(path)
+  if not checkpoint and not os.path.exists(os.path.join(path, "config.json")):
+    raise UserError(f"--init-from {path}: neither a k3jax checkpoint (k3jax_config.json) nor "
+                    "an official-layout model folder (config.json)")
+  if mesh is not None:
+    return convert_load.load_sharded(path, ex, mesh, keep_packed=keep_packed)
+  if checkpoint:
+    return convert_load.load_checkpoint(path, ex, keep_packed=keep_packed)
+  model, cfg = load_model(path, ex)
+  return (convert_load.pack_experts(model) if keep_packed else model), cfg
 
 
 def keep_packed(experts: str | None, weights: str) -> bool:

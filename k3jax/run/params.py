@@ -117,11 +117,25 @@ def split_for_training(model: nnx.Module, spec: AdaptSpec | None) -> tuple[dict,
   return jax.tree.map(cast, params, mask), bias
 
 
+def adapted(cfg: ModelConfig, ex: Execution, spec: AdaptSpec, seed: int, packed: bool,
+            params: dict, bias: dict) -> dict:
+  """A pre-trained model's params adapted as `spec` asks (fresh adapters from `seed`, experts
+  packed); `packed`: its routed experts arrive packed already (read as MXFP4 codes).
+  Traceable: run under jit (`adapt_params`; on a mesh k3jax/run/placement.py's, with the
+  adapted model's output shardings)."""
+  base = nnx.eval_shape(lambda: _base_model(cfg, ex, packed))
+  model = nnx.merge(nnx.graphdef(base), nnx.State(params), nnx.State(bias))
+  return split_for_training(adapt(model, spec, nnx.Rngs(seed + 1)), spec)[0]
+
+
+def _base_model(cfg: ModelConfig, ex: Execution, packed: bool) -> nnx.Module:
+  model = K3Model(cfg, ex, rngs=nnx.Rngs(0))
+  return adapt(model, AdaptSpec(base_experts="mxfp4"), nnx.Rngs(0)) if packed else model
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1, 4, 5))
 def adapt_params(cfg: ModelConfig, ex: Execution, params: dict, bias: dict, spec: AdaptSpec,
                  seed: int) -> dict:
-  """A pre-trained model's params adapted as `spec` asks (fresh adapters from `seed`, experts
-  packed), under jit for the same reason as init_params."""
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: K3Model(cfg, ex, rngs=nnx.Rngs(0))))
-  model = nnx.merge(graphdef, nnx.State(params), nnx.State(bias))
-  return split_for_training(adapt(model, spec, nnx.Rngs(seed + 1)), spec)[0]
+  """`adapted` under jit, on one device: building the adapters eagerly runs thousands of tiny
+  ops one by one."""
+  return adapted(cfg, ex, spec, seed, False, params, bias)

@@ -9,7 +9,9 @@ arguments where its own shardings (the same table) put them.
   init_params       a fresh model's (params, router_bias) under jit (one device)
   fresh_on_mesh     the same created in their shardings by one jitted init (nothing whole)
   initial_params    what a run starts from: a fresh model, or a weights folder loaded and
-                    adapted, placed on the mesh
+                    adapted, placed; on a mesh (`loaded_on_mesh`) each array read straight
+                    into its sharding and adapted under jit into the adapted model's
+                    (`adapt_on_mesh`): no device or host ever holds the whole model
 """
 
 from __future__ import annotations
@@ -20,12 +22,20 @@ from typing import Any
 import jax
 from flax import nnx
 
+from convert.load import stores_packed_experts
 from k3jax.config import ModelConfig
 from k3jax.execution import Execution
 from k3jax.model.lora import AdaptSpec
 from k3jax.model.moe import RouterBias
 from k3jax.run.model import load_init
-from k3jax.run.params import WEIGHTS, adapt_params, make_model, split_for_training, split_model
+from k3jax.run.params import (
+  WEIGHTS,
+  adapt_params,
+  adapted,
+  make_model,
+  split_for_training,
+  split_model,
+)
 from sharding.placement import variable_shardings
 
 
@@ -59,13 +69,6 @@ def param_shardings(cfg: ModelConfig, ex: Execution, spec: AdaptSpec | None,
   """(params, router_bias) nested dicts of NamedShardings on `mesh` by the rules table."""
   params, bias = abstract_weights(cfg, ex, spec)
   return variable_shardings(params, mesh), variable_shardings(bias, mesh)
-
-
-def by_path(tree: dict) -> dict:
-  """Nested dict -> {k3jax variable path (tuple of str): leaf}, e.g. convert.load's restore
-  targets."""
-  return {tuple(str(k.key) for k in path): leaf
-          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def _init_params(cfg: ModelConfig, ex: Execution, seed: int, spec: AdaptSpec | None = None
@@ -118,13 +121,34 @@ def initial_params(cfg: ModelConfig, ex: Execution, spec: AdaptSpec | None, init
   if init is None:
     return init_params(cfg, ex, seed, spec) if mesh is None else fresh_on_mesh(
         cfg, ex, spec, mesh)(seed)
-  shardings = None if mesh is None else param_shardings(cfg, ex, spec, mesh)
-  restore_into = (by_path(shardings[0]) | by_path(shardings[1])
-                  if shardings and spec is None else None)
-  _, params, bias = split_model(load_init(init, ex, restore_into)[0])
+  if mesh is not None:
+    return loaded_on_mesh(cfg, ex, spec, init, seed, mesh)
+  _, params, bias = split_model(load_init(init, ex)[0])
   if spec is not None:
     params = adapt_params(cfg, ex, params, bias, spec, seed)
-  if mesh is not None:  # an official-layout folder (or an adapted model) arrives whole
-    params = jax.device_put(params, shardings[0])
-    bias = jax.device_put(bias, shardings[1])
   return params, bias
+
+
+def loaded_on_mesh(cfg: ModelConfig, ex: Execution, spec: AdaptSpec | None, init: str,
+                   seed: int, mesh: jax.sharding.Mesh) -> tuple[Any, Any]:
+  """The weights folder `init` on `mesh` with nothing whole anywhere: each array read straight
+  into its sharding (a checkpoint by Orbax's sharded restore, an official folder by per-host
+  byte ranges), MXFP4 experts read packed when the folder stores them so; then the adaptation
+  (packing, fresh adapters) under jit with the adapted model's shardings as outputs, the
+  loaded params donated."""
+  packed = (spec is not None and spec.base_experts == "mxfp4"
+            and stores_packed_experts(init))
+  _, params, bias = split_model(load_init(init, ex, mesh, keep_packed=packed)[0])
+  if spec is None:
+    return params, bias
+  return adapt_on_mesh(cfg, ex, spec, seed, mesh, packed)(params, bias), bias
+
+
+@functools.lru_cache(maxsize=8)
+def adapt_on_mesh(cfg: ModelConfig, ex: Execution, spec: AdaptSpec, seed: int,
+                  mesh: jax.sharding.Mesh, packed: bool) -> OnMesh:
+  """(params, router_bias) -> adapted params, jitted with the adapted model's shardings as
+  outputs (params donated: the frozen base keeps its buffers where it can)."""
+  fn = functools.partial(adapted, cfg, ex, spec, seed, packed)
+  return OnMesh(jax.jit(fn, out_shardings=param_shardings(cfg, ex, spec, mesh)[0],
+                        donate_argnums=0), mesh)

@@ -201,8 +201,11 @@ class Checkpointer:
     self.manager.wait_until_finished()
 
   def close(self) -> None:
+    if self.manager is None:  # closed already (a run that failed after closing it)
+      return
     self.manager.wait_until_finished()
     self.manager.close()
+    self.manager = None
 
 
 MODEL_CONFIG = "k3jax_config.json"  # the name `k3jax convert` gives it (convert.to_orbax.CONFIG)

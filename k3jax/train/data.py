@@ -164,7 +164,7 @@ class PipelineConfig:
 def _packed(docs_tokens: Sequence[np.ndarray], piece_table: np.ndarray, cfg: PipelineConfig,
             *, shuffle: bool, repeat: bool, rows: int | None = None,
             weights: Sequence[np.ndarray] | None = None,
-            keep_remainder: bool = False) -> grain.IterDataset:
+            keep_remainder: bool = False, start: int = 0) -> grain.IterDataset:
   t = cfg.seq_len
   rows = cfg.batch_rows if rows is None else rows
   fields = ("tokens",) if weights is None else ("tokens", "weights")
@@ -181,6 +181,8 @@ def _packed(docs_tokens: Sequence[np.ndarray], piece_table: np.ndarray, cfg: Pip
     ds = ds.shuffle(seed=cfg.seed)  # a fresh permutation every epoch (seed, epoch)
   if repeat:
     ds = ds.repeat(None)
+  if start:  # a stage's pipeline continues its source's piece stream (stages.py)
+    ds = ds[start:]
   ds = ds.map(load).to_iter_dataset()
   # first fit into as many bins as a step has rows: full pieces fill a bin alone, the short
   # tails of documents share bins; bins are emitted together as one step's rows
@@ -198,32 +200,48 @@ def _packed(docs_tokens: Sequence[np.ndarray], piece_table: np.ndarray, cfg: Pip
   return ds.map(to_batch)
 
 
+def shard_pieces(docs_tokens: Sequence[np.ndarray], cfg: PipelineConfig, shard: int
+                 ) -> np.ndarray:
+  """The pieces table of data shard `shard`: one epoch of its stream."""
+  return pieces([len(d) for d in docs_tokens], cfg.seq_len)[shard::cfg.num_shards]
+
+
+def consumed_pieces(state: dict) -> int:
+  """Pieces of its stream a shard's pipeline has read, from its grain state (the innermost
+  `next_index`: what the packer took from the shuffled stream)."""
+  while isinstance(state.get("parent"), dict):
+    state = state["parent"]
+  return int(state.get("next_index", 0))
+
+
 def train_dataset(docs_tokens: Sequence[np.ndarray], cfg: PipelineConfig,
                   weights: Sequence[np.ndarray] | None = None, *,
-                  shard: int = 0) -> grain.IterDataset:
+                  shard: int = 0, start: int = 0) -> grain.IterDataset:
   """Endless, shuffled, packed batches of data shard `shard` ([A, b/S, T]); prefetched on a
   thread so packing overlaps the step. (The prefetch does not disturb resumption: grain's state
   counts consumed batches only.) `weights`: per-token training weights of each sequence (chat
-  SFT), packed alongside."""
+  SFT), packed alongside. `start`: pieces of the shard's stream to skip (a stage's offset)."""
   if not 0 <= shard < cfg.num_shards:
     raise ValueError(f"shard {shard} of {cfg.num_shards}")
-  table = pieces([len(d) for d in docs_tokens], cfg.seq_len)[shard::cfg.num_shards]
+  table = shard_pieces(docs_tokens, cfg, shard)
   if not len(table):
     raise UserError(f"data shard {shard} of {cfg.num_shards} has no piece; use fewer shards "
                     "or more data")
   ds = _packed(docs_tokens, table, cfg, shuffle=True, repeat=True, rows=cfg.shard_rows,
-               weights=weights)
+               weights=weights, start=start)
   return grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=2)
 
 
 class ShardIterator:
   """Micro-batch rows [start, stop) (of b) of every step's global batch, cut from the data
   shards that overlap them: [A, stop - start, T]. State: {shard: grain state} of those shards
-  (resumable per shard; the same whichever rows, hence process count, read them)."""
+  (resumable per shard; the same whichever rows, hence process count, read them). `offsets`
+  {shard: pieces}: where each shard's stream starts (a stage's, stages.py)."""
 
   def __init__(self, docs_tokens: Sequence[np.ndarray], cfg: PipelineConfig,
                rows: tuple[int, int] | None = None, state: dict | None = None,
-               weights: Sequence[np.ndarray] | None = None):
+               weights: Sequence[np.ndarray] | None = None,
+               offsets: dict[int, int] | None = None):
     b = cfg.batch_rows // cfg.micro_batches
     self.rows = (0, b) if rows is None else tuple(rows)
     self.shards = shards_for_rows(cfg, self.rows)
@@ -231,7 +249,9 @@ class ShardIterator:
     first = self.shards[0] * (b // cfg.num_shards)
     self._keep = slice(self.rows[0] - first, self.rows[1] - first)
     states = {s: None if state is None else _shard_state(state, s) for s in self.shards}
-    self._its = {s: iterate(train_dataset(docs_tokens, cfg, weights, shard=s), states[s])
+    offsets = offsets or {}
+    self._its = {s: iterate(train_dataset(docs_tokens, cfg, weights, shard=s,
+                                          start=offsets.get(s, 0)), states[s])
                  for s in self.shards}
 
   def __iter__(self):

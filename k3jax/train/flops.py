@@ -22,6 +22,7 @@ is not model FLOPs (MFU convention, PaLM appendix B), so it is not counted.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import time
 
@@ -29,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3jax.chips import device_chip
 from k3jax.config import ModelConfig
 from k3jax.model.transformer import K3Model
 from k3jax.optim.groups import block_shape, dimension_numbers, logical_axes_from_state
@@ -141,3 +143,21 @@ def measure_matmul_peak(dtype=jnp.float32, n: int = 1024, repeats: int = 5) -> f
     chain(a).block_until_ready()
     best = min(best, time.perf_counter() - t0)
   return 4 * 2 * n**3 / best
+
+
+class PeakSource(enum.StrEnum):
+  """Where the peak an MFU divides by comes from (`peak_source` in a run's summary)."""
+  CHIP = "chip"          # the chip table's dense bf16 peak (k3jax/chips.py)
+  FLAG = "flag"          # --peak-tflops
+  MEASURED = "measured"  # measure_matmul_peak on this device (a CPU, a chip not in the table)
+
+
+def device_peak(peak_tflops: float | None, dtype) -> tuple[float, PeakSource]:
+  """(peak FLOP/s of one device, where it comes from): --peak-tflops when given, else the
+  chip table's figure for the default device's kind, else a measured matmul peak."""
+  if peak_tflops:
+    return peak_tflops * 1e12, PeakSource.FLAG
+  chip = device_chip(jax.devices()[0].device_kind)
+  if chip is not None:
+    return chip.peak_flops, PeakSource.CHIP
+  return measure_matmul_peak(dtype), PeakSource.MEASURED

@@ -50,16 +50,28 @@ from k3jax.model.lora import AdaptSpec
 from k3jax.run.model import model_config
 from k3jax.run.options import adapt_spec, execution
 from k3jax.run.placement import initial_params
-from k3jax.run.resume import check_base_present, check_resume, checkpoint_sizes, write_run_file
+from k3jax.run.preemption import Preemption, SaveClock
+from k3jax.run.resume import (
+  check_base_present,
+  check_resume,
+  checkpoint_sizes,
+  read_run_file,
+  write_run_file,
+)
 from k3jax.run.start import start
+from k3jax.run.watchdog import Deadlines, Watchdog
 from k3jax.tokenizer import load_tokenizer
 from k3jax.train import data as data_lib
 from k3jax.train import flops as flops_lib
+from k3jax.train import stages as stages_lib
 from k3jax.train import state as state_lib
 from k3jax.train import step as step_lib
 from k3jax.train.checkpoint import Checkpointer, save_model
+from k3jax.train.goodput import Goodput
 from k3jax.train.metrics import MetricsWriter, read_records
-from k3jax.train.options import PATHS, RESUME_KEYS, RunOptions, step_config
+from k3jax.train.options import PATHS, RESUME_KEYS, RunOptions, objective, step_config
+from k3jax.train.stages import STAGE_KEYS
+from k3jax.train.stepper import Stepper, stop_reason, who
 from sharding import distributed
 from sharding.mesh import describe
 from sharding.placement import check_batch
@@ -97,6 +109,13 @@ class _Run:
   data_state: dict | None = None  # the data position restored (None: from the start)
   meta: dict | None = None        # tokens seen, train seconds (checkpointed)
   start: int = 0                  # the step the run starts after
+  watchdog: Watchdog | None = None
+  deadlines: Deadlines | None = None
+  preemption: Preemption | None = None
+  clock: SaveClock | None = None
+  goodput: Goodput | None = None
+  stages: list = dataclasses.field(default_factory=list)  # the run's stages (stages.py)
+  data_offsets: dict = dataclasses.field(default_factory=dict)  # shard -> pieces skipped
 
   @property
   def rows_per_micro(self) -> int:
@@ -115,7 +134,8 @@ class _Meter:
   """The rates of a step: tokens, model FLOPs and the peak they are measured against."""
   flop_count: Any
   tokens_per_step: int
-  peak: float
+  peak: float                     # FLOP/s of every device together
+  peak_source: str                # flops.PeakSource: chip | flag | measured
 
   def mfu(self, seconds: float) -> float:
     return self.flop_count.train_per_token * self.tokens_per_step / seconds / self.peak
@@ -132,6 +152,7 @@ class _Tally:
   t_prev: float = dataclasses.field(default_factory=time.perf_counter)
   saved_steps: list[int] = dataclasses.field(default_factory=list)
   checkpoint_bytes: int | None = None
+  preempted: int | None = None    # the step the run stopped and saved at when told to stop
 
 
 class _NoWriter:
@@ -145,13 +166,43 @@ class _NoWriter:
 
 
 def _run(opts: RunOptions, on_step) -> dict[str, Any]:
+  _check(opts)
+  preemption = Preemption()  # before the processes join (preemption.py)
+  try:
+    run = _set_up(opts)
+    run.preemption, run.clock = preemption, SaveClock(opts.save_every_minutes)
+    run.watchdog = Watchdog("train")
+    run.deadlines = Deadlines(opts.startup_timeout, opts.step_timeout)
+    try:
+      return _start_and_train(run, on_step)
+    finally:
+      run.watchdog.close()
+      run.ckpt.close()  # (closed already unless the run failed before its steps)
+  finally:
+    preemption.close()
+
+
+def _check(opts: RunOptions) -> None:
   if opts.steps < 1:
     raise UserError("--steps must be >= 1")
-  run = _set_up(opts)
+  if opts.profile_steps is not None:
+    a, b = opts.profile_steps
+    if not 1 <= a <= b <= opts.steps:
+      raise UserError(f"--profile-steps {a}:{b} is outside the run's steps 1-{opts.steps} "
+                      "(or its end comes before its start)")
+  if opts.save_every_minutes is not None and not opts.save_every_minutes > 0:
+    raise UserError(f"--save-every-minutes must be > 0, got {opts.save_every_minutes}")
+
+
+def _start_and_train(run: _Run, on_step) -> dict[str, Any]:
   _load_data(run)
-  _initial_state(run)
+  with run.watchdog.phase("start-up: restoring or creating the initial state",
+                          run.deadlines.startup_s):
+    _initial_state(run)
   meter = _meter(run)
   _announce(run, meter)
+  if run.preemption.reached():  # told to stop before the first step: nothing new to save
+    return _stopped_at_start_up(run, meter)
   tally = _train(run, meter, on_step)
   return _finish(run, meter, tally)
 
@@ -165,19 +216,22 @@ def _set_up(opts: RunOptions) -> _Run:
   os.makedirs(out, exist_ok=True)
   check_base_present(out, opts.init_from)
   cfg, ex = model_config(opts.init_from, opts.config), execution(opts)
-  check_resume(out, opts, cfg, ex, RESUME_KEYS, PATHS)
+  saved = read_run_file(out)
+  check_resume(out, opts, cfg, ex, tuple(k for k in RESUME_KEYS if k not in STAGE_KEYS), PATHS)
+  stages_lib.check_stage(out, saved, opts, PATHS)
   sc = step_config(opts)
   if mesh is not None:
     check_batch(opts.batch_size // opts.grad_accum, mesh)
   spec = adapt_spec(opts, cfg)
-  steps = step_lib.build(cfg, ex, sc, mesh, spec)  # refuses a mesh the model cannot be split on
+  # refuses a mesh the model cannot be split on
+  steps = step_lib.build(cfg, ex, sc, mesh, spec, objective(opts))
   pipe = data_lib.PipelineConfig(opts.seq_len, opts.batch_size, opts.grad_accum, opts.seed,
                                  num_shards=opts.data_shards)
   rows, read_shards, write_shards = _process_rows_and_shards(steps, pipe, opts)
   ckpt = Checkpointer(os.path.join(out, "checkpoints"), keep=opts.keep)
   point = state_lib.resume_point(ckpt, steps, _init_weights(opts), opts.seed, out)
   return _Run(opts, out, mesh, started.main_process, cfg, ex, spec, steps, pipe, rows,
-              read_shards, write_shards, ckpt, point)
+              read_shards, write_shards, ckpt, point, stages=stages_lib.stages(saved, opts))
 
 
 def _init_weights(opts: RunOptions) -> str | None:
@@ -222,23 +276,73 @@ def _initial_state(run: _Run) -> None:
   """The TrainState: restored from the last checkpoint (its frozen base rebuilt), or fresh
   over the initial parameters; then run.json."""
   opts, point = run.opts, run.point
+  if opts.new_stage and point.step is None:
+    raise UserError(f"--new-stage: {run.out} holds no checkpoint to continue from")
   if point.step is not None:
     base = None
     if point.saved_base:  # the frozen leaves, rebuilt as the run first built them
       base = _initial_params(run, point.base["folder"])[0]
-    run.state, run.data_state, run.meta = state_lib.restore(
-        run.ckpt, point, run.steps, run.cfg, run.ex, run.spec, opts.seed, run.read_shards, base)
+    shards = range(run.pipe.num_shards) if opts.new_stage else run.read_shards
+    run.state, data_state, run.meta = state_lib.restore(
+        run.ckpt, point, run.steps, run.cfg, run.ex, run.spec, opts.seed, shards, base)
     run.start = int(run.state["step"])
+    _data_position(run, data_state)
   else:
     params, bias = _initial_params(run, _init_weights(opts))
     run.state = state_lib.fresh(run.steps, params, bias, opts.seed)
     run.meta = {"tokens_seen": 0, "train_seconds": 0.0}
+  run.goodput = Goodput(run.out, run.meta)
+  if opts.profile_steps is not None and opts.profile_steps[0] <= run.start:
+    raise UserError(f"--profile-steps {opts.profile_steps[0]}:{opts.profile_steps[1]} is "
+                    f"outside the run: it resumes after step {run.start}")
   if run.mesh is None:
     # Orbax restores committed arrays; placing a fresh state the same way makes a fresh run
     # and a resumed one lower to the same program (one persistent-cache entry, not two)
     run.state = step_lib.place(run.state)
   if run.main:
-    write_run_file(run.out, opts, run.cfg, run.ex)
+    write_run_file(run.out, opts, run.cfg, run.ex, stages=run.stages)
+
+
+def _data_position(run: _Run, data_state: dict) -> None:
+  """Where the data pipelines continue: the checkpoint's positions in the stage they were
+  saved in; at a new stage, its sources' positions carried over (stages.py), and a resume at
+  the very start of a stage starts its pipelines at the stage's offsets."""
+  stage = run.stages[-1]
+  if run.opts.new_stage:
+    offsets, positions = _continued(run, data_state, stage)
+    run.stages = stages_lib.new_stage(run.stages, run.start, run.opts, positions, offsets)
+    stage = run.stages[-1]
+    _say(run, f"k3jax train: stage {stage['stage']} starts after step {run.start}: "
+          + ", ".join(f"--{k.replace('_', '-')} {v!r}" for k, v in stage["options"].items()
+                      if stage["options"][k] != run.stages[-2]["options"].get(k))
+          + (f"; {', '.join(positions)} continue{'s' if len(positions) == 1 else ''} at "
+             "the same position" if positions else "; the data starts from its beginning"))
+  fresh = run.opts.new_stage or (stage["stage"] > 0 and run.start == stage["start_step"])
+  run.data_state = None if fresh else data_state
+  run.data_offsets = {int(k): v for k, v in stage.get("data_offsets", {}).items()}
+
+
+def _say(run: _Run, line: str) -> None:
+  if run.main:
+    print(line, flush=True)
+
+
+def _continued(run: _Run, data_state: dict, stage: dict) -> tuple[dict, dict]:
+  """({data shard: pieces to skip}, {source: its position in epochs per shard}) of the new
+  stage: a source it shares with `stage` continues where that stage's pipelines were."""
+  was = stage["options"]
+  if (was.get("data") or stages_lib.STDLIB) != stages_lib.source_of(run.opts) or \
+      was.get("data_format", "text") != run.opts.data_format:
+    return {}, {}
+  old = data_lib.PipelineConfig(was["seq_len"], was["batch_size"], was.get("grad_accum", 1),
+                                run.opts.seed, num_shards=run.pipe.num_shards)
+  tokens, skipped = run.data.train_tokens, stage.get("data_offsets", {})
+  offsets, epochs = {}, {}
+  for shard in range(run.pipe.num_shards):
+    done = skipped.get(str(shard), 0) + data_lib.consumed_pieces(data_state[str(shard)])
+    epochs[shard] = done / len(data_lib.shard_pieces(tokens, old, shard))
+    offsets[shard] = round(epochs[shard] * len(data_lib.shard_pieces(tokens, run.pipe, shard)))
+  return offsets, {stages_lib.source_of(run.opts): {str(k): v for k, v in epochs.items()}}
 
 
 def _initial_params(run: _Run, weights: str | None):
@@ -248,9 +352,9 @@ def _initial_params(run: _Run, weights: str | None):
 def _meter(run: _Run) -> _Meter:
   opts = run.opts
   devices = 1 if run.mesh is None else run.mesh.size
-  peak = devices * (opts.peak_tflops * 1e12 if opts.peak_tflops
-                    else flops_lib.measure_matmul_peak(run.ex.jnp_dtype))
-  return _Meter(flops_lib.count(run.cfg, opts.seq_len), opts.batch_size * opts.seq_len, peak)
+  peak, source = flops_lib.device_peak(opts.peak_tflops, run.ex.jnp_dtype)
+  return _Meter(flops_lib.count(run.cfg, opts.seq_len), opts.batch_size * opts.seq_len,
+                devices * peak, source.value)
 
 
 def _announce(run: _Run, meter: _Meter) -> None:
@@ -274,25 +378,21 @@ def _announce(run: _Run, meter: _Meter) -> None:
 
 
 def _train(run: _Run, meter: _Meter, on_step) -> _Tally:
-  """Steps start+1 .. --steps; the checkpoints and the metrics file are closed however the
-  loop ends."""
+  """Steps start+1 .. --steps (stepper.py); the checkpoints and the metrics file are closed
+  however the loop ends."""
   opts, tally = run.opts, _Tally()
   writer = (MetricsWriter(run.out, resume_step=run.point.step, tensorboard=opts.tensorboard)
             if run.main else _NoWriter())
   iterator = data_lib.ShardIterator(run.data.train_tokens, run.pipe, run.rows, run.data_state,
-                                    run.data.train_weights)
+                                    run.data.train_weights, run.data_offsets)
   bar = tqdm(total=opts.steps, initial=run.start, disable=not (opts.progress and run.main),
              unit="step", dynamic_ncols=True)
   qk_threshold = step_lib.NO_QK_CLIP if opts.qk_clip is None else np.float32(opts.qk_clip)
+  stepper = Stepper(run, meter, tally, writer, on_step, iterator, bar, qk_threshold)
   try:
-    tally.t_prev = time.perf_counter()
-    for s in range(run.start + 1, opts.steps + 1):
-      record = _step(run, s, _batch(run, iterator), qk_threshold, meter, tally)
-      _log(run, s, record, writer, on_step, tally)
-      if s % opts.save_every == 0 or s == opts.steps:
-        _save(run, s, iterator, tally)
-      _show(bar, record, tally)
+    stepper.run_steps()
   finally:
+    stepper.close()
     bar.close()
     iterator.close()
     _close_checkpoints(run, tally)
@@ -300,82 +400,14 @@ def _train(run: _Run, meter: _Meter, on_step) -> _Tally:
   return tally
 
 
-def _batch(run: _Run, iterator) -> dict:
-  return run.to_device(next(iterator))
-
-
-def _step(run: _Run, s: int, batch: dict, qk_threshold, meter: _Meter, tally: _Tally) -> dict:
-  """One optimizer step; its metrics record (the first step of a process, which compiles,
-  is timed apart and has no rate)."""
-  if s == run.start + 1 and jax.process_count() > 1:
-    _compile_then_meet(run, batch, qk_threshold)
-  run.state, metrics = run.steps.train(run.state, batch, qk_threshold)
-  metrics = jax.device_get(metrics)
-  now = time.perf_counter()
-  dt, tally.t_prev = now - tally.t_prev, now
-  if tally.compile_s is None:
-    tally.compile_s = dt
-  else:
-    tally.step_times.append(dt)
-  run.meta["tokens_seen"] += meter.tokens_per_step
-  run.meta["train_seconds"] += dt
-  loss = float(metrics["loss"])
-  tally.first_loss = loss if tally.first_loss is None else tally.first_loss
-  tally.last_loss = loss
-  record = {"step": s, "loss": loss, **metrics, "step_time_s": dt}
-  if tally.step_times:
-    record["tokens_per_s"] = meter.tokens_per_step / dt
-    record["mfu"] = meter.mfu(dt)
-  return record
-
-
-def _compile_then_meet(run: _Run, batch: dict, qk_threshold) -> None:
-  """Compile the train and eval steps (their first calls reuse the executables), then wait for
-  every process: a first collective must not start while another process still compiles (on
-  CPU gloo gives a peer 30 s to join; docs/sharding.md#multi-host)."""
-  steps, state = run.steps, run.state
-  steps.train.lower(state, batch, qk_threshold).compile()
-  steps.eval.lower(state["params"], state["router_bias"], run.eval_batches[0]).compile()
-  distributed.barrier("k3jax-train-compiled", run.opts.startup_timeout)
-
-
-def _log(run: _Run, s: int, record: dict, writer, on_step, tally: _Tally) -> None:
-  """Eval every --eval-every steps and at the end; the metrics line every --log-every."""
-  opts = run.opts
-  if s % opts.eval_every == 0 or s == opts.steps:
-    tally.eval_loss = record["eval_loss"] = _eval_loss(run)
-    tally.t_prev = time.perf_counter()  # eval time is not step time
-  if s % opts.log_every == 0 or "eval_loss" in record or s == opts.steps:
-    writer.write(record)
-    if on_step is not None:
-      on_step(s, record)
-
-
-def _eval_loss(run: _Run) -> float:
-  total, tokens = 0.0, 0
-  state = run.state
-  for batch in run.eval_batches:
-    s, n = run.steps.eval(state["params"], state["router_bias"], batch)
-    total, tokens = total + float(s), tokens + int(n)
-  return total / max(tokens, 1)
-
-
-def _save(run: _Run, s: int, iterator, tally: _Tally) -> None:
-  """Checkpoint step `s` (async) with this process's data shards' positions."""
-  data_states = iterator.get_state()
-  state_lib.save(run.ckpt, run.point, run.steps, s, run.state,
-                 {k: v for k, v in data_states.items() if int(k) in run.write_shards},
-                 run.meta)
-  tally.t_prev = time.perf_counter()  # the blocking part of a save is not step time
-
-
-def _show(bar, record: dict, tally: _Tally) -> None:
-  bar.update(1)
-  eval_loss = tally.eval_loss
-  bar.set_postfix(loss=f"{record['loss']:.3f}",
-                  **({"eval": f"{eval_loss:.3f}"} if eval_loss else {}),
-                  **({"tok/s": f"{record['tokens_per_s']:.0f}"} if "tokens_per_s" in record
-                     else {}))
+def _stopped_at_start_up(run: _Run, meter: _Meter) -> dict[str, Any]:
+  """Told to stop before the first step: nothing ran, the last checkpoint stands."""
+  run.ckpt.close()
+  last = "the run starts from scratch" if run.point.step is None else \
+      f"it resumes from checkpoint {run.point.step}"
+  print(f"k3jax train: {who()}{stop_reason()} during start-up, before step {run.start + 1}: "
+        f"nothing new to save; run the same command again ({last})", flush=True)
+  return _summary(run, meter, _Tally(preempted=run.start), [])
 
 
 def _close_checkpoints(run: _Run, tally: _Tally) -> None:
@@ -389,19 +421,26 @@ def _close_checkpoints(run: _Run, tally: _Tally) -> None:
 def _finish(run: _Run, meter: _Meter, tally: _Tally) -> dict[str, Any]:
   """The final weights (OUT/model/), the checkpoint-size line, the plots; the summary."""
   opts, state, base = run.opts, run.state, run.point.base
-  if tally.first_loss is not None:  # the final weights, exportable and fine-tunable
+  if tally.first_loss is not None and tally.preempted is None:  # the final weights
     save_model(os.path.join(run.out, MODEL_DIR), run.steps.graphdef, state["params"],
                state["router_bias"], run.cfg,
                adapters=None if run.spec is None else run.spec.to_dict())
   base_bytes = (base["bytes"] if base is not None and base["folder"] else
                 weight_bytes(_init_weights(opts)) if opts.init_from else None)
-  if run.main and tally.checkpoint_bytes is not None:
+  if run.main and tally.checkpoint_bytes is not None and tally.preempted is None:
     sizes = checkpoint_sizes(tally.saved_steps[-1], tally.checkpoint_bytes, base_bytes, base)
     print(f"k3jax train: {sizes}", flush=True)
   plots = []
-  if opts.plots and run.main:
+  if opts.plots and run.main and tally.preempted is None:
     from k3jax.train.plots import write_plots  # noqa: PLC0415 - matplotlib is slow to import; only the end of a run plots
     plots = write_plots(read_records(run.out), run.out)
+  summary = _summary(run, meter, tally, plots)
+  summary["base_bytes"] = base_bytes
+  return summary
+
+
+def _summary(run: _Run, meter: _Meter, tally: _Tally, plots: list) -> dict[str, Any]:
+  opts, state = run.opts, run.state
   median = float(np.median(tally.step_times)) if tally.step_times else None
   return {
       "out": run.out, "start_step": run.start, "steps": opts.steps,
@@ -410,10 +449,12 @@ def _finish(run: _Run, meter: _Meter, tally: _Tally) -> dict[str, Any]:
       "median_step_s": median,
       "tokens_per_s": meter.tokens_per_step / median if median else None,
       "mfu": meter.mfu(median) if median else None,
-      "peak_flops": meter.peak, "plots": plots, "checkpoints": tally.saved_steps,
+      "peak_flops": meter.peak, "peak_source": meter.peak_source, "plots": plots,
+      "checkpoints": tally.saved_steps,
       "data": run.data.summary,
       "trainable_params": step_lib.count_params(
           step_lib.partition(state["params"], run.steps.trainable)[0]),
       "total_params": step_lib.count_params(state["params"]),
-      "checkpoint_bytes": tally.checkpoint_bytes, "base_bytes": base_bytes,
+      "checkpoint_bytes": tally.checkpoint_bytes, "base_bytes": None,
+      "preempted": tally.preempted, **run.goodput.summary(),
   }

@@ -1,4 +1,5 @@
-"""Token cross entropy without the [tokens, vocab] logits (docs/training.md).
+"""Token cross entropy without the [tokens, vocab] logits (docs/training.md), and the logsumexp
+the z-loss squares.
 
     nll[b, t] = logsumexp_v(x[b, t] . W[:, v]) - x[b, t] . W[:, target[b, t]]
 
@@ -34,6 +35,14 @@ def token_nll(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Arr
   return jnp.where(mask, nll, 0.0)
 
 
+def token_nll_lse(logits: jax.Array, targets: jax.Array, mask: jax.Array
+                  ) -> tuple[jax.Array, jax.Array]:
+  """(token_nll, logsumexp of the logits) per position [..., T], in fp32 (fp64 for a float64
+  model), 0 where mask is False: the logsumexp is what the z-loss squares."""
+  lse = jax.nn.logsumexp(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)), axis=-1)
+  return token_nll(logits, targets, mask), jnp.where(mask, lse, 0.0)
+
+
 def chunked_token_nll(x_btd: jax.Array, head_dv: jax.Array, targets_bt: jax.Array,
                       mask_bt: jax.Array, chunk: int,
                       precision: jax.lax.Precision | None = None,
@@ -41,6 +50,16 @@ def chunked_token_nll(x_btd: jax.Array, head_dv: jax.Array, targets_bt: jax.Arra
   """token_nll(x @ W / temperature, targets, mask) [B, T] over chunks of `chunk` positions
   (see module docstring; the division is in the wide dtype, after the head: RL's tempered
   policy, k3jax/rl); T is padded up to a multiple of `chunk` (padded positions are dropped)."""
+  return chunked_token_nll_lse(x_btd, head_dv, targets_bt, mask_bt, chunk, precision,
+                               temperature)[0]
+
+
+def chunked_token_nll_lse(x_btd: jax.Array, head_dv: jax.Array, targets_bt: jax.Array,
+                          mask_bt: jax.Array, chunk: int,
+                          precision: jax.lax.Precision | None = None,
+                          temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+  """token_nll_lse of x @ W / temperature over chunks of `chunk` positions (see
+  chunked_token_nll): the logsumexp comes with its own gradient (softmax per chunk)."""
   b, t, d = x_btd.shape
   chunk = min(chunk, t)
   pad = -t % chunk
@@ -50,10 +69,10 @@ def chunked_token_nll(x_btd: jax.Array, head_dv: jax.Array, targets_bt: jax.Arra
   n = (t + pad) // chunk
   x_nbcd = jnp.moveaxis(x_btd.reshape(b, n, chunk, d), 1, 0)
   tgt_nbc = jnp.moveaxis(targets_bt.reshape(b, n, chunk), 1, 0)
-  nll_nbc = _chunked_nll(x_nbcd, head_dv.astype(x_btd.dtype), tgt_nbc, precision,
-                         float(temperature))
-  nll = jnp.moveaxis(nll_nbc, 0, 1).reshape(b, n * chunk)[:, :t]
-  return jnp.where(mask_bt, nll, 0.0)
+  nll_nbc, lse_nbc = _chunked_nll(x_nbcd, head_dv.astype(x_btd.dtype), tgt_nbc, precision,
+                                  float(temperature))
+  nll, lse = (jnp.moveaxis(a, 0, 1).reshape(b, n * chunk)[:, :t] for a in (nll_nbc, lse_nbc))
+  return jnp.where(mask_bt, nll, 0.0), jnp.where(mask_bt, lse, 0.0)
 
 
 def _logits(x_bcd, head_dv, precision, temperature=1.0):
@@ -74,7 +93,7 @@ def _nll_fwd(x_nbcd, head_dv, tgt_nbc, precision, temperature):
     return None, (lse - _picked(logits, tgt_bc), lse)
 
   _, (nll, lse) = jax.lax.scan(body, None, (x_nbcd, tgt_nbc))
-  return nll, (x_nbcd, head_dv, tgt_nbc, lse)
+  return (nll, lse), (x_nbcd, head_dv, tgt_nbc, lse)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -82,19 +101,22 @@ def _chunked_nll(x_nbcd, head_dv, tgt_nbc, precision, temperature):
   return _nll_fwd(x_nbcd, head_dv, tgt_nbc, precision, temperature)[0]
 
 
-def _nll_bwd(precision, temperature, res, ct_nbc):
-  """d nll / d logits = softmax - onehot(target), per chunk from the saved logsumexp: one
-  recomputed head matmul per chunk and the two gradient matmuls, written in the layouts they
-  are used in (no transposed copy of the [B, C, V] cotangent, no scatter for the target)."""
+def _nll_bwd(precision, temperature, res, cts):
+  """d nll / d logits = softmax - onehot(target) and d lse / d logits = softmax, per chunk
+  from the saved logsumexp: one recomputed head matmul per chunk and the two gradient
+  matmuls, written in the layouts they are used in (no transposed copy of the [B, C, V]
+  cotangent, no scatter for the target)."""
   x_nbcd, head_dv, tgt_nbc, lse_nbc = res
+  ct_nbc, ct_lse_nbc = cts
   wide = jnp.promote_types(x_nbcd.dtype, jnp.float32)
   vocab = jnp.arange(head_dv.shape[1])
 
   def body(dw_dv, xs):
-    x_bcd, tgt_bc, lse_bc, ct_bc = xs
+    x_bcd, tgt_bc, lse_bc, ct_bc, ct_lse_bc = xs
     logits = _logits(x_bcd, head_dv, precision, temperature)
-    g = (jnp.exp(logits - lse_bc[..., None])
-         - (vocab == tgt_bc[..., None]).astype(wide)) * ct_bc[..., None].astype(wide)
+    softmax = jnp.exp(logits - lse_bc[..., None])
+    g = (softmax * (ct_bc + ct_lse_bc)[..., None].astype(wide)
+         - (vocab == tgt_bc[..., None]).astype(wide) * ct_bc[..., None].astype(wide))
     if temperature != 1.0:  # d (z / T) / d z
       g = g / jnp.asarray(temperature, wide)
     g = g.astype(x_bcd.dtype)
@@ -107,7 +129,7 @@ def _nll_bwd(precision, temperature, res, ct_nbc):
     return dw_dv, dx
 
   dw, dx = jax.lax.scan(body, jnp.zeros(head_dv.shape, wide),
-                        (x_nbcd, tgt_nbc, lse_nbc, ct_nbc))
+                        (x_nbcd, tgt_nbc, lse_nbc, ct_nbc, ct_lse_nbc))
   return dx, dw.astype(head_dv.dtype), None
 
 
@@ -119,11 +141,17 @@ def model_nll(model, inputs: jax.Array, segment_ids: jax.Array | None):
   a function (output, targets, mask) -> per-position NLL). With `model.ex.loss_chunk` the model
   stops at the final norm and the NLL runs over chunks of the head (no [B, T, V] logits);
   without it, over the full logits. The train step and benchmarks/train.py both call this."""
+  out, nll_lse_of = model_nll_lse(model, inputs, segment_ids)
+  return out, lambda out, targets, mask: nll_lse_of(out, targets, mask)[0]
+
+
+def model_nll_lse(model, inputs: jax.Array, segment_ids: jax.Array | None):
+  """model_nll whose function returns (NLL, logsumexp) per position (the z-loss's input)."""
   ex = model.ex
   if ex.loss_chunk is None:
     return (model(inputs, segment_ids=segment_ids),
-            lambda out, targets, mask: token_nll(out.logits, targets, mask))
+            lambda out, targets, mask: token_nll_lse(out.logits, targets, mask))
   out = model(inputs, segment_ids=segment_ids, logits=False)
   head = model.head()
-  return out, lambda out, targets, mask: chunked_token_nll(
+  return out, lambda out, targets, mask: chunked_token_nll_lse(
       out.features, head, targets, mask, ex.loss_chunk, ex.precision)

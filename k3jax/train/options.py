@@ -34,8 +34,11 @@ class RunOptions:
   learning_rate: float = 1e-2
   adam_learning_rate: float | None = None
   warmup_steps: int = 20
-  decay_steps: int | None = None     # cosine horizon; default: steps
+  decay_steps: int | None = None     # the schedule's horizon; default: steps
   end_lr_ratio: float = 0.1
+  schedule: str = "cosine"           # cosine | wsd | constant (step.Schedule)
+  decay_frac: float = 0.2            # wsd: the last fraction of the horizon that decays
+  z_loss: float = 0.0                # W: + W * logsumexp(logits)^2 per loss token (0: off)
   weight_decay: float = 0.1
   clip_norm: float | None = 1.0
   qb: bool = True
@@ -54,13 +57,18 @@ class RunOptions:
   num_processes: int | None = None
   process_id: int | None = None
   startup_timeout: float = 3600.0    # seconds a process waits for the others to compile
+  step_timeout: float | None = None  # watchdog: seconds a step may take (None: derived)
   eval_every: int = 50
   eval_batches: int = 4
   save_every: int = 100
+  save_every_minutes: float | None = None  # also save when this much time passed (process 0's)
   keep: int = 3
   log_every: int = 1
   seed: int = 0
-  peak_tflops: float | None = None   # for MFU; None: measured (dense matmul) at start-up
+  new_stage: bool = False            # a resume that changes --seq-len, --batch-size, --data or
+                                     #   the schedule on purpose (stages.py)
+  peak_tflops: float | None = None   # for MFU; None: the chip table's, else measured
+  profile_steps: tuple[int, int] | None = None  # A, B: a jax.profiler trace of steps A..B
   progress: bool = True
   tensorboard: bool = True
   plots: bool = True
@@ -77,8 +85,19 @@ def step_config(opts: RunOptions) -> step_lib.StepConfig:
   if opts.batch_size % opts.grad_accum:
     raise UserError(f"--batch-size {opts.batch_size} is not a multiple of --grad-accum "
                     f"{opts.grad_accum}")
-  return step_lib.StepConfig(
-      learning_rate=opts.learning_rate, adam_learning_rate=opts.adam_learning_rate,
-      warmup_steps=opts.warmup_steps, decay_steps=opts.decay_steps or opts.steps,
-      end_lr_ratio=opts.end_lr_ratio, weight_decay=opts.weight_decay, clip_norm=opts.clip_norm,
-      qb=opts.qb, qb_method=opts.qb_method, qb_rule=opts.qb_rule)
+  if not opts.z_loss >= 0:
+    raise UserError(f"--z-loss must be >= 0, got {opts.z_loss}")
+  try:
+    return step_lib.StepConfig(
+        learning_rate=opts.learning_rate, adam_learning_rate=opts.adam_learning_rate,
+        warmup_steps=opts.warmup_steps, decay_steps=opts.decay_steps or opts.steps,
+        end_lr_ratio=opts.end_lr_ratio, weight_decay=opts.weight_decay,
+        clip_norm=opts.clip_norm, qb=opts.qb, qb_method=opts.qb_method, qb_rule=opts.qb_rule,
+        schedule=opts.schedule, decay_frac=opts.decay_frac)
+  except ValueError as e:
+    raise UserError(f"--{str(e).replace('_', '-')}") from None
+
+
+def objective(opts: RunOptions) -> step_lib.TokenNLL:
+  """What the run minimises: next-token NLL (+ the z-loss when --z-loss > 0)."""
+  return step_lib.TokenNLL(z_loss=float(opts.z_loss))

@@ -42,6 +42,7 @@ runs in one process (tests, resume) compile once.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 from typing import Any, NamedTuple
 
@@ -80,7 +81,7 @@ from k3jax.run.placement import (
   fresh_on_mesh,
   init_params,
 )
-from k3jax.train.loss import model_nll, token_nll  # noqa: F401 - token_nll re-exported
+from k3jax.train.loss import model_nll, model_nll_lse, token_nll  # noqa: F401 - token_nll re-exported
 from sharding.placement import (
   batch_sharding,
   check_model_fits,
@@ -108,18 +109,42 @@ class StepConfig:
   qb_method: str = "exact"           # "exact" | "histogram"
   qb_rule: str = "k3"                # QB threshold: "k3" (the K3 report's) | "per_expert"
   qb_bins: int = 1000
+  schedule: str = "cosine"           # Schedule: cosine | wsd | constant
+  decay_frac: float = 0.2            # wsd: the last fraction of decay_steps that decays
 
   def __post_init__(self):
     if self.qb_rule not in THRESHOLD_RULES:
       raise ValueError(f"qb_rule {self.qb_rule!r} is not one of {THRESHOLD_RULES}")
+    if self.schedule not in {s.value for s in Schedule}:
+      raise ValueError(f"schedule {self.schedule!r} is not one of "
+                       f"{', '.join(s.value for s in Schedule)}")
+    if not 0 < self.decay_frac <= 1:
+      raise ValueError(f"decay_frac must be in (0, 1], got {self.decay_frac}")
+
+
+class Schedule(enum.StrEnum):
+  """The learning-rate schedule after the linear warm-up (docs/training.md#the-recipe)."""
+  COSINE = "cosine"      # cosine from the peak to end_lr_ratio x peak at decay_steps
+  WSD = "wsd"            # warm-up, stable at the peak, cosine decay over the last decay_frac
+  CONSTANT = "constant"  # the peak from the end of the warm-up on
 
 
 def lr_schedule(sc: StepConfig, peak: float) -> optax.Schedule:
+  """Linear warm-up from peak / warmup (not 0: the first step already learns), then the
+  schedule: every one ends at decay_steps (the horizon) and stays at its last value after."""
   warmup = min(sc.warmup_steps, max(sc.decay_steps - 1, 0))
-  # linear warm-up from peak / warmup (not 0: the first step already learns)
-  return optax.warmup_cosine_decay_schedule(
-      init_value=peak / max(warmup, 1), peak_value=peak, warmup_steps=warmup,
-      decay_steps=max(sc.decay_steps, warmup + 1), end_value=peak * sc.end_lr_ratio)
+  horizon, end = max(sc.decay_steps, warmup + 1), peak * sc.end_lr_ratio
+  if sc.schedule == Schedule.COSINE:
+    return optax.warmup_cosine_decay_schedule(
+        init_value=peak / max(warmup, 1), peak_value=peak, warmup_steps=warmup,
+        decay_steps=horizon, end_value=end)
+  ramp = optax.linear_schedule(peak / max(warmup, 1), peak, warmup)
+  if sc.schedule == Schedule.CONSTANT:
+    return optax.join_schedules([ramp, optax.constant_schedule(peak)], [warmup])
+  decay_start = max(warmup, horizon - max(round(sc.decay_frac * horizon), 1))
+  decay = optax.cosine_decay_schedule(peak, horizon - decay_start, alpha=sc.end_lr_ratio)
+  return optax.join_schedules([ramp, optax.constant_schedule(peak), decay],
+                              [warmup, decay_start])
 
 
 def optimizer(sc: StepConfig, logical_axes: Any) -> optax.GradientTransformation:
@@ -158,13 +183,23 @@ class TokenNLL:
   the step divides the summed loss and its gradient by the batch's `loss_mask` tokens; without
   it the objective's sum over micro-batches is the loss as it stands (its own weights
   normalise it: k3jax/rl). Metrics whose name starts with `max_` are reduced over
-  micro-batches by max, the others summed. The ModelOutput feeds QK-clip and Quantile
-  Balancing as in plain training."""
-  per_token = True  # a class constant, not a field: every TokenNLL is the same objective
+  micro-batches by max, the others summed (those in `per_token_metrics` then divided by the
+  loss tokens, as the loss). The ModelOutput feeds QK-clip and Quantile Balancing as in plain
+  training.
+
+  `z_loss` W > 0 adds W * logsumexp(logits)^2 per loss token (the z-loss of PaLM; it keeps the
+  softmax normaliser near 1) to the loss, and reports that term alone as `z_loss`."""
+  per_token = True  # a class constant: the loss and its gradient are per loss token
+  per_token_metrics = ("z_loss",)
+  z_loss: float = 0.0
 
   def __call__(self, model, mb):
-    out, nll_of = model_nll(model, mb["inputs"], mb["segment_ids"])
-    return jnp.sum(nll_of(out, mb["targets"], mb["loss_mask"])), out, {}
+    out, nll_lse_of = model_nll_lse(model, mb["inputs"], mb["segment_ids"])
+    nll, lse = nll_lse_of(out, mb["targets"], mb["loss_mask"])
+    if not self.z_loss:
+      return jnp.sum(nll), out, {}
+    z = self.z_loss * jnp.sum(jnp.square(lse))
+    return jnp.sum(nll) + z, out, {"z_loss": z}
 
 
 def _reduce_metrics(extra: dict) -> dict:
@@ -282,6 +317,10 @@ def build(cfg: ModelConfig, ex: Execution, sc: StepConfig,
     metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                "lr": lr_of(state["step"]), "loss_tokens": tokens,
                **_reduce_metrics(aux["extra"])}
+    if objective.per_token:
+      for key in getattr(objective, "per_token_metrics", ()):
+        if key in metrics:
+          metrics[key] = metrics[key] / denom
 
     updates, opt_state = tx.update(grads, state["opt_state"], params)
     params = optax.apply_updates(params, updates)
