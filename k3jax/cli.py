@@ -1,4 +1,4 @@
-"""`k3jax` command line: info | train | rl | generate | serve | eval | convert | export |
+"""`k3jax` command line: info | prepare-data | train | rl | generate | serve | eval | convert |
 parity | tokenize | plan.
 
 Each subcommand is a module of `k3jax/commands/` (registered in `k3jax.commands.COMMANDS`).
