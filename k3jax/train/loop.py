@@ -59,6 +59,7 @@ from k3jax.tokenizer import load_tokenizer
 from k3jax.train import data as data_lib
 from k3jax.train import flops as flops_lib
 from k3jax.train import frozen_base
+from k3jax.train import inputs as inputs_lib
 from k3jax.train import step as step_lib
 from k3jax.train.checkpoint import Checkpointer, save_model
 from k3jax.train.metrics import MetricsWriter, read_records
@@ -393,7 +394,7 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
   if tokenizer.vocab_size > cfg.vocab_size:
     raise UserError(f"the {tokenizer.name} tokenizer has {tokenizer.vocab_size} ids but the "
                     f"model only {cfg.vocab_size} embeddings")
-  data = data_lib.load_training_data(opts.data, opts.data_format, tokenizer, pipe,
+  data = inputs_lib.load_training_data(opts.data, opts.data_format, tokenizer, pipe,
                                      opts.eval_batches, skip_bad_rows=opts.skip_bad_rows,
                                      out=out if main_process else None)
   eval_batches = data.eval_batches
@@ -454,8 +455,7 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
           flush=True)
   writer = (MetricsWriter(out, resume_step=resume_step, tensorboard=opts.tensorboard)
             if main_process else _NoWriter())
-  iterator = data_lib.ShardIterator(data.train_tokens, pipe, rows, data_state,
-                                    data.train_weights)
+  iterator = data.iterator(pipe, rows, data_state)
   bar = tqdm(total=opts.steps, initial=start, disable=not (opts.progress and main_process),
              unit="step", dynamic_ncols=True)
   qk_threshold = step_lib.NO_QK_CLIP if opts.qk_clip is None else np.float32(opts.qk_clip)
