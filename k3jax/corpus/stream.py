@@ -40,6 +40,7 @@ GROUP_ROWS = 256          # rows a group is sized to give (from the mean documen
 COMPONENT_SEED_STRIDE = 1 << 20
 MAX_EMPTY_GROUPS = 1000   # groups in a row without one next-token pair: the data has none
 UNBOUNDED = 1 << 62       # the group dataset's length (an endless stream)
+PREFETCH = 2              # groups packed ahead of the one being read
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,14 +141,15 @@ class RowStream:
     self.rows = rows
     self._group, self._row = (0, 0) if state is None else (int(state["group"]),
                                                            int(state["row"]))
-    ds = grain.MapDataset.source(source)[self._group:].to_iter_dataset()
+    # one thread packs up to PREFETCH groups ahead (in each worker process, if any); Grain's
+    # default read-ahead (hundreds of elements on 16 threads) would hold hundreds of groups
+    read = grain.ReadOptions(num_threads=1, prefetch_buffer_size=PREFETCH)
+    ds = grain.MapDataset.source(source)[self._group:].to_iter_dataset(read)
     if workers:
       if not flags.FLAGS.is_parsed():  # Grain's worker start reads its absl flags: defaults
         flags.FLAGS.mark_as_parsed()
       ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers,
-                                                       per_worker_buffer_size=2))
-    else:
-      ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=2)
+                                                       per_worker_buffer_size=PREFETCH))
     self._it = iter(ds)
     self._current = None  # the rows of group self._group
 
