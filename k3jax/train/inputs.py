@@ -15,6 +15,7 @@ with, so it continues on exactly the batches it would have had.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import numpy as np
@@ -65,6 +66,50 @@ def data_mixture(path: str | None, mix_file: str | None,
     raise UserError(f"--format {data_format} reads JSONL conversations; a prepared dataset "
                     "holds text documents")
   return mixture_lib.read(mix_file) if mix_file else mixture_lib.single(path)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataChoice:
+  """The data a run names, resolved before anything is written: the prepared mixture (None:
+  text or chat), the data format version, and the identity run.json records."""
+  mix: mixture_lib.Mixture | None
+  version: int
+  identity: dict
+
+
+def choose_data(path: str | None, mix_file: str | None, data_format: str,
+                run_file: str) -> DataChoice:
+  """The run's data, checked: manifests and the mixture file read (one line for any fault),
+  and, when `run_file` exists (a resume), the same data it records: the same manifest
+  fingerprints and mixture content hash (a dataset prepared again or an edited mixture is
+  refused), and the data format version it trained with."""
+  mix = data_mixture(path, mix_file, data_format)
+  saved = {}
+  if os.path.exists(run_file):
+    with open(run_file) as f:
+      saved = json.load(f).get("data") or {}
+  version = saved.get("data_version", FIRST_DATA_VERSION) if os.path.exists(run_file) \
+      else DATA_VERSION
+  identity = {"data_version": version}
+  if mix is not None:
+    identity["manifests"] = {p: manifest_lib.read_complete(p)["fingerprint"] for p in mix.paths}
+    identity["mix_hash"] = mix.content_hash if mix.file else None
+  _check_same_data(os.path.dirname(run_file), saved, identity)
+  return DataChoice(mix, version, identity)
+
+
+def _check_same_data(out: str, saved: dict, now: dict) -> None:
+  if not saved:
+    return
+  for folder, fp in (saved.get("manifests") or {}).items():
+    if (now.get("manifests") or {}).get(folder, fp) != fp:
+      raise UserError(f"{out} holds a run on {folder} as prepared then (manifest fingerprint "
+                      f"{fp}); it now has {now['manifests'][folder]} (prepared again?): "
+                      "resuming needs the same data, or use a new --out")
+  if saved.get("mix_hash") != now.get("mix_hash"):
+    raise UserError(f"{out} holds a run of a mixture with content hash {saved.get('mix_hash')}"
+                    f", now {now.get('mix_hash')} (the mixture file was edited): resuming "
+                    "needs the same mixture, or use a new --out")
 
 
 def load_training_data(path: str | None, data_format: str, tokenizer, cfg: PipelineConfig,

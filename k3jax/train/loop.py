@@ -68,11 +68,12 @@ from sharding.mesh import describe, make_mesh
 from sharding.placement import check_batch
 
 # options that fix what a checkpoint and its data position mean: a resume must not change them
-_RESUME_KEYS = ("data", "data_format", "tokenizer", "seq_len", "batch_size", "seed",
+_RESUME_KEYS = ("data", "data_mix", "data_format", "tokenizer", "seq_len", "batch_size", "seed",
                 "init_from", "data_shards", "lora_rank", "lora_alpha", "lora_targets",
                 "base_experts", "experts_qat")
 # path-valued options: a run records them absolute (a later command may run elsewhere)
-_PATHS = {"data": absolute, "init_from": absolute, "tokenizer": absolute_tokenizer}
+_PATHS = {"data": absolute, "data_mix": absolute, "init_from": absolute,
+          "tokenizer": absolute_tokenizer}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +82,9 @@ class RunOptions:
   config: str | None = None          # preset or config file (default "tiny"); not with init_from
   init_from: str | None = None       # converted Orbax checkpoint or official-layout HF folder
   steps: int = 300
-  data: str | None = None            # text file / folder; None: the stdlib sources
+  data: str | None = None            # text file / folder, or a prepared dataset; None: stdlib
+  data_mix: str | None = None        # mix.json: a mixture of prepared datasets (not with data)
+  data_workers: int = 0              # Grain worker processes packing prepared data (0: a thread)
   data_format: str = "text"          # text | chat (JSONL conversations, assistant tokens only)
   skip_bad_rows: bool = False        # chat: train on the good rows (else bad rows refuse the run)
   tokenizer: str = "auto"            # auto | byte | tiktoken | a folder holding tiktoken.model
@@ -259,10 +262,12 @@ def _saved_execution(saved: dict) -> Execution | None:
     return None
 
 
-def write_run_file(out: str, opts, cfg: ModelConfig, ex: Execution) -> None:
+def write_run_file(out: str, opts, cfg: ModelConfig, ex: Execution,
+                   data: dict | None = None) -> None:
+  """run.json; `data`: the identity of the training data (train/inputs.py)."""
   with open(os.path.join(out, RUN_FILE), "w") as f:
     json.dump({"options": dataclasses.asdict(opts), "model": cfg.to_dict(),
-               "execution": ex.to_dict()}, f, indent=1)
+               "execution": ex.to_dict(), **({"data": data} if data else {})}, f, indent=1)
 
 
 def _eval_loss(steps, state, batches) -> float:
@@ -364,6 +369,9 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
   mesh = make_mesh(opts.mesh) if opts.mesh else None
   out = os.path.abspath(opts.out)
   opts = dataclasses.replace(opts, **{k: fn(getattr(opts, k)) for k, fn in _PATHS.items()})
+  # the data checked before anything is written (a bad manifest or mixture writes no --out)
+  chosen = inputs_lib.choose_data(opts.data, opts.data_mix, opts.data_format,
+                                  os.path.join(out, RUN_FILE))
   os.makedirs(out, exist_ok=True)
   frozen_base.check_present(out, opts.init_from)
   cfg, ex = _model_config(opts), execution(opts)
@@ -396,7 +404,8 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
                     f"model only {cfg.vocab_size} embeddings")
   data = inputs_lib.load_training_data(opts.data, opts.data_format, tokenizer, pipe,
                                      opts.eval_batches, skip_bad_rows=opts.skip_bad_rows,
-                                     out=out if main_process else None)
+                                     out=out if main_process else None, mix=chosen.mix,
+                                     data_version=chosen.version, workers=opts.data_workers)
   eval_batches = data.eval_batches
 
   def to_device(batch, rows=rows):
@@ -430,7 +439,7 @@ def _run(opts: RunOptions, on_step) -> dict[str, Any]:
     # and a resumed one lower to the same program (one persistent-cache entry, not two)
     state = step_lib.place(state)
   if main_process:
-    write_run_file(out, opts, cfg, ex)
+    write_run_file(out, opts, cfg, ex, chosen.identity)
 
   flop_count = flops_lib.count(cfg, opts.seq_len)
   tokens_per_step = opts.batch_size * opts.seq_len
