@@ -1,5 +1,11 @@
-"""Input pipeline: documents -> tokens -> pieces -> grain first-fit packing -> batches
-(docs/training.md#data).
+"""Input pipeline of documents held in memory (text files and folders, the default corpus,
+chat rows): documents -> tokens -> pieces -> grain first-fit packing -> batches
+(docs/training.md#data). A prepared dataset streams its documents instead (prepared_data.py,
+k3jax/corpus/stream.py); what both hand the loop is a `ShardOpener` (data shard, saved
+position -> batches) read through `ShardIterator`.
+
+A text document's tokens end with the tokenizer's end-of-document id (when it has one, and
+from data format version 2 on: inputs.py), so the last pair of every document is trained.
 
 A document of L tokens is cut into pieces of at most T+1 tokens that overlap by one token
 (starts 0, T, 2T, ...), so each next-token pair of the document is trained on exactly once.
