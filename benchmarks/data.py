@@ -18,8 +18,10 @@ delivers against what a K3 step needs, and what `k3jax prepare-data` tokenizes.
    rows only; with one data shard every host packs the whole global batch (printed too).
 3. `k3jax prepare-data` throughput with the BPE of --tokenizer (a model folder with
    tiktoken.model and tokenization_*.py) on this interpreter's standard-library sources as
-   JSONL rows: BPE tokens/s per worker with 1 and 4 workers, and the hours 1T tokens take on
-   one 64-core host at the 1-worker rate. Without --tokenizer this part is skipped.
+   JSONL rows: BPE tokens/s per worker with 1 and 4 workers, the tokens/s of its one shard
+   writing process (on tokenized documents), and the hours 1T tokens take on one 64-core host:
+   64 workers at the 1-worker rate, capped by the writer. Without --tokenizer this part is
+   skipped.
 
 `--json` ends with one JSON line: startup_ratio, rss_ratio, tokens_per_s_per_process ({workers:
 tokens/s}), step_need_tokens_per_s_per_host, prepare_tokens_per_s_per_worker ({workers:
@@ -154,6 +156,21 @@ def prepare_rate(tokenizer: str, root: str, workers: int, megabytes: int) -> flo
   return s["tokens_per_s"] / workers
 
 
+def writer_rate(root: str, tokens: int) -> float:
+  """Tokens/s prepare-data's main process stores (shard writing: one process, whatever the
+  worker count), on documents already tokenized."""
+  docs = list(synthetic_documents(tokens, seed=1))
+  with tempfile.TemporaryDirectory(dir=root) as out:
+    t0 = time.perf_counter()
+    write_documents(os.path.join(out, "w"), docs, SyntheticTokenizer(), shard_tokens=64 << 20)
+    return tokens / (time.perf_counter() - t0)
+
+
+def hours_for_1t(per_worker: float, writer: float, cores: int = 64) -> float:
+  """1T tokens on one host: its workers' rate, capped by the one process writing shards."""
+  return 1e12 / min(per_worker * cores, writer) / 3600
+
+
 def measure(a) -> dict:
   os.makedirs(a.dir, exist_ok=True)
   small, large = (corpus(a.dir, a.small_tokens), corpus(a.dir, a.small_tokens * a.scale))
@@ -173,15 +190,18 @@ def measure(a) -> dict:
           flush=True)
   prep = {w: prepare_rate(a.tokenizer, a.dir, w, a.prepare_mb) for w in (1, 4)} \
       if a.tokenizer else None
+  writer = writer_rate(a.dir, a.small_tokens)
+  hours = hours_for_1t(prep[1], writer) if prep else None
   if prep:
     print(f"prepare-data: {prep[1]:,.0f} / {prep[4]:,.0f} BPE tokens/s per worker (1 / 4 "
-          f"workers); 1T tokens on one 64-core host: {1e12 / (prep[1] * 64) / 3600:.1f} h")
+          f"workers), shard writing {writer:,.0f} tokens/s; 1T tokens on one 64-core host: "
+          f"{hours:.1f} h ({'the writer' if writer < prep[1] * 64 else 'the workers'} bound)")
   return {"startup_ratio": starts["large"]["startup_s"] / starts["small"]["startup_s"],
           "rss_ratio": starts["large"]["peak_rss_bytes"] / starts["small"]["peak_rss_bytes"],
           "tokens_per_s_per_process": rates, "step_need_tokens_per_s_per_host": need,
           "prepare_tokens_per_s_per_worker": prep, "startup": starts,
           "corpus_tokens": [a.small_tokens, a.small_tokens * a.scale], "k3_step_s": step_s,
-          "prepare_hours_1t_64_cores": 1e12 / (prep[1] * 64) / 3600 if prep else None}
+          "prepare_writer_tokens_per_s": writer, "prepare_hours_1t_64_cores": hours}
 
 
 def main() -> None:

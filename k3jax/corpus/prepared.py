@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import copy
 import os
 from collections.abc import Sequence
 
@@ -78,6 +79,13 @@ class PreparedDataset:
       for (at, _), doc in zip(wanted, self._reader(shard).read([r for _, r in wanted])):
         out[at] = doc
     return out
+
+  def fresh(self) -> PreparedDataset:
+    """The same dataset with readers of its own (one per thread that reads: readers are not
+    shared between threads)."""
+    other = copy.copy(self)
+    other._open = collections.OrderedDict()
+    return other
 
   def close(self) -> None:
     for reader in self._open.values():

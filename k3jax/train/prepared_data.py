@@ -84,7 +84,8 @@ def prepared_shards(components, props: tuple[int, ...], cfg: PipelineConfig, *,
       raise UserError(f"the checkpoint's data position of data shard {shard} is not one of "
                       f"this {len(components)}-component prepared dataset")
     spec = StreamSpec(cfg.seq_len, cfg.seed, shard, cfg.num_shards, g, props, offsets)
-    rows = RowStream(GroupSource(components, spec), cfg.shard_rows, state, workers=workers)
+    source = GroupSource([d.fresh() for d in components], spec)  # read on this shard's thread
+    rows = RowStream(source, cfg.shard_rows, state, workers=workers)
     return _Batches(rows, spec, fingerprints, cfg.micro_batches)
   return open_shard
 
