@@ -8,7 +8,8 @@ delivers against what a K3 step needs, and what `k3jax prepare-data` tokenizes.
    log-uniform in [64, 16384) tokens), `--small-tokens` and `--scale` times as many (default
    20M and 200M tokens), written once under --dir. For each, a fresh process opens it as
    `k3jax train --data DIR` does (manifest, hold-out, eval batches) and produces the first
-   batch: its start-up seconds and peak RSS (goal: larger / smaller <= 1.2 for both).
+   batch: its start-up seconds (imports done) and peak RSS, the median of --repeats fresh
+   processes each, taken in turn (goal: larger / smaller <= 1.2 for both).
 2. Training-side tokens/s of one process (one data shard: the rows of `--rows` x `--seq` every
    batch, counted as the step consumes them) with 1 and 4 Grain worker processes
    (`--data-workers`), on the larger corpus, against the tokens per second per host of the K3
@@ -49,6 +50,7 @@ import numpy as np
 from k3jax.corpus import manifest as manifest_lib
 from k3jax.corpus import mixture
 from k3jax.corpus.prepare import PrepareOptions, prepare, write_documents
+from k3jax.train import data, inputs
 
 VOCAB = 163_840
 K3_BATCH, K3_SEQ, V5P_CHIPS_PER_HOST = 512, 8192, 4
@@ -89,7 +91,6 @@ def corpus(root: str, tokens: int) -> str:
 
 def pipeline(folder: str, seq: int, rows: int, workers: int):
   """(the run's TrainingData, its ShardIterator) as `k3jax train --data folder` builds them."""
-  from k3jax.train import data, inputs
   cfg = data.PipelineConfig(seq_len=seq, batch_rows=rows, micro_batches=1, seed=0)
   training = inputs.load_training_data(None, "text", SyntheticTokenizer(), cfg, 1,
                                        mix=mixture.single(folder), workers=workers)
@@ -97,7 +98,8 @@ def pipeline(folder: str, seq: int, rows: int, workers: int):
 
 
 def probe(folder: str, seq: int, rows: int) -> None:
-  """In a fresh process: start-up seconds to the first batch, and peak RSS."""
+  """In a fresh process (its imports done): seconds from opening the dataset to the first
+  batch, and the process's peak RSS."""
   t0 = time.perf_counter()
   _, it = pipeline(folder, seq, rows, workers=0)
   next(it)
@@ -111,6 +113,17 @@ def probed(folder: str, seq: int, rows: int) -> dict:
   out = subprocess.run([sys.executable, __file__, "--probe", folder, "--seq", str(seq),
                         "--rows", str(rows)], capture_output=True, text=True, check=True)
   return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def startups(folders: dict[str, str], seq: int, rows: int, repeats: int) -> dict:
+  """The median start-up and peak RSS of `repeats` probes of each folder, taken in turn (a
+  shared machine's load drifts: alternating keeps it alike for both sizes)."""
+  runs = {k: [] for k in folders}
+  for _ in range(repeats):
+    for k, folder in folders.items():
+      runs[k].append(probed(folder, seq, rows))
+  return {k: {key: float(np.median([r[key] for r in v])) for key in v[0]}
+          for k, v in runs.items()}
 
 
 def throughput(folder: str, seq: int, rows: int, workers: int, seconds: float) -> float:
@@ -174,7 +187,7 @@ def hours_for_1t(per_worker: float, writer: float, cores: int = 64) -> float:
 def measure(a) -> dict:
   os.makedirs(a.dir, exist_ok=True)
   small, large = (corpus(a.dir, a.small_tokens), corpus(a.dir, a.small_tokens * a.scale))
-  starts = {"small": probed(small, a.seq, a.rows), "large": probed(large, a.seq, a.rows)}
+  starts = startups({"small": small, "large": large}, a.seq, a.rows, a.repeats)
   mib = [starts[k]["peak_rss_bytes"] / 2**20 for k in ("small", "large")]
   print(f"start-up to the first batch: {starts['small']['startup_s']:.2f}s / "
         f"{starts['large']['startup_s']:.2f}s, peak RSS {mib[0]:.0f} / {mib[1]:.0f} MiB "
@@ -212,6 +225,7 @@ def main() -> None:
   p.add_argument("--seq", type=int, default=K3_SEQ)
   p.add_argument("--rows", type=int, default=16, help="rows per batch of the one data shard")
   p.add_argument("--seconds", type=float, default=20.0, help="each throughput measurement")
+  p.add_argument("--repeats", type=int, default=5, help="start-up probes of each corpus")
   p.add_argument("--step-seconds", type=float, default=None,
                  help="the K3 step time (none given: k3jax plan --analytic, minutes)")
   p.add_argument("--tokenizer", default=None, metavar="MODEL_DIR",
