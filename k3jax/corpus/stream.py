@@ -3,9 +3,10 @@ processes and of worker processes.
 
 Documents. Component c (a prepared dataset with n_c trained documents) supplies data shard s
 of S its trained documents in the order: stream position p is the (s + p S)-th document of the
-repeated, per-epoch shuffled order (epoch e = (s + p S) // n_c, a Grain index shuffle seeded by
-seed + c 2^20 + e). The S shards thus split every epoch between them, disjoint. The mixture
-(mixture.py) interleaves the components: draw k of the shard is component c's stream position
+repeated, per-epoch shuffled order (epoch e = (s + p S) // n_c, a permutation seeded by
+seed + c 2^20 + e: Grain's index shuffle, or a numpy table for small components, `shuffled`).
+The S shards thus split every epoch between them, disjoint. The mixture (mixture.py)
+interleaves the components: draw k of the shard is component c's stream position
 offsets[c] + (its draw number), `offsets` being where an earlier stage left each component
 (0 for a run's first stage).
 
@@ -25,6 +26,7 @@ group and skips that many rows, whatever the worker count.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -41,6 +43,7 @@ COMPONENT_SEED_STRIDE = 1 << 20
 MAX_EMPTY_GROUPS = 1000   # groups in a row without one next-token pair: the data has none
 UNBOUNDED = 1 << 62       # the group dataset's length (an endless stream)
 PREFETCH = 2              # groups packed ahead of the one being read
+TABLE_BELOW = 4096        # fewer trained documents: the epoch's permutation as a table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,13 +64,26 @@ def group_documents(components: Sequence[PreparedDataset], props: Sequence[int],
   return max(1, math.ceil(GROUP_ROWS * (seq_len + 1) / max(mean, 1.0)))
 
 
+@functools.lru_cache(maxsize=16)
+def _permutation(n: int, seed: int) -> np.ndarray:
+  return np.random.default_rng(seed).permutation(n)
+
+
+def shuffled(q: int, n: int, seed: int) -> int:
+  """Position q of a permutation of range(n) fixed by `seed`: Grain's index shuffle (O(1) a
+  call, nothing stored), or under TABLE_BELOW documents a numpy permutation table (the index
+  shuffle walks a larger range there: about 1 ms a call at 37 documents, 7 us at 10,000)."""
+  if n < TABLE_BELOW:
+    return int(_permutation(n, seed)[q])
+  return grain.experimental.index_shuffle(q, max_index=n - 1, seed=seed, rounds=4)
+
+
 def component_position(c: int, dataset: PreparedDataset, p: int, spec: StreamSpec) -> int:
   """The document number of component c's stream position p in shard spec.shard."""
   n = dataset.train_documents
   epoch, q = divmod(spec.shard + p * spec.num_shards, n)
   seed = (spec.seed + c * COMPONENT_SEED_STRIDE + epoch) % 2**32
-  j = grain.experimental.index_shuffle(q, max_index=n - 1, seed=seed, rounds=4)
-  return dataset.train_index(j)
+  return dataset.train_index(shuffled(q, n, seed))
 
 
 def draws(spec: StreamSpec, start: int, stop: int) -> list[tuple[int, int]]:

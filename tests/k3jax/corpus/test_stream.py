@@ -46,8 +46,10 @@ def test_interleave_shares_are_exact_within_the_component_index(weights):
 def test_mixture_draws_documents_by_weight(tmp_path):
   """The documents a data shard reads over 10,000 draws come from each component in its
   share; with shares of tokens each weight is divided by the mean document length."""
-  comps = [PreparedDataset(synthetic(tmp_path / f"c{i}", 40 + 30 * i, i, hi=20 + 40 * i)[0])
-           for i in range(3)]
+  # thousands of documents each: Grain's index shuffle is slow on small ranges (1 ms a call
+  # at 37 documents, 7 us at 10,000)
+  comps = [PreparedDataset(synthetic(tmp_path / f"c{i}", 4000 + 3000 * i, i, hi=4 + 8 * i,
+                                     shard_tokens=20_000)[0]) for i in range(3)]
   mix = mixture.Mixture(tuple(c.folder for c in comps), (0.6, 0.3, 0.1))
   props = prepared_data.document_proportions(mix, comps)
   spec = stream.StreamSpec(T, 0, 0, 1, 100, props, (0, 0, 0))
@@ -88,21 +90,26 @@ def test_pack_places_every_piece_once_first_fit():
   assert free == free_before
 
 
-def test_epochs_split_between_shards_and_never_touch_the_held_out(tmp_path):
-  comp = PreparedDataset(synthetic(tmp_path / "d", 50, 1)[0])
-  n = comp.train_documents
-  assert comp.held_out == 3 and n == 47  # documents 8, 24, 40
+@pytest.mark.parametrize("n", [50, 5000])  # a permutation table / Grain's index shuffle
+def test_epochs_split_between_shards_and_never_touch_the_held_out(tmp_path, n):
+  comp = PreparedDataset(synthetic(tmp_path / "d", n, 1, hi=4, shard_tokens=4000)[0])
+  every = comp.every
   held = {comp.held_out_index(h) for h in range(comp.held_out)}
-  assert held == {8, 24, 40}
+  assert held == {i for i in range(n) if i % every == every // 2} and len(held) == n // every
+  trained = comp.train_documents
+  assert (trained < stream.TABLE_BELOW) == (n == 50)
   for shards in (1, 2, 3):
-    epoch = []
+    per = -(-trained // shards)
+    first = []
     for s in range(shards):
       spec = stream.StreamSpec(T, 7, s, shards, 1, (1,), (0,))
-      epoch += [stream.component_position(0, comp, p, spec) for p in range(-(-n // shards))]
-    # positions s + p S < n are the first epoch: every trained document once
-    first = [epoch[s * -(-n // shards) + p] for s in range(shards)
-             for p in range(-(-n // shards)) if s + p * shards < n]
-    assert sorted(first) == sorted(set(range(50)) - held)
+      # positions s + p S < trained are the first epoch: every trained document once
+      first += [stream.component_position(0, comp, p, spec) for p in range(per)
+                if s + p * shards < trained]
+    assert sorted(first) == sorted(set(range(n)) - held)
+    spec = stream.StreamSpec(T, 7, 0, shards, 1, (1,), (0,))
+    second = [stream.component_position(0, comp, p, spec) for p in range(per, 2 * per)]
+    assert not set(second) & held and second != first[:len(second)]
 
 
 def _rows(b, n):
