@@ -39,10 +39,13 @@ def model(name: str):
 def model_kda_backend(rec, dry: bool, what: tuple[str, ...]) -> tuple[str | None, str]:
   """(the KDA backend the model sections run, why): the platform's default GPU backend, or the
   other one, whose bf16 `what` checks (kda_check: "forward", "gradient", "decode") all ran
-  within tolerance on this device; else the XLA chunked path. None (the default) on a dry run."""
+  within tolerance on this device; else the XLA chunked path. None (the platform's default) on
+  a dry run or when kda_check did not run."""
   if dry:
     return None, "dry run: the platform's default"
   results = rec.sibling("kda_check").get("results", {})
+  if not results:
+    return None, "no kda_check results in this run: the platform's default"
   for name in ("pallas_mosaic_gpu", "pallas_gpu"):
     checks = [results.get(name, {}).get("bfloat16", {}).get(w, {}) for w in what]
     if all(c and "error" not in c and all(v.get("within_tol", True) for v in c.values()

@@ -207,9 +207,11 @@ def run_child(name: str, a, timeout: float, log) -> tuple[int | None, float, flo
   try:
     code = proc.wait(timeout=timeout)
   except subprocess.TimeoutExpired:
-    os.killpg(proc.pid, signal.SIGKILL)  # the child and anything it started
-    proc.wait()
     code = None
+  finally:  # past its share, or this process told to stop: the child and what it started
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+      proc.wait()
   reader.join(timeout=5)
   return code, time.perf_counter() - t0, _children_cpu() - cpu0, list(tail)
 
@@ -373,4 +375,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+  # a SIGTERM (the window's own time limit) raises SystemExit here, and run_child's `finally`
+  # ends the running section's process group with it
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
   sys.exit(main())

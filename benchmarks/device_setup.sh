@@ -18,6 +18,7 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/k3jax-xla-cac
 
 echo "== host $(uname -m), $(nproc) CPUs, $("$PY" --version 2>&1)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 || true
+echo "== ptxas on PATH: $(command -v ptxas || echo none)"  # XLA runs it (or the CUDA wheels')
 "$PY" - <<'PYEOF' || true
 import importlib.metadata as m
 for name in ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda13-pjrt", "jax-cuda12-plugin",
