@@ -1,6 +1,6 @@
-"""The tested set (constraints.txt, docs/install.md): it pins every package the issue of
-2026-12-06 named, the JAX family at one release, and every install the README and CI make goes
-through it; pyproject.toml keeps ranges."""
+"""The tested set (constraints.txt, docs/install.md): it pins every requirement of
+pyproject.toml and every package the issue of 2026-12-06 named, the JAX family at one release,
+and every install the README and CI make goes through it; pyproject.toml keeps ranges."""
 
 import os
 import re
@@ -81,12 +81,23 @@ def test_every_install_goes_through_the_constraints():
   assert len(ci) == 1 and "-c constraints.txt" in ci[0], ci
 
 
-def test_pyproject_keeps_ranges():
-  """A user installing k3jax into their own environment gets ranges, not the tested pins."""
+def _requirements() -> list[Requirement]:
   with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
     project = tomllib.load(f)["project"]
   reqs = [Requirement(r) for r in project["dependencies"]]
   for extra in project["optional-dependencies"].values():
     reqs += [Requirement(r) for r in extra]
-  exact = [str(r) for r in reqs if any(s.operator in ("==", "===") for s in r.specifier)]
+  return reqs
+
+
+def test_every_requirement_is_pinned():
+  """A dependency added to pyproject.toml without rerunning .ci/update-constraints would
+  install untested."""
+  pinned = pins()
+  assert not [str(r) for r in _requirements() if _norm(r.name) not in pinned]
+
+
+def test_pyproject_keeps_ranges():
+  """A user installing k3jax into their own environment gets ranges, not the tested pins."""
+  exact = [str(r) for r in _requirements() if any(s.operator in ("==", "===") for s in r.specifier)]
   assert not exact
