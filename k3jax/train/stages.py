@@ -66,6 +66,16 @@ def check_stage(out: str, saved: dict | None, opts, paths: dict) -> dict:
   return changed
 
 
+def check_stage_data(opts, prepared: bool, saved: dict | None) -> None:
+  """A new stage continues in-memory data (text, chat) only: a stage of prepared data
+  (`--data` of k3jax prepare-data, `--data-mix`), now or in the stage before, is refused in
+  one line."""
+  if opts.new_stage and (prepared or ((saved or {}).get("data") or {}).get("manifests")):
+    raise UserError("--new-stage continues text or chat data only; a stage of prepared data "
+                    "(k3jax prepare-data, --data-mix) is not supported: start a new --out "
+                    "with --init-from OUT/model")
+
+
 def stages(saved: dict | None, opts) -> list[dict]:
   """The stages a run file records (a run before stages: one, from step 0)."""
   if saved is None:
