@@ -117,15 +117,22 @@ def split_for_training(model: nnx.Module, spec: AdaptSpec | None) -> tuple[dict,
   return jax.tree.map(cast, params, mask), bias
 
 
-def adapted(cfg: ModelConfig, ex: Execution, spec: AdaptSpec, seed: int, packed: bool,
+def adapted(cfg: ModelConfig, ex: Execution, spec: AdaptSpec, seed: int, base: nnx.GraphDef,
             params: dict, bias: dict) -> dict:
   """A pre-trained model's params adapted as `spec` asks (fresh adapters from `seed`, experts
-  packed); `packed`: its routed experts arrive packed already (read as MXFP4 codes).
-  Traceable: run under jit (`adapt_params`; on a mesh k3jax/run/placement.py's, with the
-  adapted model's output shardings)."""
-  base = nnx.eval_shape(lambda: _base_model(cfg, ex, packed))
-  model = nnx.merge(nnx.graphdef(base), nnx.State(params), nnx.State(bias))
+  packed); `base`: the graph of the model they belong to (`base_graphdef`: its routed experts
+  packed when they arrive packed, read as MXFP4 codes). Traceable: run under jit
+  (`adapt_params`; on a mesh k3jax/run/placement.py's, with the adapted model's output
+  shardings)."""
+  model = nnx.merge(base, nnx.State(params), nnx.State(bias))
   return split_for_training(adapt(model, spec, nnx.Rngs(seed + 1)), spec)[0]
+
+
+def base_graphdef(cfg: ModelConfig, ex: Execution, packed: bool) -> nnx.GraphDef:
+  """The graph of a pre-trained model (`packed`: its routed experts as MXFP4 codes). Built
+  outside any mesh context: under `jax.set_mesh`, nnx.eval_shape turns the variables' logical
+  axis names into NamedShardings of that mesh, which has none of those names."""
+  return nnx.graphdef(nnx.eval_shape(lambda: _base_model(cfg, ex, packed)))
 
 
 def _base_model(cfg: ModelConfig, ex: Execution, packed: bool) -> nnx.Module:
@@ -138,4 +145,4 @@ def adapt_params(cfg: ModelConfig, ex: Execution, params: dict, bias: dict, spec
                  seed: int) -> dict:
   """`adapted` under jit, on one device: building the adapters eagerly runs thousands of tiny
   ops one by one."""
-  return adapted(cfg, ex, spec, seed, False, params, bias)
+  return adapted(cfg, ex, spec, seed, base_graphdef(cfg, ex, False), params, bias)

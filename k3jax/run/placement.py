@@ -32,6 +32,7 @@ from k3jax.run.params import (
   WEIGHTS,
   adapt_params,
   adapted,
+  base_graphdef,
   make_model,
   split_for_training,
   split_model,
@@ -149,6 +150,6 @@ def adapt_on_mesh(cfg: ModelConfig, ex: Execution, spec: AdaptSpec, seed: int,
                   mesh: jax.sharding.Mesh, packed: bool) -> OnMesh:
   """(params, router_bias) -> adapted params, jitted with the adapted model's shardings as
   outputs (params donated: the frozen base keeps its buffers where it can)."""
-  fn = functools.partial(adapted, cfg, ex, spec, seed, packed)
+  fn = functools.partial(adapted, cfg, ex, spec, seed, base_graphdef(cfg, ex, packed))
   return OnMesh(jax.jit(fn, out_shardings=param_shardings(cfg, ex, spec, mesh)[0],
                         donate_argnums=0), mesh)

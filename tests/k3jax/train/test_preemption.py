@@ -97,8 +97,9 @@ def test_sigterm_during_start_up_stops_before_the_first_step(config_file, tmp_pa
 
 
 def test_save_every_minutes_saves_by_the_clock(config_file, tmp_path):
-  summary = run(options(tmp_path, config_file, steps=3, save_every=100, keep=5,
-                        save_every_minutes=1e-9))  # due after every step
+  # the options of the SIGTERM test's runs (one compiled step for the file)
+  summary = run(f64(tmp_path, config_file, steps=3, keep=5,
+                    save_every_minutes=1e-9))  # due after every step
   assert summary["checkpoints"] == [1, 2, 3]
 
 
