@@ -70,8 +70,12 @@ def hosts(args: list[str], tmp_path, name: str):
   port = free_port()
   procs, logs = [], []
   for i in range(2):
+    # JAX reads what the environment lacks of these from the TPU VM's metadata server, which
+    # the stand-in has none of: the single slice's values, as a multislice JobSet sets them
     env = {**process_env(), "TPU_WORKER_HOSTNAMES": "localhost,localhost",
-           "TPU_WORKER_ID": str(i), "JAX_COORDINATOR_PORT": str(port)}
+           "TPU_WORKER_ID": str(i), "JAX_COORDINATOR_PORT": str(port),
+           "MEGASCALE_COORDINATOR_ADDRESS": "localhost", "MEGASCALE_NUM_SLICES": "1",
+           "MEGASCALE_SLICE_ID": "0"}
     logs.append(str(tmp_path / f"{name}_{i}.log"))
     with open(logs[-1], "w") as log:
       procs.append(subprocess.Popen([sys.executable, "-c", CLOUD_TPU_DRIVER, *args], cwd=REPO,
