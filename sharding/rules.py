@@ -28,7 +28,8 @@ Names and what they mean:
   latent        LatentMoE width l
   moe_mlp       routed-expert intermediate width
   moe_mlp_groups  MXFP4 scale groups (of 32) along moe_mlp (w2's packed scales)
-  batch, length activations (rows and positions)
+  batch, length activations (rows and positions; positions split over `context`)
+  tokens        flattened [batch x length] rows (the MoE's tokens): batch axes, then context
 
 Per-Head Muon reads the same names: `layers`, `experts`, `q_heads`, `kv_heads` are batch axes
 of a weight (one orthogonalisation per entry); `heads` is part of the matrix.
@@ -62,15 +63,22 @@ import jax
 from flax import linen
 from jax.sharding import PartitionSpec
 
-MESH_AXES: tuple[str, ...] = ("data", "fsdp", "expert", "tensor")
+MESH_AXES: tuple[str, ...] = ("data", "fsdp", "expert", "context", "tensor")
 BATCH_MESH_AXES: tuple[str, ...] = ("data", "fsdp", "expert")  # what splits the batch
+CONTEXT_AXIS = "context"  # what splits a sequence's positions (context parallelism)
+# the rows of flattened [batch x length] activations (the MoE's tokens): batch-major, so a
+# [B, T] array split (batch, length) flattens to rows split over these axes in this order
+TOKEN_MESH_AXES: tuple[str, ...] = BATCH_MESH_AXES + (CONTEXT_AXIS,)
 
 Target = str | tuple[str, ...] | None
 
 # logical name, placement of a parameter axis, placement of an activation axis
 TABLE: tuple[tuple[str, Target, Target], ...] = (
     ("batch", None, BATCH_MESH_AXES),
-    ("length", None, None),
+    # context parallelism: a sequence's positions split over `context`; KDA and MLA see the
+    # whole sequence through k3jax/model/context_parallel.py (docs/sharding.md)
+    ("length", None, CONTEXT_AXIS),
+    ("tokens", None, TOKEN_MESH_AXES),
     ("layers", None, None),
     ("vocab", "tensor", "tensor"),
     # before embed/latent: an expert stack's experts take fsdp first (module docstring)

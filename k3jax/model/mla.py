@@ -9,7 +9,8 @@
 The "rope" dims are never rotated (NoPE). The checkpoint's kv_b_proj is held as two per-head
 projections, k_b and v_b, so Per-Head Muon sees K and V as separate blocks without slicing.
 Masks: causal, and tokens attend only within their own segment (packing and padding both
-travel as segment ids).
+travel as segment ids). With the positions split over a `context` mesh axis, the attention runs
+over the gathered latents (k3jax/model/mla_parallel.py), whatever `attention` says.
 
 Decoding (docs/inference.md) caches per token only the normalised latent c and k_rot (`latent`), and
 `attend_latent` attends over that cache. With k_b / v_b absorbed (the standard MLA inference
@@ -30,6 +31,7 @@ from flax import nnx
 
 from k3jax.config import ModelConfig
 from k3jax.execution import Attention, Execution
+from k3jax.model import mla_parallel
 from k3jax.model.layers import Projection, RMSNorm, wide_dtype
 from pallas_kernels.flash_attention import flash_attention
 
@@ -140,6 +142,14 @@ class MLA(nnx.Module):
     q = self.query(x)
     q_nope, q_rot = jnp.split(q, [cfg.qk_nope_head_dim], axis=-1)
     c, k_rot = self.latent(x)
+    if mla_parallel.split_spec(q) is not None:  # positions split over `context`
+      dt = q.dtype
+      o, row_max = mla_parallel.attention(
+          q_nope, q_rot, c.astype(dt), k_rot.astype(dt), self.k_b_proj.weight().astype(dt),
+          self.v_b_proj.weight().astype(dt), segment_ids, scale=cfg.qk_head_dim**-0.5,
+          block=ex.attention_block, precision=ex.precision)
+      max_logits_h = jax.lax.stop_gradient(jnp.max(row_max, axis=(0, 2)))
+      return self.output(x, o), max_logits_h
     k_nope, v = self.k_b_proj(c), self.v_b_proj(c)
     if ex.attention == Attention.FLASH:  # the same numbers without the [T, T] scores
       k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot[:, :, None], (*k_nope.shape[:3],
