@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from k3jax.model.expert_parallel import context_mesh, shard_map_operands
 from pallas_kernels.flash_attention import latent_attention
+from pallas_kernels.vma import vary_like
 from sharding.activations import activation_spec
 
 _Q = ("batch", "length", "heads", "qk_head_dim")
@@ -49,7 +50,10 @@ def attention(q_nope, q_rot, c, k_rot, w_k, w_v, segment_ids, *, scale: float, b
   in_specs = (q_spec, q_spec, lat, lat, w, w, P(rows, ctx))
 
   def body(qn, qr, c, kr, wk, wv, seg):
-    gather = lambda x: jax.lax.all_gather(x, ctx, axis=1, tiled=True)
+    # typed as varying over the heads' axes before the gather, not after: the backward then
+    # reduce-scatters each tensor rank's latent gradient over `context` first and sums the
+    # local slice over the ranks, never the whole sequence's
+    gather = lambda x: jax.lax.all_gather(vary_like(x, qn), ctx, axis=1, tiled=True)
     start = jax.lax.axis_index(ctx) * qn.shape[1]
     return latent_attention(qn, qr, gather(c), gather(kr), wk, wv, seg, gather(seg), start,
                             scale=scale, block=block, precision=precision)

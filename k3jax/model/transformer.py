@@ -33,7 +33,7 @@ from flax import nnx
 
 from k3jax.config import ModelConfig
 from k3jax.execution import Execution, Remat
-from k3jax.model import block_scan, schedule
+from k3jax.model import block_scan, context_parallel, expert_parallel, schedule
 from k3jax.model.attn_res import AttnResQuery
 from k3jax.model.kda import KDA
 from k3jax.model.layers import RMSNorm, fan_in_normal, flat_einsum, make_param
@@ -117,6 +117,9 @@ class K3Model(nnx.Module):
     resets). `return_layer_out` disables layer scanning (per-layer outputs are for debugging).
     `logits=False` skips the head: `features` carries its input (for a chunked loss)."""
     cfg, ex = self.cfg, self.ex
+    context_parallel.check(expert_parallel.context_mesh(),
+                           (input_ids if inputs_embeds is None else inputs_embeds).shape[1],
+                           ex.kda_backend)
     if inputs_embeds is None:
       inputs_embeds = self.embed[...][input_ids]
     x = constrain(inputs_embeds.astype(ex.jnp_dtype), ("batch", "length", "embed"))
