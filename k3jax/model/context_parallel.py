@@ -39,8 +39,17 @@ class Composition(enum.StrEnum):
   TREE = "tree"              # log2(n) rounds of map composition (Hillis-Steele), then one apply
 
 
-# measured on 8 CPU devices, docs/sharding.md#composing-the-maps
-DEFAULT_COMPOSITION = Composition.TREE
+# up to this many devices the sequential rounds, beyond it the tree (`composition_for`)
+SEQUENTIAL_UP_TO = 8
+
+
+def composition_for(n: int) -> Composition:
+  """The composition for a context axis of n devices: sequential up to 8 (as fast or faster
+  measured on 8 CPU devices: a round applies a [K, K] map to a [K, V] state, where the tree
+  composes [K, K] x [K, K + V]), the tree beyond (log2 n rounds of transfers where the
+  sequential rounds' n - 1 transfers, each waiting on the one before, become the latency of a
+  layer: 127 per KDA layer at context=128). docs/sharding.md#composing-the-maps."""
+  return Composition.SEQUENTIAL if n <= SEQUENTIAL_UP_TO else Composition.TREE
 
 
 def size(mesh) -> int:
@@ -89,7 +98,7 @@ def _apply(m, s, precision):
   return jnp.einsum("...ij,...jx->...ix", m, s, precision=precision)
 
 
-def entering_states(m, c, s0, *, composition: Composition = DEFAULT_COMPOSITION,
+def entering_states(m, c, s0, *, composition: Composition | None = None,
                     precision=jax.lax.Precision.HIGHEST):
   """The state each device's range starts from: device i gets F_{i-1}(... F_0(s0)), where
   F_j(S) = m_j S + c_j is device j's map (m [..., K, K], c [..., K, V]) and s0 [..., K, V] the
@@ -101,9 +110,11 @@ def entering_states(m, c, s0, *, composition: Composition = DEFAULT_COMPOSITION,
   TREE: the maps compose associatively, (m2, c2) o (m1, c1) = (m2 m1, m2 c1 + c2), so
   ceil(log2 n) rounds of the Hillis-Steele scan give each device the composition of every map
   up to its own; one more transfer shifts it to the next device, which applies it to s0:
-  log2(n) + 1 transfers of a map ([K, K + V]), a [K, K] x [K, K + V] product each."""
+  log2(n) + 1 transfers of a map ([K, K + V]), a [K, K] x [K, K + V] product each.
+  None: `composition_for(n)`."""
   n = jax.lax.axis_size(AXIS)
   i = jax.lax.axis_index(AXIS)
+  composition = composition_for(n) if composition is None else Composition(composition)
   s0 = vary_like(s0, m, c)  # a loop carry keeps one type: as varying as the maps
   if composition == Composition.SEQUENTIAL:
     def round_(_, s):

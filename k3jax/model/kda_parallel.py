@@ -52,10 +52,10 @@ def kda(op, q, k, v, g, beta, *, initial_state=None, segment_ids=None, A_log=Non
 
   With the positions split over `context`, each device runs its range through
   `ops.kda_range` with the op's options (`range_op`; `composition` says how the ranges' maps
-  are composed: context_parallel.Composition) and completes its outputs from the state its
-  range enters with (`_range_body`)."""
+  are composed: context_parallel.Composition, None to choose by size) and completes its
+  outputs from the state its range enters with (`_range_body`)."""
   range_op = static.pop("range_op", kda_ops.kda_range)
-  composition = static.pop("composition", context_parallel.DEFAULT_COMPOSITION)
+  composition = static.pop("composition", None)
   mesh = _mesh()
   if mesh is None:
     return op(q, k, v, g, beta, initial_state=initial_state, segment_ids=segment_ids,

@@ -17,7 +17,7 @@ from sharding.rules import MESH_AXES
 
 def test_spec_grammar():
   assert parse_mesh_spec("data=2,fsdp=1,expert=2,tensor=2") == {
-      "data": 2, "fsdp": 1, "expert": 2, "context": 1, "tensor": 2}
+      "data": 2, "fsdp": 1, "expert": 2, "tensor": 2}
   assert axis_sizes("expert=4,tensor=2", 8) == {"data": 1, "fsdp": 1, "expert": 4, "context": 1,
                                                  "tensor": 2}
   assert axis_sizes("data=-1,tensor=2", 8) == {"data": 4, "fsdp": 1, "expert": 1, "context": 1,

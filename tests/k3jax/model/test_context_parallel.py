@@ -101,7 +101,7 @@ def _sharded_kda(spec, backend, composition, args, seg, dtype):
 @pytest.mark.parametrize("spec,composition", [
     ("data=2,context=4", context_parallel.Composition.SEQUENTIAL),
     ("data=2,context=4", context_parallel.Composition.TREE),
-    ("context=2,expert=2,tensor=2", context_parallel.DEFAULT_COMPOSITION)])
+    ("context=2,expert=2,tensor=2", None)])
 def test_kda_split_over_context_equals_the_recurrence(x64, spec, composition):
   args = tuple(a.astype(jnp.float64) for a in kda_cases.make_raw_inputs(2, T, 2, 16, 32))
   seg = jnp.asarray(packed_rows(2, T))
@@ -116,8 +116,7 @@ def test_kda_split_over_context_equals_the_recurrence(x64, spec, composition):
 def test_pallas_tpu_ranges_inside_the_shard_map():
   """The TPU kernel on each device's range with V + K value columns (interpret mode), against
   the float64 recurrence over the whole sequence: the kernels' float32 tolerance."""
-  run = lambda *a, **kw: _sharded_kda("data=2,context=4", "pallas_tpu",
-                                      context_parallel.DEFAULT_COMPOSITION, a, kw["seg"],
+  run = lambda *a, **kw: _sharded_kda("data=2,context=4", "pallas_tpu", None, a, kw["seg"],
                                       jnp.float32)
   args = kda_cases.make_raw_inputs(2, T, 2, 16, 32)
   seg = jnp.asarray(packed_rows(2, T))
