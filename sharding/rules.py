@@ -119,6 +119,10 @@ TABLE: tuple[tuple[str, Target, Target], ...] = (
     ("slots", None, None),
     ("pages", None, None),
     ("pool_shards", None, BATCH_MESH_AXES),
+    # a pool's pages split by position over `context` (EngineConfig.context_shards): one
+    # stripe per device, after the shards' split over the batch axes when there are shards
+    ("page_stripes", None, CONTEXT_AXIS),
+    ("pool_shard_stripes", None, TOKEN_MESH_AXES),
     ("page", None, None),
 )
 
