@@ -143,13 +143,14 @@ def decode_temp(cfg, mesh, rows: int, tokens: int, seq: int, moe_bytes: float) -
 
 
 def engine_temp(cfg, mesh, *, decode_rows: int, prefill_rows: int, chunk: int, ctx: int,
-                moe_bytes: float, row_ways: int = 1) -> float:
+                moe_bytes: float, row_ways: int = 1, stripes: int = 1) -> float:
   """Per-device temporaries of one serving-engine step (k3jax/engine/runner.py `_step`) by
   hand: `decode_rows` rows of one token and `prefill_rows` rows of `chunk` tokens (0 rows:
   a decode-only step), every row attending over `ctx` gathered positions; the engine's arrays
   are whole on every device but for the heads over `tensor` and, with pool shards, the tokens
   and the mixers' rows over `row_ways` devices (each runs its shards' tokens; the mixers under
-  shard_map). n = the step's tokens, m = the rows that draw; compute width c = 2:
+  shard_map), and with the pages in `stripes` over `context` each device's share of a row's
+  context, ctx / stripes. n = the step's tokens, m = the rows that draw; compute width c = 2:
     logits          the head at the m drawing tokens [m, V / tensor] in c, the log-softmax
                     and the sampler's [m, V] fp32 x 5;
     the carry       AttnRes's sealed blocks and partial sum [n_seals + 1, n, d] x 2;
@@ -172,8 +173,9 @@ def engine_temp(cfg, mesh, *, decode_rows: int, prefill_rows: int, chunk: int, c
   mla = 0
   if cfg.mla_layers:
     heads = max(1, cfg.mla_num_heads // tensor)
-    mla = (m * ctx * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * c
-           + n * heads * ctx * 4 * 2) / row_ways
+    local = ctx / stripes
+    mla = (m * local * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * c
+           + n * heads * local * 4 * 2) / row_ways
   kda = 0
   if cfg.kda_layers:
     heads, k = max(1, cfg.kda_num_heads // tensor), cfg.kda_head_dim
