@@ -188,7 +188,7 @@ def _per_shard(fn, args: tuple, shards: int, axes: tuple[str, ...], stripe_axis=
   ways = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes)
   rows = jax.sharding.PartitionSpec(axes or None)
   state = rows
-  if striped_state:
+  if striped_state and stripe_axis is not None:
     state = jax.sharding.PartitionSpec(axes + (stripe_axis,))
   names = frozenset(axes) | ({stripe_axis} if stripe_axis else set())
   return jax.shard_map(lambda *a: blocks(*a, n=shards // ways), in_specs=(rows,) * 3 + (state,),
