@@ -43,6 +43,11 @@ all-gathers its local experts over fsdp inside the layer (462 MB bf16 per layer 
 EP = 128) and Muon moves the blocks once per step (k3jax/optim/ns_layout.py). K3's 896
 experts take expert x fsdp up to 128 (or 7 x 2^k) devices.
 
+A `context` axis (one sequence's positions split over it: docs/sharding.md#context-parallelism)
+splits activations' `length`, and weights like `fsdp` does (`WEIGHT_SHARDS`): its devices hold
+parts of one sequence, so without it each would hold every weight the batch axes do not split;
+expert stacks take it as more expert parallelism (`experts` -> expert x fsdp x context).
+
 Rows are tried in order: a row applies when its mesh axes are free in the array (Flax's
 priority rule, each mesh axis at most once per array) and, given the array's shape, when they
 divide the dimension and a later row for the same name exists (the fallback); the last row of
@@ -69,6 +74,9 @@ CONTEXT_AXIS = "context"  # what splits a sequence's positions (context parallel
 # the rows of flattened [batch x length] activations (the MoE's tokens): batch-major, so a
 # [B, T] array split (batch, length) flattens to rows split over these axes in this order
 TOKEN_MESH_AXES: tuple[str, ...] = BATCH_MESH_AXES + (CONTEXT_AXIS,)
+# what splits a weight's model width (FSDP): `fsdp`, and `context`, whose devices hold one
+# sequence between them and so would otherwise each hold every weight
+WEIGHT_SHARDS: tuple[str, ...] = ("fsdp", CONTEXT_AXIS)
 
 Target = str | tuple[str, ...] | None
 
@@ -82,9 +90,10 @@ TABLE: tuple[tuple[str, Target, Target], ...] = (
     ("layers", None, None),
     ("vocab", "tensor", "tensor"),
     # before embed/latent: an expert stack's experts take fsdp first (module docstring)
-    ("experts", ("expert", "fsdp"), ("expert", "fsdp")),
+    ("experts", ("expert", "fsdp", CONTEXT_AXIS), ("expert", "fsdp", CONTEXT_AXIS)),
+    ("experts", ("expert", "fsdp"), ("expert", "fsdp")),  # E not over expert x fsdp x context
     ("experts", "expert", "expert"),  # when E does not split over expert x fsdp
-    ("embed", "fsdp", None),
+    ("embed", WEIGHT_SHARDS, None),
     ("q_heads", "tensor", "tensor"),
     ("kv_heads", "tensor", "tensor"),
     ("heads", "tensor", "tensor"),
@@ -95,16 +104,16 @@ TABLE: tuple[tuple[str, Target, Target], ...] = (
     # or those stacks sit whole on every fsdp device (K3: 2 GiB per fp32 copy at fsdp=512);
     # the down-projection [embed, rank] keeps fsdp on embed (each mesh axis once per array)
     # (each with a whole fallback row for a rank fsdp does not divide: K3's gate rank 128)
-    ("q_lora", "fsdp", None),
+    ("q_lora", WEIGHT_SHARDS, None),
     ("q_lora", None, None),
-    ("kv_lora", "fsdp", None),
+    ("kv_lora", WEIGHT_SHARDS, None),
     ("kv_lora", None, None),
-    ("gate_rank", "fsdp", None),
+    ("gate_rank", WEIGHT_SHARDS, None),
     ("gate_rank", None, None),
     ("conv", None, None),
     ("mlp", "tensor", "tensor"),
     ("expert_scores", None, None),
-    ("latent", "fsdp", None),
+    ("latent", WEIGHT_SHARDS, None),
     ("moe_mlp", "tensor", "tensor"),
     # MXFP4 scales of w2 along moe_mlp (one per group of 32): split with the codes where the
     # groups divide over tensor, else whole (the packed matmul refuses such a mesh when it
