@@ -1,21 +1,25 @@
 """Training with the sequence split over a `context` axis (docs/sharding.md#context-parallelism,
-docs/training.md): `k3jax train --mesh data=2,context=4` (the run's own data pipeline, each
-process keeping its rows' positions its devices hold) trains what one device trains: the same
-losses and final parameters after 2 steps (float64, the chunked loss cut within each device's
-positions), on packed rows of 256 positions whose documents cross the 4 devices' ranges; and
+docs/training.md): `k3jax train --mesh data=2,context=4` on a prepared dataset read as 2 data
+shards (the run's own data pipeline, each process keeping its rows' positions its devices
+hold) trains what one device trains: the same losses and gradient norms after 2 steps
+(float64, the chunked loss cut within each device's positions), on packed rows of 256
+positions whose documents cross the 4 devices' ranges; and
 the train step on `context=2,expert=2,tensor=2` (weights split over context like fsdp, experts
 over expert x context) equals the one-device step, parameters and optimizer state. A sequence
 length that leaves a device part of a KDA chunk is refused in one line before anything
 compiles."""
 
+import glob
 import json
 import os
+import sysconfig
 
 import jax
 import numpy as np
 import pytest
 
 from k3jax.cli import main
+from k3jax.corpus import prepare as prepare_lib
 from k3jax.train import data
 from k3jax.train import step as step_lib
 from k3jax.train.loop import run
@@ -33,6 +37,16 @@ def config_file(tmp_path_factory):
   return micro_config_file(tmp_path_factory.mktemp("cfg"))
 
 
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+  """A prepared byte dataset of a few standard-library sources."""
+  out = tmp_path_factory.mktemp("data") / "stdlib"
+  sources = sorted(glob.glob(os.path.join(sysconfig.get_path("stdlib"), "*.py")))[:40]
+  prepare_lib.prepare(prepare_lib.PrepareOptions(sources=tuple(sources), out=str(out),
+                                                 workers=0, progress=False))
+  return str(out)
+
+
 def _run(out, config_file, **changes):
   opts = options(out, config_file, steps=2, decay_steps=2, warmup_steps=1, batch_size=2,
                  seq_len=T, eval_every=1000, save_every=1000, dtype="float64", loss_chunk=32,
@@ -41,9 +55,11 @@ def _run(out, config_file, **changes):
   return summary, read_records(str(out))
 
 
-def test_train_command_splits_the_sequence(tmp_path, config_file):
-  _, one = _run(tmp_path / "one", config_file)
-  _, split = _run(tmp_path / "split", config_file, mesh="data=2,context=4")
+@pytest.mark.long  # two float64 training runs: minutes on the 2-core CPU
+def test_train_command_splits_the_sequence(tmp_path, config_file, prepared):
+  _, one = _run(tmp_path / "one", config_file, data=prepared, data_shards=2)
+  _, split = _run(tmp_path / "split", config_file, data=prepared, data_shards=2,
+                  mesh="data=2,context=4")
   assert [r["step"] for r in split] == [1, 2]
   for a, b in zip(split, one):
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-9, abs=0)
@@ -60,6 +76,7 @@ def _packed(seed, rows=2):
   return data.rows_to_batch(tokens, seg, 1)
 
 
+@pytest.mark.long  # the model level (test_context_parallel.py) is in the default run
 def test_train_step_on_context_expert_tensor_equals_one_device():
   opts = run_options("unused", "unused", seq_len=T, batch_size=2)
   batches = [_packed(seed) for seed in range(2)]
