@@ -16,9 +16,10 @@ at once with it instead of waiting at a barrier for a process that will never co
 `fetch` reads a global array whole on every process (gathering the other processes' shards),
 and `from_main` hands process 0's numpy values to every process (RL's rewards).
 
-Data: a global batch [A, b, T] is split by rows over the batch mesh axes; each process supplies
-only the rows its devices hold (`process_rows`) and `global_batch` assembles the jax.Array
-from those rows alone (`jax.make_array_from_callback`: every device's shard is cut from its own
+Data: a global batch [A, b, T] is split by rows over the batch mesh axes (and by positions over
+`context`); each process supplies only the rows (and positions) its devices hold
+(`process_rows`, `rows_by_process` along either axis) and `global_batch` assembles the jax.Array
+from those alone (`jax.make_array_from_callback`: every device's shard is cut from its own
 process's rows; nothing is sent between hosts).
 """
 
@@ -230,23 +231,33 @@ def process_rows(sharding: jax.sharding.Sharding, shape: tuple[int, ...],
 
 
 def global_batch(batch: Mapping[str, np.ndarray], sharding: jax.sharding.Sharding,
-                 rows: tuple[int, int], num_rows: int, axis: int = 1) -> dict[str, Any]:
+                 rows: tuple[int, int], num_rows: int, axis: int = 1,
+                 positions: tuple[int, int] | None = None,
+                 num_positions: int | None = None) -> dict[str, Any]:
   """This process's rows [start, stop) of every batch array -> global jax.Arrays with
-  `num_rows` rows along `axis`, placed by `sharding`."""
+  `num_rows` rows along `axis`, placed by `sharding`. `positions` [p0, p1) of `num_positions`:
+  the arrays hold only those positions (along axis + 1) of their rows, the ones this process's
+  devices hold when a `context` axis splits them (`rows_by_process(..., axis + 1)`); None: the
+  arrays hold every position."""
   start, stop = rows
   out = {}
   for key, local in batch.items():
     if local.shape[axis] != stop - start:
       raise ValueError(f"{key}: {local.shape[axis]} local rows for the range {rows}")
-    shape = local.shape[:axis] + (num_rows,) + local.shape[axis + 1:]
+    p0, p1 = positions or (0, local.shape[axis + 1])
+    total = local.shape[axis + 1] if positions is None else num_positions
+    if local.shape[axis + 1] != p1 - p0:
+      raise ValueError(f"{key}: {local.shape[axis + 1]} local positions for {positions}")
+    shape = local.shape[:axis] + (num_rows, total) + local.shape[axis + 2:]
 
-    def cut(index, local=local):
-      sl = index[axis]
-      a, b, _ = sl.indices(num_rows)
-      if a < start or b > stop:
-        raise ValueError(f"a device of this process needs rows [{a}, {b}) outside "
-                         f"[{start}, {stop})")
-      index = index[:axis] + (slice(a - start, b - start),) + index[axis + 1:]
+    def cut(index, local=local, p0=p0, p1=p1, total=total):
+      a, b, _ = index[axis].indices(num_rows)
+      c, d, _ = index[axis + 1].indices(total)
+      if a < start or b > stop or c < p0 or d > p1:
+        raise ValueError(f"a device of this process needs rows [{a}, {b}), positions "
+                         f"[{c}, {d}) outside [{start}, {stop}), [{p0}, {p1})")
+      index = (index[:axis] + (slice(a - start, b - start), slice(c - p0, d - p0))
+               + index[axis + 2:])
       return local[index]
 
     out[key] = jax.make_array_from_callback(shape, sharding, cut)

@@ -1,10 +1,11 @@
 """Device meshes from a spec string (docs/sharding.md#mesh).
 
     data=2,fsdp=1,expert=2,tensor=2     axis sizes by name, in any order
+    context=4,tensor=2                  a sequence's positions over 4 devices
     expert=4,tensor=2                   axes left out have size 1
     data=-1,tensor=2                    one axis may be -1: it takes the devices left over
 
-The mesh always has the four axes of `rules.MESH_AXES`, in that order (size 1 allowed), so the
+The mesh always has the five axes of `rules.MESH_AXES`, in that order (size 1 allowed), so the
 rules table and every layer see the same names whatever the spec. The product of the sizes
 must equal the number of devices given: every device is used, and a typo never silently
 leaves part of a slice idle.
@@ -61,7 +62,7 @@ def parse_mesh_spec(spec: str) -> dict[str, int]:
 
 
 def axis_sizes(spec: str | Mapping[str, int], num_devices: int) -> dict[str, int]:
-  """All four axis sizes, in MESH_AXES order, for `num_devices` devices."""
+  """All five axis sizes, in MESH_AXES order, for `num_devices` devices."""
   given = parse_mesh_spec(spec) if isinstance(spec, str) else dict(spec)
   sizes = {ax: given.get(ax, 1) for ax in MESH_AXES}
   fixed = math.prod(s for s in sizes.values() if s != -1)
@@ -82,7 +83,7 @@ def format_sizes(sizes: Mapping[str, int]) -> str:
 
 def make_mesh(spec: str | Mapping[str, int],
               devices: Sequence[jax.Device] | None = None) -> jax.sharding.Mesh:
-  """The (data, fsdp, expert, tensor) mesh `spec` describes, over `devices` (default: every
+  """The (data, fsdp, expert, context, tensor) mesh `spec` describes, over `devices` (default: every
   device of every process)."""
   devices = list(jax.devices() if devices is None else devices)
   sizes = axis_sizes(spec, len(devices))

@@ -12,7 +12,7 @@ host memory then placed (`place_model`: parity, generate). Optimizer state: ever
 mirrors a parameter (Muon momentum, AdamW moments: same key path suffix and shape) lives
 exactly where that parameter lives, so the update of a block never moves it; counters and
 other scalars are replicated. Batches [A, b, T]: rows over data x fsdp x expert (the
-activation column of `batch`).
+activation column of `batch`), positions over `context` (`length`'s).
 
 `check_model_fits` refuses, before anything compiles, a mesh whose axes do not divide the
 dimensions they would split (heads on `tensor`, experts on `expert`, widths on `fsdp`), naming
@@ -29,7 +29,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from sharding.mesh import MeshError, describe
-from sharding.rules import BATCH_MESH_AXES, axes_size, logical_to_spec
+from sharding.rules import BATCH_MESH_AXES, CONTEXT_AXIS, axes_size, logical_to_spec
 
 
 def _is_var(x) -> bool:
@@ -131,8 +131,8 @@ def check_batch(rows: int, mesh: jax.sharding.Mesh, what: str = "rows per micro-
 
 
 def batch_sharding(mesh: jax.sharding.Mesh, leading: int = 1) -> NamedSharding:
-  """[leading..., rows, T]: rows over data x fsdp x expert."""
-  return NamedSharding(mesh, PartitionSpec(*([None] * leading), BATCH_MESH_AXES, None))
+  """[leading..., rows, T]: rows over data x fsdp x expert, positions over `context`."""
+  return NamedSharding(mesh, PartitionSpec(*([None] * leading), BATCH_MESH_AXES, CONTEXT_AXIS))
 
 
 def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:

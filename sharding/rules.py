@@ -28,7 +28,8 @@ Names and what they mean:
   latent        LatentMoE width l
   moe_mlp       routed-expert intermediate width
   moe_mlp_groups  MXFP4 scale groups (of 32) along moe_mlp (w2's packed scales)
-  batch, length activations (rows and positions)
+  batch, length activations (rows and positions; positions split over `context`)
+  tokens        flattened [batch x length] rows (the MoE's tokens): batch axes, then context
 
 Per-Head Muon reads the same names: `layers`, `experts`, `q_heads`, `kv_heads` are batch axes
 of a weight (one orthogonalisation per entry); `heads` is part of the matrix.
@@ -41,6 +42,11 @@ over expert x fsdp; Newton-Schulz runs on whole blocks), on the fallback every l
 all-gathers its local experts over fsdp inside the layer (462 MB bf16 per layer at K3 with
 EP = 128) and Muon moves the blocks once per step (k3jax/optim/ns_layout.py). K3's 896
 experts take expert x fsdp up to 128 (or 7 x 2^k) devices.
+
+A `context` axis (one sequence's positions split over it: docs/sharding.md#context-parallelism)
+splits activations' `length`, and weights like `fsdp` does (`WEIGHT_SHARDS`): its devices hold
+parts of one sequence, so without it each would hold every weight the batch axes do not split;
+expert stacks take it as more expert parallelism (`experts` -> expert x fsdp x context).
 
 Rows are tried in order: a row applies when its mesh axes are free in the array (Flax's
 priority rule, each mesh axis at most once per array) and, given the array's shape, when they
@@ -62,21 +68,32 @@ import jax
 from flax import linen
 from jax.sharding import PartitionSpec
 
-MESH_AXES: tuple[str, ...] = ("data", "fsdp", "expert", "tensor")
+MESH_AXES: tuple[str, ...] = ("data", "fsdp", "expert", "context", "tensor")
 BATCH_MESH_AXES: tuple[str, ...] = ("data", "fsdp", "expert")  # what splits the batch
+CONTEXT_AXIS = "context"  # what splits a sequence's positions (context parallelism)
+# the rows of flattened [batch x length] activations (the MoE's tokens): batch-major, so a
+# [B, T] array split (batch, length) flattens to rows split over these axes in this order
+TOKEN_MESH_AXES: tuple[str, ...] = BATCH_MESH_AXES + (CONTEXT_AXIS,)
+# what splits a weight's model width (FSDP): `fsdp`, and `context`, whose devices hold one
+# sequence between them and so would otherwise each hold every weight
+WEIGHT_SHARDS: tuple[str, ...] = ("fsdp", CONTEXT_AXIS)
 
 Target = str | tuple[str, ...] | None
 
 # logical name, placement of a parameter axis, placement of an activation axis
 TABLE: tuple[tuple[str, Target, Target], ...] = (
     ("batch", None, BATCH_MESH_AXES),
-    ("length", None, None),
+    # context parallelism: a sequence's positions split over `context`; KDA and MLA see the
+    # whole sequence through k3jax/model/context_parallel.py (docs/sharding.md)
+    ("length", None, CONTEXT_AXIS),
+    ("tokens", None, TOKEN_MESH_AXES),
     ("layers", None, None),
     ("vocab", "tensor", "tensor"),
     # before embed/latent: an expert stack's experts take fsdp first (module docstring)
-    ("experts", ("expert", "fsdp"), ("expert", "fsdp")),
+    ("experts", ("expert", "fsdp", CONTEXT_AXIS), ("expert", "fsdp", CONTEXT_AXIS)),
+    ("experts", ("expert", "fsdp"), ("expert", "fsdp")),  # E not over expert x fsdp x context
     ("experts", "expert", "expert"),  # when E does not split over expert x fsdp
-    ("embed", "fsdp", None),
+    ("embed", WEIGHT_SHARDS, None),
     ("q_heads", "tensor", "tensor"),
     ("kv_heads", "tensor", "tensor"),
     ("heads", "tensor", "tensor"),
@@ -87,16 +104,16 @@ TABLE: tuple[tuple[str, Target, Target], ...] = (
     # or those stacks sit whole on every fsdp device (K3: 2 GiB per fp32 copy at fsdp=512);
     # the down-projection [embed, rank] keeps fsdp on embed (each mesh axis once per array)
     # (each with a whole fallback row for a rank fsdp does not divide: K3's gate rank 128)
-    ("q_lora", "fsdp", None),
+    ("q_lora", WEIGHT_SHARDS, None),
     ("q_lora", None, None),
-    ("kv_lora", "fsdp", None),
+    ("kv_lora", WEIGHT_SHARDS, None),
     ("kv_lora", None, None),
-    ("gate_rank", "fsdp", None),
+    ("gate_rank", WEIGHT_SHARDS, None),
     ("gate_rank", None, None),
     ("conv", None, None),
     ("mlp", "tensor", "tensor"),
     ("expert_scores", None, None),
-    ("latent", "fsdp", None),
+    ("latent", WEIGHT_SHARDS, None),
     ("moe_mlp", "tensor", "tensor"),
     # MXFP4 scales of w2 along moe_mlp (one per group of 32): split with the codes where the
     # groups divide over tensor, else whole (the packed matmul refuses such a mesh when it
@@ -111,6 +128,10 @@ TABLE: tuple[tuple[str, Target, Target], ...] = (
     ("slots", None, None),
     ("pages", None, None),
     ("pool_shards", None, BATCH_MESH_AXES),
+    # a pool's pages split by position over `context` (EngineConfig.context_shards): one
+    # stripe per device, after the shards' split over the batch axes when there are shards
+    ("page_stripes", None, CONTEXT_AXIS),
+    ("pool_shard_stripes", None, TOKEN_MESH_AXES),
     ("page", None, None),
 )
 

@@ -37,6 +37,7 @@ from k3jax.execution import resolve_dtype
 from k3jax.folders import max_model_len
 from k3jax.generate import chat
 from k3jax.generate.chat import find_tokenizer_config
+from k3jax.model.context_parallel import size as context_size
 from k3jax.run.model import existing_folder, load_for_serving
 from k3jax.tokenizer import text_tokenizer
 from sharding.mesh import make_mesh
@@ -139,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
   mesh = make_mesh(args.mesh) if args.mesh else None
   if mesh is not None:  # before loading: a mesh the pools cannot split is refused at once
     try:
-      check_shards(args.data_shards, mesh)
+      check_shards(args.data_shards, mesh, context_size(mesh))
     except ValueError as e:
       raise UserError(f"--data-shards: {e}") from None
   with jax.enable_x64(dtype == "float64"):
@@ -155,14 +156,16 @@ def run(args: argparse.Namespace) -> int:
     print(f"{args.model}: {cfg.num_layers} layers, {dtype}, loaded in "
           f"{time.perf_counter() - t0:.1f}s; {len(prompts)} prompt(s) of "
           f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens", file=sys.stderr)
-    config = engine_config(args, prompts, max_model_len(folder))
+    config = engine_config(args, prompts, max_model_len(folder), context_size(mesh))
     _generate(args, model, prompts, tokenizer, stops, config, mesh)
   return 0
 
 
-def engine_config(args, prompts: list[list[int]], limit: int | None) -> EngineConfig:
+def engine_config(args, prompts: list[list[int]], limit: int | None,
+                  context: int = 1) -> EngineConfig:
   """The engine for this command's prompts: a slot per prompt (up to --max-num-seqs), the
-  model's maximum length (--max-model-len, else the folder's own, else 8192)."""
+  model's maximum length (--max-model-len, else the folder's own, else 8192), its latent
+  pages by position over the mesh's `context` devices."""
   max_len = args.max_model_len or limit or DEFAULT_MAX_MODEL_LEN
   longest = max(map(len, prompts))
   if longest > max_len:
@@ -174,7 +177,8 @@ def engine_config(args, prompts: list[list[int]], limit: int | None) -> EngineCo
     return EngineConfig(max_num_seqs=slots, max_model_len=max_len,
                         prefill_chunk=args.prefill_chunk, prefill_widths=args.prefill_widths,
                         prefill_rows=args.prefill_rows, decode_steps=args.decode_steps,
-                        prefix_state_every=args.prefix_state_every, data_shards=shards)
+                        prefix_state_every=args.prefix_state_every, data_shards=shards,
+                        context_shards=context)
   except ValueError as e:
     raise UserError(str(e)) from None
 

@@ -75,7 +75,10 @@ def run(args: argparse.Namespace) -> int:
   if len(plans) > 1:
     for p in plans:
       print(p.report())
-    print(f"best: mesh {chosen.mesh} ({'fits' if chosen.fits else 'nothing fits'})")
+    fit = getattr(chosen, "max_fit_batch", None)
+    fits = (f"fits {fit} slots at --seq" if fit else "fits" if chosen.fits else
+            "nothing fits")
+    print(f"best: mesh {chosen.mesh} ({fits})")
   else:
     print(chosen.report())
   if getattr(chosen, "train_args", None):

@@ -24,25 +24,35 @@ import numpy as np
 
 
 class PagePool:
-  """Free list of the token pages 1..n."""
+  """Free lists of the token pages: page 0 is scratch, pages 1..n hold tokens.
 
-  def __init__(self, n: int):
-    self.size = n
-    self._free = list(range(n, 0, -1))
+  With `stripes` k > 1 (the pool split by position over k devices of the `context` axis:
+  docs/serving.md, "Long requests"), the pool is k stripes of n / k pages, each with its own
+  scratch page: stripe s holds ids s (n / k + 1) + [1, n / k], and a request's page of block
+  j comes from stripe j mod k (`alloc(j)`), so its positions spread over the k devices and a
+  cached block's page sits where every request using it expects it."""
 
-  def alloc(self) -> int | None:
-    return self._free.pop() if self._free else None
+  def __init__(self, n: int, stripes: int = 1):
+    if n % stripes:
+      raise ValueError(f"{n} pages do not split into {stripes} stripes")
+    self.size, self.stripes, per = n, stripes, n // stripes
+    self._free = [list(range(s * (per + 1) + per, s * (per + 1), -1)) for s in range(stripes)]
+
+  def alloc(self, block: int = 0) -> int | None:
+    """A free page for block `block` of a request (its stripe's), or None."""
+    free = self._free[block % self.stripes]
+    return free.pop() if free else None
 
   def release(self, page: int) -> None:
-    self._free.append(page)
+    self._free[page // (self.size // self.stripes + 1)].append(page)
 
   @property
   def free(self) -> int:
-    return len(self._free)
+    return sum(map(len, self._free))
 
   @property
   def used(self) -> int:
-    return self.size - len(self._free)
+    return self.size - self.free
 
 
 @dataclasses.dataclass(eq=False)

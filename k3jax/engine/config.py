@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 from sharding.placement import batch_rows_ways
+from sharding.rules import CONTEXT_AXIS
 
 DEFAULT_MAX_MODEL_LEN = 8192
 
@@ -15,13 +16,18 @@ def bucket(n: int, cap: int) -> int:
   return min(cap, 1 << max(0, n - 1).bit_length())
 
 
-def check_shards(data_shards: int, mesh) -> None:
+def check_shards(data_shards: int, mesh, context_shards: int = 1) -> None:
   """ValueError unless `data_shards` pool shards divide over `mesh`'s batch axes (data x fsdp
-  x expert), as they are placed: each device holds whole shards."""
+  x expert), as they are placed: each device holds whole shards; and unless the pages'
+  `context_shards` stripes are the mesh's `context` axis, one per device."""
   ways = batch_rows_ways(mesh)
   if data_shards > 1 and data_shards % ways:
     raise ValueError(f"data_shards {data_shards} do not divide over the mesh's {ways} devices "
                      "along data x fsdp x expert")
+  context = dict(mesh.shape).get(CONTEXT_AXIS, 1)
+  if context_shards != context:
+    raise ValueError(f"context_shards {context_shards} must be the mesh's context axis "
+                     f"({context} devices): a request's pages spread over it by position")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -63,6 +69,12 @@ class EngineConfig:
       mixers run under shard_map over the batch axes, every device reading only its own
       shards' pools (docs/serving.md, "Pools split over the batch axes"). max_num_seqs,
       num_pages and prefix_snapshots must divide by it. 1: one pool, whole on every device.
+    context_shards: each shard's latent pages split by position over this many devices (the
+      mesh's `context` axis): a request's page of block j lives on device j mod
+      context_shards, each device attends over its own pages and the partial softmaxes merge
+      by log-sum-exp, so one request may hold more positions than one device's pages
+      (docs/serving.md, "Long requests"). num_pages must divide by data_shards x
+      context_shards. 1: every page on every device of its shard.
     layout: "unstacked" holds per-layer weights (a copy of the model's stacks, made once; XLA:CPU
       copies a stacked weight's slice on every read) or "stacked" slices the caller's stacks
       inside the step (no copy: what RL needs, where the optimizer owns the arrays); None picks
@@ -84,12 +96,13 @@ class EngineConfig:
   decode_steps: int = 1
   prefill_widths: int = 1
   data_shards: int = 1
+  context_shards: int = 1
   layout: str | None = None
 
   def __post_init__(self):
     for name in ("max_num_seqs", "max_model_len", "page_size", "prefill_chunk", "prefill_rows",
                  "prefix_state_every", "max_top_logprobs", "min_decode_rows", "min_context",
-                 "decode_steps", "prefill_widths", "data_shards"):
+                 "decode_steps", "prefill_widths", "data_shards", "context_shards"):
       if getattr(self, name) <= 0:
         raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
     if self.num_pages is not None and self.num_pages < self.pages_per_seq:
@@ -102,6 +115,9 @@ class EngineConfig:
                     ("prefix_snapshots", self.snapshots)):
       if n % d:
         raise ValueError(f"{name} {n} does not divide into data_shards {d} equal shards")
+    if self.pool_pages % (d * self.context_shards):
+      raise ValueError(f"num_pages {self.pool_pages} does not divide into data_shards {d} x "
+                       f"context_shards {self.context_shards} equal stripes")
     if d > 1 and self.pool_pages // d < self.pages_per_seq:
       raise ValueError(f"a shard's {self.pool_pages // d} pages (num_pages {self.pool_pages} / "
                        f"data_shards {d}) cannot hold one request of max_model_len "

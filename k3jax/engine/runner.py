@@ -70,10 +70,10 @@ def _log_softmax(logits: jax.Array, temperature: jax.Array | None = None) -> jax
                                              "pools"),
                    donate_argnames=("cache",))
 def _step(static, params, cache: paged.PagedCache, page_table, parts, rows: SampleRows,
-          targets, *, ctx_pages: int, top_n: int, prompt_targets: bool, pools=(1, ())):
+          targets, *, ctx_pages: int, top_n: int, prompt_targets: bool, pools=(1, (), 1)):
   defs, per_layer = _per_layer(static, params)
   features, cache = paged.forward(defs, per_layer, parts, cache, page_table, ctx_pages=ctx_pages,
-                                  shards=pools[0], axes=pools[1])
+                                  shards=pools[0], axes=pools[1], stripes=pools[2])
   drawn = _draw(defs, per_layer, features[rows.index], rows, rows.position, top_n)
   prompt = (None, None, None)
   if prompt_targets:  # every token of the prefill rows scores its successor
@@ -101,7 +101,7 @@ def _draw(defs, per_layer, features, rows: SampleRows, position, top_n: int):
                    donate_argnames=("cache",))
 def _decode_block(static, params, cache: paged.PagedCache, page_table, part: paged.Rows,
                   rows: SampleRows, steps, *, ctx_pages: int, top_n: int, max_steps: int,
-                  pools=(1, ())):
+                  pools=(1, (), 1)):
   """`steps` (<= max_steps) decode steps of the rows of `part` ([R, 1], every row continuing
   its slot: no source, restore or save) in one loop: step i feeds the token step i - 1 drew,
   at the next position, exactly as a one-step call would."""
@@ -114,7 +114,8 @@ def _decode_block(static, params, cache: paged.PagedCache, page_table, part: pag
     i, ids, cache, out = carry
     rows_i = part._replace(ids=ids, positions=part.positions + i)
     features, cache = paged.forward(defs, per_layer, (rows_i,), cache, page_table,
-                                    ctx_pages=ctx_pages, shards=pools[0], axes=pools[1])
+                                    ctx_pages=ctx_pages, shards=pools[0], axes=pools[1],
+                                    stripes=pools[2])
     drawn = _draw(defs, per_layer, features, rows, rows.position + i, top_n)
     out = tuple(o.at[i].set(d) for o, d in zip(out, drawn))
     return i + 1, drawn[0][:, None], cache, out
@@ -133,21 +134,22 @@ class Runner:
 
   def __init__(self, model: nnx.Module, config: EngineConfig, mesh=None):
     if mesh is not None:
-      check_shards(config.data_shards, mesh)
+      check_shards(config.data_shards, mesh, config.context_shards)
     self.cfg, self.ex, self.config = model.cfg, model.ex, config
     layout = config.layout or ("unstacked" if jax.default_backend() == "cpu" else "stacked")
     self.layout = layout
     self.graphdef = nnx.graphdef(model)
     self.set_params(nnx.state(model))
-    shards = config.data_shards
+    shards, stripes = config.data_shards, config.context_shards
     self.cache = paged.init_cache(self.cfg, self.ex, slots=config.max_num_seqs,
                                   pages=config.pool_pages, page_size=config.page_size,
-                                  snapshots=config.snapshots, shards=shards)
+                                  snapshots=config.snapshots, shards=shards, stripes=stripes)
     self.mesh = mesh
-    # (shards, the mesh axes they split over): static, one program per engine
-    self.pools = (shards, paged.shard_axes(self.cache, mesh, shards) if mesh else ())
+    # (shards, the mesh axes they split over, the pages' stripes over `context`): static, one
+    # program per engine
+    self.pools = (shards, paged.shard_axes(self.cache, mesh, shards) if mesh else (), stripes)
     if mesh is not None:
-      self.cache = paged.place(self.cache, mesh, shards)
+      self.cache = paged.place(self.cache, mesh, shards, stripes)
     else:  # committed, as each step's (donated) output is: an uncommitted first cache made
       # every program compile twice, once for the first step and once for the rest
       self.cache = jax.device_put(self.cache, jax.devices()[0])

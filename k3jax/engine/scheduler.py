@@ -95,7 +95,7 @@ class Shard:
 
   def __init__(self, config: EngineConfig, index: int):
     n = config.shard_slots
-    self.pages = PagePool(config.shard_pages)
+    self.pages = PagePool(config.shard_pages, config.context_shards)
     self.prefix = PrefixCache(self.pages, config.page_size, config.shard_snapshots)
     self.free_slots = list(range((index + 1) * n - 1, index * n - 1, -1))
 
@@ -285,9 +285,9 @@ class Scheduler:
     blocks; False when there are none left."""
     size, shard = self.config.page_size, self.shards[r.shard]
     while len(r.pages) * size < positions:
-      page = shard.pages.alloc()
+      page = shard.pages.alloc(len(r.pages))
       while page is None and shard.prefix.evict_one():
-        page = shard.pages.alloc()
+        page = shard.pages.alloc(len(r.pages))
       if page is None:
         return False
       r.pages.append(page)

@@ -130,7 +130,8 @@ def layout(cfg, n_tokens: int, in_name: str, mesh=None,
     w_spec = logical_to_spec(("experts", in_name, "moe_mlp"), mesh=mesh,
                              shape=(e, h, cfg.moe_intermediate_size))
     ep_axes, gather_axes, psum_axes = (_axes(s) for s in w_spec)
-    token_axes = _axes(logical_to_spec(("batch",), ACTIVATION_RULES, mesh=mesh)[0])
+    # a token's row: [B, T] flattened, split over the batch axes then `context`
+    token_axes = _axes(logical_to_spec(("tokens",), ACTIVATION_RULES, mesh=mesh)[0])
   size = lambda axes: math.prod(mesh.shape[a] for a in axes) if axes else 1
   ep, shards = size(ep_axes), size(token_axes)
   if e % ep:

@@ -50,19 +50,24 @@ class KDAState(NamedTuple):
 
 
 def causal_conv(x_bthc: jax.Array, w_hct: jax.Array, tail: jax.Array | None,
-                segment_ids: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+                segment_ids: jax.Array | None, tail_segment_ids: jax.Array | None = None
+                ) -> tuple[jax.Array, jax.Array]:
   """Depthwise causal conv over time as a sum of shifted taps; returns (y, new tail).
 
   Written as taps-many shifted multiplies rather than lax.conv: with 4 taps this is what XLA
-  fuses best, and the segment mask is one compare per tap.
+  fuses best, and the segment mask is one compare per tap. The tail (the taps-1 inputs before
+  x) belongs to x's first segment unless `tail_segment_ids` [B, taps-1] say otherwise (the
+  previous device's positions under context parallelism).
   """
   taps = w_hct.shape[-1]
   b, t = x_bthc.shape[:2]
   if tail is None:
     tail = jnp.zeros((b, taps - 1, *x_bthc.shape[2:]), x_bthc.dtype)
   full = jnp.concatenate([tail.astype(x_bthc.dtype), x_bthc], axis=1)   # [B, taps-1+T, H, C]
-  if segment_ids is not None:  # the tail belongs to the first segment
-    seg_full = jnp.concatenate([jnp.repeat(segment_ids[:, :1], taps - 1, axis=1), segment_ids], 1)
+  if segment_ids is not None:
+    if tail_segment_ids is None:
+      tail_segment_ids = jnp.repeat(segment_ids[:, :1], taps - 1, axis=1)
+    seg_full = jnp.concatenate([tail_segment_ids.astype(segment_ids.dtype), segment_ids], 1)
   y = jnp.zeros_like(x_bthc)
   for j in range(taps):  # tap j reads the token (taps-1-j) steps back
     shifted = jax.lax.dynamic_slice_in_dim(full, j, t, axis=1)
@@ -132,7 +137,8 @@ class KDA(nnx.Module):
         u = jnp.where(token_mask[..., None, None], u, jnp.zeros((), u.dtype))
       # fp32 taps and silu, one rounding at the end, as the official conv1d + silu compute
       # them in bf16 (per-tap bf16 rounding would be a second, avoidable noise source)
-      y, new_tail = causal_conv(u.astype(wide), w[...], tail, segment_ids)
+      y, new_tail = kda_parallel.causal_conv(causal_conv, u.astype(wide), w[...], tail,
+                                             segment_ids)
       convs.append((jax.nn.silu(y).astype(u.dtype), new_tail.astype(u.dtype),
                     _with_tail(u, tail, w.shape[-1])))
     (q, tq, _), (k, tk, _), (v, tv, _) = convs

@@ -9,7 +9,8 @@
 The "rope" dims are never rotated (NoPE). The checkpoint's kv_b_proj is held as two per-head
 projections, k_b and v_b, so Per-Head Muon sees K and V as separate blocks without slicing.
 Masks: causal, and tokens attend only within their own segment (packing and padding both
-travel as segment ids).
+travel as segment ids). With the positions split over a `context` mesh axis, the attention runs
+over the gathered latents (k3jax/model/mla_parallel.py), whatever `attention` says.
 
 Decoding (docs/inference.md) caches per token only the normalised latent c and k_rot (`latent`), and
 `attend_latent` attends over that cache. With k_b / v_b absorbed (the standard MLA inference
@@ -30,6 +31,7 @@ from flax import nnx
 
 from k3jax.config import ModelConfig
 from k3jax.execution import Attention, Execution
+from k3jax.model import mla_parallel
 from k3jax.model.layers import Projection, RMSNorm, wide_dtype
 from pallas_kernels.flash_attention import flash_attention
 
@@ -93,14 +95,20 @@ class MLA(nnx.Module):
 
   def attend_latent(self, x: jax.Array, c_bsc: jax.Array, rot_bsr: jax.Array,
                     q_pos_t: jax.Array, start_b: jax.Array, *, absorb: bool | None = None,
-                    heads_major: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+                    heads_major: tuple[jax.Array, jax.Array] | None = None,
+                    key_positions: jax.Array | None = None,
+                    merge_axis: str | None = None) -> jax.Array:
     """x [B, T, d] at absolute positions q_pos_t [T] (or [B, T], one row of positions per
     batch row) against a latent cache c [B, S, kv_lora],
     k_rot [B, S, rope] that already holds these tokens at their positions. Row b's real tokens
     start at start_b[b] (left padding): keys before it are masked, except that a pad query sees
     itself (so no softmax row is empty). `absorb` None picks the cheaper order.
     `heads_major`: k_b as [H, nope, kv_lora] and v_b as [H, kv_lora, v] (`heads_major_kv_b`),
-    the layout a per-head matmul reads without transposing the weights every step."""
+    the layout a per-head matmul reads without transposing the weights every step.
+    `key_positions` [S]: the cache's positions (default 0..S-1). `merge_axis`: this device holds
+    only some of the keys (a request's pages split over that manual mesh axis): the softmax
+    runs over the keys of every device along it, its maximum a pmax and its sums psums (the
+    partial results merged as log-sum-exp would merge them)."""
     cfg = self.cfg
     b, t, _ = x.shape
     s = c_bsc.shape[1]
@@ -120,16 +128,26 @@ class MLA(nnx.Module):
       scores = jnp.einsum("bshk,bthk->bsth", self.k_b_proj(c_bsc), q_nope, precision=prec)
     scores = scores + jnp.einsum("bsr,bthr->bsth", rot_bsr, q_rot, precision=prec)
     scores = scores.astype(wide_dtype(scores.dtype)) * cfg.qk_head_dim**-0.5
-    key_s = jnp.arange(s)[None, :, None]
+    key_s = (jnp.arange(s) if key_positions is None else key_positions)[None, :, None]
     q_pos = q_pos_t[None, None, :] if q_pos_t.ndim == 1 else q_pos_t[:, None, :]
     visible = (key_s <= q_pos) & ((key_s >= start_b[:, None, None]) | (key_s == q_pos))
     scores = jnp.where(visible[..., None], scores, -jnp.inf)   # [B, S, T, H]
-    probs = jax.nn.softmax(scores, axis=1).astype(dt)
+    if merge_axis is None:
+      probs, total = jax.nn.softmax(scores, axis=1).astype(dt), None
+    else:  # exp(s - max) with the max over every device's keys; normalised after the psum
+      m = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(scores, axis=1)), merge_axis)
+      probs = jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0)[:, None])
+      total = jax.lax.psum(jnp.sum(probs, axis=1), merge_axis)[..., None]   # [B, T, H, 1]
+      probs = probs.astype(dt)
     if absorb:
       o_lat = jnp.einsum("bsth,bsc->bthc", probs, c_bsc, precision=prec)
+      if total is not None:
+        o_lat = (jax.lax.psum(o_lat, merge_axis) / total).astype(dt)
       o = jnp.einsum("bthc,hcv->bthv", o_lat, v_b_hcv.astype(dt), precision=prec)
     else:
       o = jnp.einsum("bsth,bshv->bthv", probs, self.v_b_proj(c_bsc), precision=prec)
+      if total is not None:
+        o = (jax.lax.psum(o, merge_axis) / total).astype(dt)
     return self.output(x, o)
 
   def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None
@@ -140,6 +158,14 @@ class MLA(nnx.Module):
     q = self.query(x)
     q_nope, q_rot = jnp.split(q, [cfg.qk_nope_head_dim], axis=-1)
     c, k_rot = self.latent(x)
+    if mla_parallel.split_spec(q) is not None:  # positions split over `context`
+      dt = q.dtype
+      o, row_max = mla_parallel.attention(
+          q_nope, q_rot, c.astype(dt), k_rot.astype(dt), self.k_b_proj.weight().astype(dt),
+          self.v_b_proj.weight().astype(dt), segment_ids, scale=cfg.qk_head_dim**-0.5,
+          block=ex.attention_block, precision=ex.precision)
+      max_logits_h = jax.lax.stop_gradient(jnp.max(row_max, axis=(0, 2)))
+      return self.output(x, o), max_logits_h
     k_nope, v = self.k_b_proj(c), self.v_b_proj(c)
     if ex.attention == Attention.FLASH:  # the same numbers without the [T, T] scores
       k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot[:, :, None], (*k_nope.shape[:3],

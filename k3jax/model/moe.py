@@ -179,7 +179,7 @@ class MoE(nnx.Module):
       # constraint's transpose pins the cotangent whole there too, so the split stays inside
       # this block (unpinned, XLA carried it into the MLA layer's remat and backward, whose
       # attention then ran on every tensor rank: docs/plan.md#what-got-it-there)
-      x_nd = expert_parallel.split_rows(self.cfg, constrain(x_nd, ("batch", "embed")),
+      x_nd = expert_parallel.split_rows(self.cfg, constrain(x_nd, ("tokens", "embed")),
                                         experts.in_name)
     z = self.routed_down(x_nd) if latent else x_nd
     if one_device:

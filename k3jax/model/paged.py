@@ -46,6 +46,7 @@ from k3jax.model.kda import KDA, KDAState
 from k3jax.model.kda import initial_state as kda_initial_state
 from k3jax.model.transformer import _valid, initial_carry, layer_step
 from sharding.activations import activation_spec
+from sharding.rules import CONTEXT_AXIS
 
 FROM_SLOT, FRESH, FROM_SNAPSHOT = 0, 1, 2  # where a row's KDA state comes from
 
@@ -76,39 +77,46 @@ class Rows(NamedTuple):
 
 
 def init_cache(cfg: ModelConfig, ex: Execution, *, slots: int, pages: int, page_size: int,
-               snapshots: int, shards: int = 1) -> PagedCache:
+               snapshots: int, shards: int = 1, stripes: int = 1) -> PagedCache:
   """An empty engine cache of `slots` request slots, `pages` latent pages and `snapshots` KDA
   state snapshots, in `ex`'s compute dtype, split into `shards` equal shards (each count
   divides by it), each shard with one more of each for scratch: shard s holds slots
   s * (slots / shards + 1) + [0, slots / shards] (the last: scratch), likewise the snapshots,
   and pages s * (pages / shards + 1) + [0, pages / shards] (the first, local page 0:
-  scratch)."""
+  scratch). With `stripes` k > 1 each shard's pages are k stripes of pages / (shards k), each
+  with its own scratch page first (engine.blocks.PagePool's ids), one stripe per device of the
+  `context` axis."""
   def one(n):  # distinct buffers per field (the cache is donated: no two leaves may alias)
     return KDAState(*(jnp.zeros(a.shape, a.dtype) for a in kda_initial_state(cfg, ex, n)))
-  per = lambda n: shards * (n // shards + 1)
+  per = lambda n, k=1: shards * k * (n // (shards * k) + 1)
   kda = tuple(one(per(slots)) for _ in cfg.kda_layers)
   snaps = tuple(one(per(snapshots)) for _ in cfg.kda_layers)
-  shape = (per(pages), page_size)
+  shape = (per(pages, stripes), page_size)
   dt = ex.jnp_dtype
   mla = tuple(MLACache(jnp.zeros((*shape, cfg.kv_lora_rank), dt),
                        jnp.zeros((*shape, cfg.qk_rope_head_dim), dt)) for _ in cfg.mla_layers)
   return PagedCache(kda, snaps, mla)
 
 
-def _names(shards: int):
+def _names(shards: int, stripes: int = 1):
   """Logical names of the cache's arrays: the pools' leading axis is `slots` / `pages` (whole
-  on every device) for one shard, `pool_shards` (over the batch axes) for more."""
-  slots, pages = ("slots", "pages") if shards == 1 else ("pool_shards", "pool_shards")
+  on every device) for one shard, `pool_shards` (over the batch axes) for more; the pages'
+  stripes add `context` (`page_stripes`, `pool_shard_stripes`)."""
+  slots = "slots" if shards == 1 else "pool_shards"
+  pages = {(False, False): "pages", (True, False): "pool_shards",
+           (False, True): "page_stripes", (True, True): "pool_shard_stripes"}[
+               (shards > 1, stripes > 1)]
   return (KDAState(*((slots, None, "heads", "head_dim"),) * 3, (slots, "heads", "head_dim", None)),
           MLACache((pages, "page", "kv_lora"), (pages, "page", None)))
 
 
-def specs(cache: PagedCache, mesh, shards: int = 1) -> PagedCache:
-  """The PartitionSpec of every array of `cache` (concrete or abstract, of `shards` shards) on
-  `mesh`, by the rules table (KDA heads over `tensor`; one shard: slots and pages whole on every
-  device; more: the shards over the batch axes): where `place` puts them, and what
-  `k3jax plan --mode decode` counts per device."""
-  kda_names, page_names = _names(shards)
+def specs(cache: PagedCache, mesh, shards: int = 1, stripes: int = 1) -> PagedCache:
+  """The PartitionSpec of every array of `cache` (concrete or abstract, of `shards` shards and
+  `stripes` page stripes) on `mesh`, by the rules table (KDA heads over `tensor`; one shard:
+  slots and pages whole on every device; more: the shards over the batch axes; the pages'
+  stripes over `context`): where `place` puts them, and what `k3jax plan --mode decode` counts
+  per device."""
+  kda_names, page_names = _names(shards, stripes)
 
   def spec(x, names):
     return activation_spec(names, x.shape, mesh)
@@ -117,20 +125,22 @@ def specs(cache: PagedCache, mesh, shards: int = 1) -> PagedCache:
                     tuple(MLACache(*map(spec, e, page_names)) for e in cache.pages))
 
 
-def place(cache: PagedCache, mesh, shards: int = 1) -> PagedCache:
+def place(cache: PagedCache, mesh, shards: int = 1, stripes: int = 1) -> PagedCache:
   """`cache` on `mesh`, placed by the rules table (`specs`)."""
   return jax.tree.map(lambda x, s: jax.device_put(x, jax.sharding.NamedSharding(mesh, s)),
-                      cache, specs(cache, mesh, shards))
+                      cache, specs(cache, mesh, shards, stripes))
 
 
 def shard_axes(cache: PagedCache, mesh, shards: int) -> tuple[str, ...]:
-  """The mesh axes the pools' shards are split over (the leading axis of every pool array, as
-  `specs` places it); () for one shard or a mesh with no batch axis. ValueError when the
-  devices along them do not divide the shards (each device must hold whole shards)."""
+  """The mesh axes the pools' shards are split over (the leading axis of every slot and
+  snapshot pool, as `specs` places it); () for one shard or a mesh with no batch axis.
+  ValueError when the devices along them do not divide the shards (each device must hold
+  whole shards)."""
   if shards == 1:
     return ()
+  slot_pools = PagedCache(cache.kda, cache.snapshots, ())
   leading = {s[0] if len(s) else None for s in jax.tree.leaves(
-      specs(cache, mesh, shards), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))}
+      specs(slot_pools, mesh, shards), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))}
   if len(leading) != 1:
     raise ValueError(f"the pools' shards split unevenly over the mesh: {sorted(map(str, leading))}")
   axes = leading.pop()
@@ -158,10 +168,14 @@ def _start_state(entry: KDAState, snaps: KDAState, rows: Rows) -> KDAState:
   return KDAState(*(pick(a, s) for a, s in zip(entry, snaps)))
 
 
-def _per_shard(fn, args: tuple, shards: int, axes: tuple[str, ...]):
-  """`fn(*args)` on each shard's equal blocks of every array of `args` (leading axes laid out
-  shard by shard), the outputs' blocks concatenated back; under `axes` inside shard_map, each
-  device on its own shards, so no device reads another's pool."""
+def _per_shard(fn, args: tuple, shards: int, axes: tuple[str, ...], stripe_axis=None,
+               striped_state: bool = False):
+  """`fn(xs, parts, table, state)` on each shard's equal blocks of every array of `args` (leading
+  axes laid out shard by shard), the outputs' blocks concatenated back; under `axes` inside
+  shard_map, each device on its own shards, so no device reads another's pool. `stripe_axis`
+  (the pages split by position over `context`): the shard_map is manual over it too, every
+  device of it running the rows whole, with `state` split over it as well when
+  `striped_state` (an MLA layer's page stripes; a KDA layer's state stays whole)."""
   def blocks(*a, n: int):
     if n == 1:
       return fn(*a)
@@ -169,12 +183,16 @@ def _per_shard(fn, args: tuple, shards: int, axes: tuple[str, ...]):
     outs = [fn(*jax.tree.map(lambda x, s=s: block(x, s), a)) for s in range(n)]
     return jax.tree.map(lambda *o: jnp.concatenate(o, axis=0), *outs)
 
-  if not axes:
+  if not axes and stripe_axis is None:
     return blocks(*args, n=shards)
   ways = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes)
-  spec = jax.sharding.PartitionSpec(axes)
-  return jax.shard_map(lambda *a: blocks(*a, n=shards // ways), in_specs=(spec,) * len(args),
-                       out_specs=spec, axis_names=frozenset(axes), check_vma=False)(*args)
+  rows = jax.sharding.PartitionSpec(axes or None)
+  state = rows
+  if striped_state and stripe_axis is not None:
+    state = jax.sharding.PartitionSpec(axes + (stripe_axis,))
+  names = frozenset(axes) | ({stripe_axis} if stripe_axis else set())
+  return jax.shard_map(lambda *a: blocks(*a, n=shards // ways), in_specs=(rows,) * 3 + (state,),
+                       out_specs=(rows, state), axis_names=names, check_vma=False)(*args)
 
 
 class _RowsMixer:
@@ -189,10 +207,12 @@ class _RowsMixer:
   into a masked gather and an all-reduce of every row's context)."""
 
   def __init__(self, module, parts: tuple[Rows, ...], entry, snaps, page_table, ctx_pages: int,
-               page_size: int, heads_major=None, shards: int = 1, axes: tuple[str, ...] = ()):
+               page_size: int, heads_major=None, shards: int = 1, axes: tuple[str, ...] = (),
+               stripes: int = 1):
     self.module, self.parts, self.entry, self.snaps = module, parts, entry, snaps
     self.page_table, self.ctx_pages, self.page_size = page_table, ctx_pages, page_size
     self.heads_major, self.shards, self.axes = heads_major, shards, axes
+    self.stripes = stripes
 
   def __call__(self, x_bnd: jax.Array, *, segment_ids=None) -> tuple[jax.Array, None]:
     """x_bnd [shards, N / shards, d]: shard s's tokens, part by part, row-major (`forward`)."""
@@ -204,8 +224,10 @@ class _RowsMixer:
       xs.append(x_bnd[:, offset:offset + n].reshape(r, t, -1))
       offset += n
     state = (self.entry, self.snaps) if self.snaps is not None else (self.entry,)
+    stripe_axis = CONTEXT_AXIS if self.stripes > 1 else None
     ys, state = _per_shard(self._shard, (tuple(xs), self.parts, self.page_table, state),
-                           self.shards, self.axes)
+                           self.shards, self.axes, stripe_axis,
+                           striped_state=not isinstance(self.module, KDA))
     self.entry = state[0]
     if self.snaps is not None:
       self.snaps = state[1]
@@ -238,21 +260,31 @@ class _RowsMixer:
     page = jnp.where(rows.valid, page, 0)                               # padding: scratch page
     offset = rows.positions % ps
     c_pool, rot_pool = entry
-    c_pool = c_pool.at[page, offset].set(c_new.astype(c_pool.dtype))
-    rot_pool = rot_pool.at[page, offset].set(rot_new.astype(rot_pool.dtype))
-    ctx = table[rows.slot, :self.ctx_pages]                             # [R, P]
-    r = ctx.shape[0]
-    c_ctx = c_pool[ctx].reshape(r, self.ctx_pages * ps, -1)
-    rot_ctx = rot_pool[ctx].reshape(r, self.ctx_pages * ps, -1)
+    stripe, ctx, key_pos = 0, table[rows.slot, :self.ctx_pages], None   # ctx [R, P]
+    if self.stripes > 1:  # this device's stripe: pages j = stripe, stripe + k, ... of a request
+      stripe, n, local = jax.lax.axis_index(CONTEXT_AXIS), self.stripes, c_pool.shape[0]
+      page = page - stripe * local                # other stripes' pages: out of range, dropped
+      page = jnp.where((page >= 0) & (page < local), page, local)
+      ctx = jnp.pad(ctx, ((0, 0), (0, -ctx.shape[1] % n)))
+      ctx = jax.lax.dynamic_index_in_dim(ctx.reshape(ctx.shape[0], -1, n), stripe, 2, False)
+      ctx = jnp.clip(ctx - stripe * local, 0, local - 1)  # unused pages: masked by position
+      blocks = (jnp.arange(ctx.shape[1]) * n + stripe)[:, None] * ps + jnp.arange(ps)
+      key_pos = blocks.reshape(-1)
+    c_pool = c_pool.at[page, offset].set(c_new.astype(c_pool.dtype), mode="drop")
+    rot_pool = rot_pool.at[page, offset].set(rot_new.astype(rot_pool.dtype), mode="drop")
+    r, p = ctx.shape
+    c_ctx = c_pool[ctx].reshape(r, p * ps, -1)
+    rot_ctx = rot_pool[ctx].reshape(r, p * ps, -1)
     start = jnp.zeros((r,), jnp.int32)
     y = self.module.attend_latent(x, c_ctx, rot_ctx, rows.positions, start,
-                                  heads_major=self.heads_major)
+                                  heads_major=self.heads_major, key_positions=key_pos,
+                                  merge_axis=CONTEXT_AXIS if self.stripes > 1 else None)
     return y, (MLACache(c_pool, rot_pool),)
 
 
 def forward(defs: UnstackedDefs, params: Unstacked, parts: tuple[Rows, ...], cache: PagedCache,
             page_table: jax.Array, *, ctx_pages: int, shards: int = 1,
-            axes: tuple[str, ...] = ()) -> tuple[jax.Array, PagedCache]:
+            axes: tuple[str, ...] = (), stripes: int = 1) -> tuple[jax.Array, PagedCache]:
   """The final-norm features [N, d] of every token of `parts` and the cache after them: shard
   by shard, within a shard part by part, within a part row-major (`token_index`; with one
   shard: the parts' tokens in order). page_table [slot entries, max_pages] int32;
@@ -261,7 +293,8 @@ def forward(defs: UnstackedDefs, params: Unstacked, parts: tuple[Rows, ...], cac
   pools' shards (init_cache), each part's rows and the page table laid out shard by shard in
   equal blocks with shard-local ids; the per-token work runs on [shards, N / shards, d], its
   rows (the shards) placed as the batch (over the batch axes under a mesh); `axes`: the mesh
-  axes the shards are split over (shard_axes), () on one device."""
+  axes the shards are split over (shard_axes), () on one device. `stripes` (static): the
+  pages split by position over the mesh's `context` axis (init_cache)."""
   cfg = defs.cfg
   page_size = cache.pages[0].c.shape[1] if cache.pages else 1
   ids = jnp.concatenate([rows.ids.reshape(shards, -1) for rows in parts], axis=1)
@@ -274,10 +307,11 @@ def forward(defs: UnstackedDefs, params: Unstacked, parts: tuple[Rows, ...], cac
     i = idx[1]
     if kinds[1] == "kda":
       rows_mixer = _RowsMixer(mixer, parts, kda[i], snaps[i], page_table, ctx_pages, page_size,
-                              shards=shards, axes=axes)
+                              shards=shards, axes=axes, stripes=stripes)
     else:
       rows_mixer = _RowsMixer(mixer, parts, pages[i], None, page_table, ctx_pages, page_size,
-                              params.mla_heads_major[i], shards=shards, axes=axes)
+                              params.mla_heads_major[i], shards=shards, axes=axes,
+                              stripes=stripes)
     carry, _, _ = layer_step(cfg, l, norms, rows_mixer, mlp, carry, None)
     if kinds[1] == "kda":
       kda[i], snaps[i] = rows_mixer.entry, rows_mixer.snaps

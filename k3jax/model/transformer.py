@@ -33,7 +33,7 @@ from flax import nnx
 
 from k3jax.config import ModelConfig
 from k3jax.execution import Execution, Remat
-from k3jax.model import block_scan, schedule
+from k3jax.model import block_scan, context_parallel, expert_parallel, schedule
 from k3jax.model.attn_res import AttnResQuery
 from k3jax.model.kda import KDA
 from k3jax.model.layers import RMSNorm, fan_in_normal, flat_einsum, make_param
@@ -117,8 +117,17 @@ class K3Model(nnx.Module):
     resets). `return_layer_out` disables layer scanning (per-layer outputs are for debugging).
     `logits=False` skips the head: `features` carries its input (for a chunked loss)."""
     cfg, ex = self.cfg, self.ex
+    mesh = expert_parallel.context_mesh()
+    context_parallel.check(mesh, (input_ids if inputs_embeds is None else inputs_embeds).shape[1],
+                           ex.kda_backend)
     if inputs_embeds is None:
-      inputs_embeds = self.embed[...][input_ids]
+      table = self.embed[...]
+      if context_parallel.size(mesh) > 1:
+        # gathered over its width's FSDP axes first: `context` splits both the table's width
+        # and the ids' positions, and the lookup's output split twice over it is resolved by
+        # XLA by replicating the whole sequence's embeddings
+        table = constrain(table, ("vocab", "embed"))
+      inputs_embeds = table[input_ids]
     x = constrain(inputs_embeds.astype(ex.jnp_dtype), ("batch", "length", "embed"))
     stacks = {name: nnx.split(getattr(self, name))
               for name in schedule.STACKS

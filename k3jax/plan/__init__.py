@@ -21,6 +21,7 @@ from k3jax.plan.search import best
 from k3jax.plan.train import TrainPlan
 
 Plan = TrainPlan | DecodePlan | RlPlan
+DEFAULT_TOKENS_PER_DEVICE = 8192  # a train plan's default batch, per device
 _RUN = {Mode.TRAIN: train.run, Mode.LORA: train.run, Mode.DECODE: decode.run,
         Mode.RL: rl.run}
 
@@ -28,11 +29,15 @@ _RUN = {Mode.TRAIN: train.run, Mode.LORA: train.run, Mode.DECODE: decode.run,
 def run(request: PlanRequest) -> list[Plan]:
   """The plans `request` asks for: its mesh's alone, or (without one) the candidates it
   searched (analytic) or compiled. Without a batch, one row per device (every mesh's batch
-  axes divide it)."""
+  axes divide it); for training at sequences longer than 8,192 positions, the rows that hold
+  as many tokens (a row of 8,192 per device), at least one."""
   cfg = configs.resolve(request.config)
   devices = topology_devices(request.topology)
   if request.batch is None:
-    request = request.replace(batch=len(devices))
+    rows = len(devices)
+    if request.mode in (Mode.TRAIN, Mode.LORA) and request.seq > DEFAULT_TOKENS_PER_DEVICE:
+      rows = max(1, rows * DEFAULT_TOKENS_PER_DEVICE // request.seq)
+    request = request.replace(batch=rows)
   return _RUN[request.mode](request, cfg, devices)
 
 

@@ -46,7 +46,8 @@ def moe_layer_bytes(cfg, ex, mesh, tokens: int) -> float:
 
 def train_temp(cfg, ex, rows_per_device: int, seq: int, tensor: int,
                   state_per_device: float, params_per_device: float, moe_bytes: float = 0.0,
-                  accum: int = 1, largest_per_device: float = 0.0) -> float:
+                  accum: int = 1, largest_per_device: float = 0.0,
+                  context_seq: int = 0) -> float:
   """Per-device temporaries by hand count (bytes) of `cfg` run as `ex` says (remat,
   attention, loss chunking), with the compute dtype's width c:
     gradients           one fp32 copy of the parameters (`params_per_device`, as sharded),
@@ -69,7 +70,11 @@ def train_temp(cfg, ex, rows_per_device: int, seq: int, tensor: int,
                         (MLA's [b, H/tensor, T, T] scores and probs in fp32 when the plain
                         attention runs, KDA's [b, T, H/tensor, 128] x 8 otherwise),
     the loss            logits [b, T, V/tensor] fp32 x 3 (logits, softmax, gradient);
-    one MoE layer       `moe_bytes` (moe_layer_bytes: gathered experts, dispatch buffers).
+    one MoE layer       `moe_bytes` (moe_layer_bytes: gathered experts, dispatch buffers);
+    context parallelism `seq` is a device's positions of the `context_seq` of a row (0: no
+                        split): an MLA layer holds the whole row's gathered latents
+                        [b, context_seq, kv_lora + rope] in c and their fp32 gradient, and
+                        KDA's range carries K more value columns (x 1.5 its working set).
   A cross-check of the compiled figures (tests/k3jax/plan/test_plan.py), not a replacement."""
   c = 2 if ex.dtype == "bfloat16" else 4
   d, b, t = cfg.hidden_size, rows_per_device, seq
@@ -90,6 +95,9 @@ def train_temp(cfg, ex, rows_per_device: int, seq: int, tensor: int,
   attn = b * h * t * t * 4 * 3 if ex.attention == Attention.DENSE else (
       b * t * h * (cfg.qk_head_dim * 2 + cfg.v_head_dim * 2) * c)
   kda = b * t * (cfg.kda_num_heads // tensor) * cfg.kda_head_dim * 8 * 4
+  if context_seq:
+    attn += b * context_seq * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * (c + 4)
+    kda *= 1.5
   working = 12 * btd * 4 + max(attn, kda)
   loss = b * t * (cfg.vocab_size // tensor) * 4 * 3
   if ex.loss_chunk:
@@ -143,13 +151,14 @@ def decode_temp(cfg, mesh, rows: int, tokens: int, seq: int, moe_bytes: float) -
 
 
 def engine_temp(cfg, mesh, *, decode_rows: int, prefill_rows: int, chunk: int, ctx: int,
-                moe_bytes: float, row_ways: int = 1) -> float:
+                moe_bytes: float, row_ways: int = 1, stripes: int = 1) -> float:
   """Per-device temporaries of one serving-engine step (k3jax/engine/runner.py `_step`) by
   hand: `decode_rows` rows of one token and `prefill_rows` rows of `chunk` tokens (0 rows:
   a decode-only step), every row attending over `ctx` gathered positions; the engine's arrays
   are whole on every device but for the heads over `tensor` and, with pool shards, the tokens
   and the mixers' rows over `row_ways` devices (each runs its shards' tokens; the mixers under
-  shard_map). n = the step's tokens, m = the rows that draw; compute width c = 2:
+  shard_map), and with the pages in `stripes` over `context` each device's share of a row's
+  context, ctx / stripes. n = the step's tokens, m = the rows that draw; compute width c = 2:
     logits          the head at the m drawing tokens [m, V / tensor] in c, the log-softmax
                     and the sampler's [m, V] fp32 x 5;
     the carry       AttnRes's sealed blocks and partial sum [n_seals + 1, n, d] x 2;
@@ -172,8 +181,9 @@ def engine_temp(cfg, mesh, *, decode_rows: int, prefill_rows: int, chunk: int, c
   mla = 0
   if cfg.mla_layers:
     heads = max(1, cfg.mla_num_heads // tensor)
-    mla = (m * ctx * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * c
-           + n * heads * ctx * 4 * 2) / row_ways
+    local = ctx / stripes
+    mla = (m * local * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * c
+           + n * heads * local * 4 * 2) / row_ways
   kda = 0
   if cfg.kda_layers:
     heads, k = max(1, cfg.kda_num_heads // tensor), cfg.kda_head_dim
@@ -223,7 +233,7 @@ def _flat(tree):
           for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
-BATCH_AXES = ("data", "fsdp", "expert")
+BATCH_AXES = ("data", "fsdp", "expert", "context")  # a token's axes (context: its positions)
 
 
 def train_comm_bytes(cfg, ex, mesh, params, trainable, rows_per_device: int, seq: int,
@@ -240,7 +250,9 @@ def train_comm_bytes(cfg, ex, mesh, params, trainable, rows_per_device: int, seq
                 (2 B (n - 1) / n);
     tokens      each MoE layer's routed pairs (rows x k of width h in c) out to their experts
                 and back, (ep - 1) / ep of them leave the device: forward, backward, recompute;
-    tensor      two all-reduces of the layer's [rows, seq, d] per layer and pass over tensor.
+    tensor      two all-reduces of the layer's [rows, seq, d] per layer and pass over tensor;
+    context     (`seq` a device's positions of context x seq) each MLA layer all-gathers the
+                row's latents (kv_lora + rope in c) and reduce-scatters their fp32 gradient.
   Every micro-batch pays the weights' and gradients' share again: more accumulation, more
   traffic."""
   sizes = dict(mesh.shape)
@@ -278,4 +290,7 @@ def train_comm_bytes(cfg, ex, mesh, params, trainable, rows_per_device: int, seq
   t = sizes.get("tensor", 1)
   tensor = (cfg.num_layers * 2 * passes * 2 * rows_per_device * seq * cfg.hidden_size * c
             * (t - 1) / t)
-  return accum * (weights + grads + routed + tensor)
+  n = sizes.get("context", 1)
+  latent = (len(cfg.mla_layers) * rows_per_device * seq * n * (cfg.kv_lora_rank
+            + cfg.qk_rope_head_dim) * ((passes - 1) * c + 4) * (n - 1) / n)
+  return accum * (weights + grads + routed + tensor + latent)

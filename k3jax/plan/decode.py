@@ -110,6 +110,7 @@ class DecodePlan:
   snapshot_bytes_per_device: float | None = None
   max_fit_batch: int | None = None             # --max-fit: the most slots at --seq that fit
   data_shards: int | None = None               # the engine's pool shards (over the batch axes)
+  context_shards: int | None = None            # the pages' stripes over `context` (by position)
   # weights a device gathers over fsdp per step (not in the step estimate), and that over its
   # ICI links at full speed (None: the chip's ICI is not known)
   fsdp_gather_bytes_per_device: float | None = None
@@ -127,7 +128,7 @@ class DecodePlan:
           f"plan: {p.topology} ({p.devices} devices), mesh {p.mesh}, serving engine: "
           f"{p.batch} slots x {p.seq} positions (pages of {p.page_size}: {p.pool_pages}, "
           f"{p.snapshots} snapshots, prefill chunk {p.prefill_chunk}, {p.data_shards} pool "
-          f"shard{'s' if p.data_shards != 1 else ''}), {p.experts} experts: "
+          f"shard{'s' if p.data_shards != 1 else ''}{_stripes(p)}), {p.experts} experts: "
           f"{report.method(p)}",
           f"  parameters      {p.param_count / 1e9:10.3f} B",
           f"  weights         {report.gib(p.weight_bytes_per_device)} per device",
@@ -171,6 +172,11 @@ class DecodePlan:
     return "\n".join(lines)
 
 
+def _stripes(p: DecodePlan) -> str:
+  stripes = p.context_shards or 1
+  return f", pages by position over context={stripes}" if stripes > 1 else ""
+
+
 def serve_execution(request: PlanRequest) -> Execution:
   """The execution `k3jax generate --dtype bfloat16` runs on TPU: bf16 weights and compute,
   megablox experts, KDA's Pallas TPU kernel for prefill (decode runs its fused step); the
@@ -212,14 +218,15 @@ def data_shards(request: PlanRequest, mesh) -> int:
 
 
 def engine_config(request: PlanRequest, batch: int | None = None,
-                  shards: int = 1) -> EngineConfig:
+                  shards: int = 1, stripes: int = 1) -> EngineConfig:
   """The engine `request` describes: `batch` (else the request's) slots of `--seq` positions,
-  its pools in `shards` shards."""
+  its pools in `shards` shards, their pages in `stripes` over `context`."""
   try:
     return EngineConfig(max_num_seqs=batch or request.batch, max_model_len=request.seq,
                         page_size=request.page_size, num_pages=request.num_pages,
                         prefill_chunk=min(request.prefill_chunk, request.seq),
-                        prefix_snapshots=request.prefix_snapshots, data_shards=shards)
+                        prefix_snapshots=request.prefix_snapshots, data_shards=shards,
+                        context_shards=stripes)
   except ValueError as e:
     raise UserError(f"--mode decode: {e}") from None
 
@@ -229,7 +236,8 @@ def engine_figures(request: PlanRequest, cfg, ex, mesh, weights: int, batch: int
   """(engine config, cache bytes, [mixed, decode-only] step temporaries, peak) per device of
   the engine with `batch` slots in `shards` pool shards on `mesh`, beside `weights` bytes of
   weights."""
-  config = engine_config(request, batch, shards)
+  stripes = dict(mesh.shape).get("context", 1)
+  config = engine_config(request, batch, shards, stripes)
   try:
     cache = engine_memory.cache_bytes(cfg, ex, config, mesh)
   except ValueError as e:
@@ -241,7 +249,7 @@ def engine_figures(request: PlanRequest, cfg, ex, mesh, weights: int, batch: int
     temps.append(engine_temp(cfg, mesh, decode_rows=config.max_num_seqs,
                              prefill_rows=prefill_rows, chunk=config.prefill_chunk, ctx=ctx,
                              moe_bytes=moe_layer_bytes(cfg, ex, mesh, tokens) / 2,
-                             row_ways=cache.shard_devices))
+                             row_ways=cache.shard_devices, stripes=stripes))
   return config, cache, temps, weights + cache.total + max(temps)
 
 
@@ -261,6 +269,7 @@ def plan_engine(request: PlanRequest, cfg, ex, devices, mesh_spec, variables) ->
   # to), the slots' KDA state and the rows' latent pages (whole on every device)
   est = max(model_flops / n / chip.peak_flops,
             (weights + cache.kda_slots + cache.latent_pages) / chip.hbm_bandwidth)
+  context = config.context_shards
   max_fit = None
   if request.max_fit:
     max_fit = engine_memory.largest_multiple(lambda b: engine_figures(
@@ -280,6 +289,7 @@ def plan_engine(request: PlanRequest, cfg, ex, devices, mesh_spec, variables) ->
       kda_slot_bytes_per_device=cache.kda_slots,
       latent_page_bytes_per_device=cache.latent_pages,
       snapshot_bytes_per_device=cache.snapshots, max_fit_batch=max_fit, data_shards=shards,
+      context_shards=context,
       fsdp_gather_bytes_per_device=gathered,
       fsdp_gather_seconds=gathered / chip.ici_bandwidth if chip.ici_bandwidth else None)
 
@@ -378,25 +388,33 @@ def candidate_meshes(cfg, n: int, batch: int, *, rows_split: bool = True) -> lis
   """Serving splits of n devices: heads over tensor (up to 8, what divides the heads), the
   experts over as many of the rest as divide E, then data (rows; the weights replicated) or,
   when nothing else is left, fsdp; with `rows_split` (the static batch, whose rows split over
-  the batch axes) only splits whose batch axes divide the rows."""
+  the batch axes) only splits whose batch axes divide the rows. The engine (not `rows_split`)
+  also tries its latent pages by position over a `context` axis of 2 .. 16 devices taken
+  from the rest (the weights replicated over it)."""
   out = []
   heads = math.gcd(cfg.mla_num_heads or 0, cfg.kda_num_heads or 0) or 1
   for tensor in (8, 4, 2, 1):
     if n % tensor or heads % tensor:
       continue
-    rest = n // tensor
-    expert = math.gcd(rest, cfg.num_experts) if cfg.num_experts else 1
-    for sizes in ({"data": rest // expert, "fsdp": 1, "expert": expert, "tensor": tensor},
-                  {"data": 1, "fsdp": rest // expert, "expert": expert, "tensor": tensor}):
-      ways = sizes["data"] * sizes["fsdp"] * sizes["expert"]
-      if (not rows_split or batch % ways == 0) and sizes not in out:
-        out.append(sizes)
+    for context in (1,) if rows_split else (1, 2, 4, 8, 16):
+      if (n // tensor) % context:
+        continue
+      rest = n // tensor // context
+      expert = math.gcd(rest, cfg.num_experts) if cfg.num_experts else 1
+      for sizes in ({"data": rest // expert, "fsdp": 1, "expert": expert, "tensor": tensor},
+                    {"data": 1, "fsdp": rest // expert, "expert": expert, "tensor": tensor}):
+        if context > 1:
+          sizes = {**sizes, "context": context}
+        ways = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+        if (not rows_split or batch % ways == 0) and sizes not in out:
+          out.append(sizes)
   return out
 
 
 def run(request: PlanRequest, cfg: ModelConfig, devices: list) -> list[DecodePlan]:
   """The serving plans of `request` (its batch given) for `cfg` on `devices`: the candidates
-  ranked by what fits first, then by the estimated tokens/s."""
+  ranked by what fits first, then by the estimated tokens/s (with --max-fit: by the largest
+  batch that fits first)."""
   ex = serve_execution(request)
   engine = request.serving_resolved == Serving.ENGINE
   packed = request.experts_resolved == Experts.MXFP4
@@ -414,6 +432,8 @@ def run(request: PlanRequest, cfg: ModelConfig, devices: list) -> list[DecodePla
       request, lambda mesh, analytic: plan_one(request, cfg, ex, devices, mesh,
                                                analytic=analytic, variables=variables),
       candidate_meshes(cfg, len(devices), request.batch, rows_split=not engine),
-      rank=lambda p: (not p.fits, -p.tokens_per_second_estimate),
+      # --max-fit: the mesh that holds the most slots at --seq first
+      rank=lambda p: (-(p.max_fit_batch or 0) if request.max_fit else 0, not p.fits,
+                      -p.tokens_per_second_estimate),
       nothing_fits=f"no serving mesh of {len(devices)} devices splits this model and "
                    f"--batch {request.batch}")

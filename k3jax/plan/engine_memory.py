@@ -9,11 +9,13 @@ from sharded shapes: what `k3jax plan --mode decode --analytic` prices.
                  + 1 scratch (k3jax/model/paged.py init_cache), KDA heads over `tensor`;
   latent pages   per MLA layer a pool of pool_pages + 1 (scratch) pages of page_size positions
                  holding the latent c and k_rot, whole on every device (the rules table:
-                 every device indexes any page);
+                 every device indexes any page) unless split by position over `context`;
   snapshots      the prefix cache's KDA state snapshots (+ 1 scratch), each a slot's size.
 
 With data_shards D > 1 each pool is D shards (each with its own scratch entry), split over the
-batch axes (data x fsdp x expert): a device holds D / (those devices) shards.
+batch axes (data x fsdp x expert): a device holds D / (those devices) shards. With
+context_shards C > 1 each shard's latent pages are C stripes over the mesh's `context` axis
+(a request's positions spread over them): a device holds 1 / C of its shards' pages.
 
 The cache's arrays are exactly those `paged.init_cache` builds, placed as `paged.place` places
 them (`paged.specs`); the step's temporaries are a hand count (analytic.engine_temp)."""
@@ -110,14 +112,15 @@ def abstract_cache(cfg: ModelConfig, ex: Execution, config: EngineConfig) -> pag
   """The engine's cache (Runner's `init_cache` call) as ShapeDtypeStructs: nothing allocated."""
   return jax.eval_shape(lambda: paged.init_cache(
       cfg, ex, slots=config.max_num_seqs, pages=config.pool_pages,
-      page_size=config.page_size, snapshots=config.snapshots, shards=config.data_shards))
+      page_size=config.page_size, snapshots=config.snapshots, shards=config.data_shards,
+      stripes=config.context_shards))
 
 
 def cache_bytes(cfg: ModelConfig, ex: Execution, config: EngineConfig, mesh) -> CacheBytes:
   """One device's share of the engine's cache on `mesh`, placed as `paged.place` does."""
   cache = abstract_cache(cfg, ex, config)
   axes = paged.shard_axes(cache, mesh, config.data_shards)  # ValueError: split unevenly
-  specs = paged.specs(cache, mesh, config.data_shards)
+  specs = paged.specs(cache, mesh, config.data_shards, config.context_shards)
 
   def part(arrays, part_specs) -> int:
     return sum(bytes_per_device(jax.ShapeDtypeStruct(a.shape, a.dtype,

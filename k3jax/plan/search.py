@@ -58,7 +58,13 @@ def _first_line(e: Exception) -> str:
 
 def best(plans: list):
   """The fastest estimate that fits (train, LoRA or decode plans; with its communication not
-  overlapped where the plan counts it), else the smallest peak; the first of equals."""
+  overlapped where the plan counts it), else the smallest peak; the first of equals. Decode
+  plans with --max-fit: the most slots that fit first (then as above)."""
+  most = max((getattr(p, "max_fit_batch", None) or 0 for p in plans), default=0)
+  if most:
+    plans = [p for p in plans if p.max_fit_batch == most]
+    if not any(p.fits for p in plans):
+      return min(plans, key=step_time)
   fitting = [p for p in plans if p.fits]
   if fitting:
     return min(fitting, key=step_time)

@@ -50,7 +50,7 @@ from flax import nnx
 
 from k3jax.config import ModelConfig
 from k3jax.errors import UserError
-from k3jax.execution import Execution, GroupedMatmul, KdaBackend, Remat
+from k3jax.execution import Attention, Execution, GroupedMatmul, KdaBackend, Remat
 from k3jax.model import lora
 from k3jax.model.transformer import K3Model
 from k3jax.plan import comm, hlo, report, settings
@@ -238,13 +238,21 @@ class TrainPlan:
     return "\n".join(lines)
 
 
+def _shapes_only(ex: Execution) -> Execution:
+  """`ex` with the knobs the settings search varies at their defaults (they change no shape)."""
+  return ex.replace(remat=Remat.NONE, attention=Attention.DENSE, loss_chunk=None,
+                    moe_capacity_factor=None)
+
+
 def plan_one(request: PlanRequest, cfg, ex, devices, mesh_spec, *, analytic: bool,
              spec=None) -> TrainPlan:
   """The plan of the step on one mesh (a spec string or axis sizes)."""
   batch, seq, accum, topology = request.batch, request.seq, request.grad_accum, request.topology
   mesh = make_mesh(mesh_spec, devices)
   check_batch(batch // accum, mesh)
-  steps = step_lib.build(cfg, ex, STEP, mesh, spec)
+  # a hand count reads the steps' shapes and shardings only, which remat, attention, the loss
+  # chunk and the capacity do not change: one build per mesh for the whole settings search
+  steps = step_lib.build(cfg, _shapes_only(ex) if analytic else ex, STEP, mesh, spec)
   state, data, thr = abstract_inputs(steps, cfg, ex, batch, seq, accum, spec)
   chip = chip_of(topology, devices[0].device_kind)
   n = len(devices)
@@ -270,6 +278,7 @@ def plan_one(request: PlanRequest, cfg, ex, devices, mesh_spec, *, analytic: boo
                     + (dequantised_layer_bytes(state["params"]) if spec.qat else 0))
   sizes = dict(mesh.shape)
   rows_dev = (batch // accum) // (sizes["data"] * sizes["fsdp"] * sizes["expert"])
+  seq_dev = seq // sizes.get("context", 1)  # a device's positions of each row
   common = dict(topology=topology, devices=n, mesh=format_sizes(sizes), batch=batch, seq=seq,
                 grad_accum=accum, remat=ex.remat.value, loss_chunk=ex.loss_chunk,
                 attention=ex.attention.value,
@@ -282,14 +291,16 @@ def plan_one(request: PlanRequest, cfg, ex, devices, mesh_spec, *, analytic: boo
                 train_args=settings.train_args(request, format_sizes(sizes)))
   if analytic:
     arg = state_bytes + batch_bytes
-    temp = train_temp(cfg, ex, rows_dev, seq, sizes["tensor"], state_bytes, params_bytes,
+    temp = train_temp(cfg, ex, rows_dev, seq_dev, sizes["tensor"], state_bytes, params_bytes,
                       moe_layer_bytes(cfg, ex, mesh, batch // accum * seq),
-                      accum=accum, largest_per_device=0.0 if lora_on else largest)
+                      accum=accum, largest_per_device=0.0 if lora_on else largest,
+                      context_seq=seq if seq_dev < seq else 0)
     peak = arg + temp
     # per device: the model FLOPs share plus remat's recompute (one more forward)
     per_dev = (model_flops + remat_flops) / n
     est = max(per_dev / chip.peak_flops, (state_bytes * 3 + temp) / chip.hbm_bandwidth)
-    sent = train_comm_bytes(cfg, ex, mesh, state["params"], trainable, rows_dev, seq, accum)
+    sent = train_comm_bytes(cfg, ex, mesh, state["params"], trainable, rows_dev, seq_dev,
+                            accum)
     bounds = step_bounds(est, sent, chip)
     return TrainPlan(**common, analytic=True, argument_bytes_per_device=arg,
                      temp_bytes_per_device=temp, output_bytes_per_device=state_bytes,
@@ -379,22 +390,31 @@ def mfu_range(model_flops: float, bounds: list | None, devices: int, chip) -> li
   return [model_flops / (bounds[1] * peak), model_flops / (bounds[0] * peak)]
 
 
-def candidate_meshes(cfg, n: int, rows: int) -> list[dict]:
-  """A small set of (data, fsdp, expert, tensor) splits of n devices: experts over as many
-  devices as divide E, heads over tensor in {1, 2, 4, 8}, the rest fsdp (weights sharded)
-  or data; only splits whose batch axes divide the rows."""
+def candidate_meshes(cfg, n: int, rows: int, seq: int = 0) -> list[dict]:
+  """A small set of (data, fsdp, expert, context, tensor) splits of n devices: experts over as
+  many devices as divide E, heads over tensor in {1, 2, 4, 8}, the rest fsdp (weights sharded)
+  or data; only splits whose batch axes divide the rows. Sequences longer than 8,192
+  positions are also split over a `context` axis leaving each device 4,096 to 32,768 of them
+  (whole KDA chunks)."""
   out = []
   heads = math.gcd(cfg.mla_num_heads, cfg.kda_num_heads)
+  contexts = [1] + [c for c in (2, 4, 8, 16, 32, 64, 128, 256)
+                    if seq > 8192 and seq % (c * 64) == 0 and 4096 <= seq // c <= 32768]
   for tensor in (1, 2, 4, 8):
     if n % tensor or heads % tensor:
       continue
-    rest = n // tensor
-    for expert in sorted({math.gcd(rest, cfg.num_experts), 1}, reverse=True):
-      for fsdp in (rest // expert, 1):
-        data = rest // expert // fsdp
-        sizes = {"data": data, "fsdp": fsdp, "expert": expert, "tensor": tensor}
-        if rows % (data * fsdp * expert) == 0 and sizes not in out:
-          out.append(sizes)
+    for context in contexts:
+      if (n // tensor) % context:
+        continue
+      rest = n // tensor // context
+      for expert in sorted({math.gcd(rest, cfg.num_experts), 1}, reverse=True):
+        for fsdp in (rest // expert, 1):
+          data = rest // expert // fsdp
+          sizes = {"data": data, "fsdp": fsdp, "expert": expert, "tensor": tensor}
+          if context > 1:
+            sizes["context"] = context
+          if rows % (data * fsdp * expert) == 0 and sizes not in out:
+            out.append(sizes)
   return out
 
 
@@ -410,13 +430,13 @@ def run(request: PlanRequest, cfg: ModelConfig, devices: list) -> list[TrainPlan
     if request.mesh:
       meshes = [dict(make_mesh(request.mesh, devices).shape)]
     else:
-      meshes = candidate_meshes(cfg, len(devices), request.batch)
+      meshes = candidate_meshes(cfg, len(devices), request.batch, request.seq)
     return settings.search(request, cfg, meshes, plan)
   if request.batch % request.grad_accum:
     raise UserError(f"--batch {request.batch} is not a multiple of --grad-accum "
                     f"{request.grad_accum}")
   return search(
       request, lambda mesh, analytic: plan(request, mesh, analytic),
-      candidate_meshes(cfg, len(devices), request.batch // request.grad_accum),
+      candidate_meshes(cfg, len(devices), request.batch // request.grad_accum, request.seq),
       rank=lambda p: p.peak_bytes_per_device,
       nothing_fits=f"no mesh of {len(devices)} devices splits this model and batch")

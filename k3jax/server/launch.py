@@ -25,6 +25,7 @@ from k3jax.engine import DEFAULT_MAX_MODEL_LEN, Engine, EngineConfig, check_shar
 from k3jax.errors import UserError
 from k3jax.execution import resolve_dtype
 from k3jax.folders import max_model_len
+from k3jax.model.context_parallel import size as context_size
 from k3jax.run.model import Experts, existing_folder, load_for_serving
 from k3jax.server.app import build_app
 from k3jax.server.loop import EngineLoop, State
@@ -70,20 +71,21 @@ def build(options: ServeOptions) -> Server:
     raise UserError(f"the tokenizer has {tokenizer.vocab_size} ids, more than the model's "
                     f"vocabulary of {cfg.vocab_size}")
   limit = options.max_model_len or max_model_len(folder) or DEFAULT_MAX_MODEL_LEN
-  try:
+  mesh = make_mesh(options.mesh) if options.mesh else None
+  try:  # a mesh's context axis spreads a request's latent pages by position
     engine_config = EngineConfig(max_num_seqs=options.max_num_seqs, max_model_len=limit,
                                  prefill_chunk=options.prefill_chunk,
                                  prefill_widths=options.prefill_widths,
                                  prefill_rows=options.prefill_rows,
                                  decode_steps=options.decode_steps,
                                  prefix_state_every=options.prefix_state_every,
-                                 data_shards=options.data_shards)
+                                 data_shards=options.data_shards,
+                                 context_shards=context_size(mesh))
   except ValueError as e:
     raise UserError(str(e)) from None
-  mesh = make_mesh(options.mesh) if options.mesh else None
   if mesh is not None:
     try:
-      check_shards(engine_config.data_shards, mesh)
+      check_shards(engine_config.data_shards, mesh, engine_config.context_shards)
     except ValueError as e:
       raise UserError(f"--data-shards: {e}") from None
 

@@ -46,6 +46,7 @@ from k3jax.config import ModelConfig
 from k3jax.errors import UserError
 from k3jax.execution import Execution
 from k3jax.folders import MODEL_DIR, RUN_FILE, model_folder, tokenizer_source
+from k3jax.model import context_parallel
 from k3jax.model.lora import AdaptSpec
 from k3jax.run.model import model_config
 from k3jax.run.options import adapt_spec, execution
@@ -99,6 +100,7 @@ class _Run:
   steps: step_lib.Steps
   pipe: data_lib.PipelineConfig
   rows: tuple[int, int]       # the rows of each micro-batch this process supplies
+  positions: tuple[int, int]  # ... and the positions of those rows (all but with `context`)
   read_shards: list[int]      # the data shards it reads ...
   write_shards: list[int]     # ... and those whose position it checkpoints
   ckpt: Checkpointer
@@ -124,11 +126,16 @@ class _Run:
     return self.opts.batch_size // self.opts.grad_accum
 
   def to_device(self, batch: dict, rows: tuple[int, int] | None = None):
-    """A batch of this process's rows as the step's global arrays (as it is: no mesh)."""
+    """A batch of this process's rows as the step's global arrays (as it is: no mesh); of
+    those rows only the positions this process's devices hold are kept (a `context` axis
+    splits them)."""
     if self.mesh is None:
       return batch
-    return distributed.global_batch(batch, self.steps.batch_sharding, rows or self.rows,
-                                    self.rows_per_micro)
+    p0, p1 = self.positions
+    mine = {k: v[:, :, p0:p1] for k, v in batch.items()}
+    return distributed.global_batch(mine, self.steps.batch_sharding, rows or self.rows,
+                                    self.rows_per_micro, positions=self.positions,
+                                    num_positions=self.opts.seq_len)
 
 
 @dataclasses.dataclass
@@ -228,16 +235,22 @@ def _set_up(opts: RunOptions) -> _Run:
   sc = step_config(opts)
   if mesh is not None:
     check_batch(opts.batch_size // opts.grad_accum, mesh)
+    context_parallel.check(mesh, opts.seq_len, ex.kda_backend)
   spec = adapt_spec(opts, cfg)
   # refuses a mesh the model cannot be split on
   steps = step_lib.build(cfg, ex, sc, mesh, spec, objective(opts))
   pipe = data_lib.PipelineConfig(opts.seq_len, opts.batch_size, opts.grad_accum, opts.seed,
                                  num_shards=opts.data_shards)
   rows, read_shards, write_shards = _process_rows_and_shards(steps, pipe, opts)
+  positions = (0, opts.seq_len)
+  if mesh is not None:
+    shape = (opts.grad_accum, opts.batch_size // opts.grad_accum, opts.seq_len)
+    positions = distributed.rows_by_process(steps.batch_sharding, shape, axis=2)[
+        jax.process_index()]
   ckpt = Checkpointer(os.path.join(out, "checkpoints"), keep=opts.keep)
   point = state_lib.resume_point(ckpt, steps, _init_weights(opts), opts.seed, out)
   return _Run(opts, out, mesh, started.main_process, cfg, ex, spec, steps, pipe, rows,
-              read_shards, write_shards, ckpt, point, chosen,
+              positions, read_shards, write_shards, ckpt, point, chosen,
               stages=stages_lib.stages(saved, opts))
 
 

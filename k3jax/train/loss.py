@@ -24,6 +24,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from k3jax.model import context_parallel
+from k3jax.model.expert_parallel import context_mesh
 from k3jax.model.layers import flat_einsum
 
 
@@ -46,33 +48,47 @@ def token_nll_lse(logits: jax.Array, targets: jax.Array, mask: jax.Array
 def chunked_token_nll(x_btd: jax.Array, head_dv: jax.Array, targets_bt: jax.Array,
                       mask_bt: jax.Array, chunk: int,
                       precision: jax.lax.Precision | None = None,
-                      temperature: float = 1.0) -> jax.Array:
+                      temperature: float = 1.0, groups: int = 1) -> jax.Array:
   """token_nll(x @ W / temperature, targets, mask) [B, T] over chunks of `chunk` positions
   (see module docstring; the division is in the wide dtype, after the head: RL's tempered
-  policy, k3jax/rl); T is padded up to a multiple of `chunk` (padded positions are dropped)."""
+  policy, k3jax/rl); T is padded up to a multiple of `chunk` (padded positions are dropped).
+  `groups` g: the positions are g contiguous ranges (a sequence split over g devices of the
+  `context` axis), each cut into chunks of its own, and a scan step takes one chunk of every
+  range, so no step reads across a device's positions."""
   return chunked_token_nll_lse(x_btd, head_dv, targets_bt, mask_bt, chunk, precision,
-                               temperature)[0]
+                               temperature, groups)[0]
 
 
 def chunked_token_nll_lse(x_btd: jax.Array, head_dv: jax.Array, targets_bt: jax.Array,
                           mask_bt: jax.Array, chunk: int,
                           precision: jax.lax.Precision | None = None,
-                          temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+                          temperature: float = 1.0,
+                          groups: int = 1) -> tuple[jax.Array, jax.Array]:
   """token_nll_lse of x @ W / temperature over chunks of `chunk` positions (see
-  chunked_token_nll): the logsumexp comes with its own gradient (softmax per chunk)."""
+  chunked_token_nll, its `groups` too): the logsumexp comes with its own gradient (softmax
+  per chunk)."""
   b, t, d = x_btd.shape
-  chunk = min(chunk, t)
-  pad = -t % chunk
+  if t % groups:
+    raise ValueError(f"{t} positions do not split into {groups} ranges")
+  g, tl = groups, t // groups
+  chunk = min(chunk, tl)
+  pad = -tl % chunk
+  x = x_btd.reshape(b, g, tl, d)
+  tgt = targets_bt.reshape(b, g, tl)
   if pad:
-    x_btd = jnp.pad(x_btd, ((0, 0), (0, pad), (0, 0)))
-    targets_bt = jnp.pad(targets_bt, ((0, 0), (0, pad)))
-  n = (t + pad) // chunk
-  x_nbcd = jnp.moveaxis(x_btd.reshape(b, n, chunk, d), 1, 0)
-  tgt_nbc = jnp.moveaxis(targets_bt.reshape(b, n, chunk), 1, 0)
-  nll_nbc, lse_nbc = _chunked_nll(x_nbcd, head_dv.astype(x_btd.dtype), tgt_nbc, precision,
+    x = jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0)))
+    tgt = jnp.pad(tgt, ((0, 0), (0, 0), (0, pad)))
+  n = (tl + pad) // chunk
+  x_nrcd = jnp.moveaxis(x.reshape(b, g, n, chunk, d), 2, 0).reshape(n, b * g, chunk, d)
+  tgt_nrc = jnp.moveaxis(tgt.reshape(b, g, n, chunk), 2, 0).reshape(n, b * g, chunk)
+  nll_nrc, lse_nrc = _chunked_nll(x_nrcd, head_dv.astype(x_btd.dtype), tgt_nrc, precision,
                                   float(temperature))
-  nll, lse = (jnp.moveaxis(a, 0, 1).reshape(b, n * chunk)[:, :t] for a in (nll_nbc, lse_nbc))
-  return jnp.where(mask_bt, nll, 0.0), jnp.where(mask_bt, lse, 0.0)
+
+  def unchunk(a_nrc):
+    a = jnp.moveaxis(a_nrc.reshape(n, b, g, chunk), 0, 2).reshape(b, g, n * chunk)
+    return jnp.where(mask_bt, a[:, :, :tl].reshape(b, t), 0.0)
+
+  return unchunk(nll_nrc), unchunk(lse_nrc)
 
 
 def _logits(x_bcd, head_dv, precision, temperature=1.0):
@@ -153,5 +169,6 @@ def model_nll_lse(model, inputs: jax.Array, segment_ids: jax.Array | None):
             lambda out, targets, mask: token_nll_lse(out.logits, targets, mask))
   out = model(inputs, segment_ids=segment_ids, logits=False)
   head = model.head()
+  groups = context_parallel.size(context_mesh())  # chunks within each device's positions
   return out, lambda out, targets, mask: chunked_token_nll_lse(
-      out.features, head, targets, mask, ex.loss_chunk, ex.precision)
+      out.features, head, targets, mask, ex.loss_chunk, ex.precision, groups=groups)

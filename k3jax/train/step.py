@@ -89,7 +89,7 @@ from sharding.placement import (
   replicated,
   variable_shardings,
 )
-from sharding.rules import BATCH_MESH_AXES
+from sharding.rules import BATCH_MESH_AXES, CONTEXT_AXIS, TOKEN_MESH_AXES
 
 MLA_PATH = ("mla",)
 NO_QK_CLIP = np.float32(np.inf)  # the train step's QK-clip threshold when the clip is off
@@ -373,12 +373,14 @@ def build(cfg: ModelConfig, ex: Execution, sc: StepConfig,
     if mesh is None:
       b_next, load = balance_rows(b_t, scores, experts, segment_ids, None)
     else:  # each device its own rows; reductions over the batch axes inside
-      rows_spec = P(None, None, BATCH_MESH_AXES, None)
+      # a token's rows: the batch axes, then `context` (a row's positions), as the MoE
+      # layers flatten [rows, positions]
+      rows_spec = P(None, None, TOKEN_MESH_AXES, None)
       score_axes = row_split_axes(cfg, mesh)
       b_next, load = jax.shard_map(
-          functools.partial(balance_rows, axis_name=BATCH_MESH_AXES, score_axes=score_axes),
-          mesh=mesh, in_specs=(P(), P(None, None, BATCH_MESH_AXES + score_axes, None),
-                               rows_spec, P(None, BATCH_MESH_AXES, None)),
+          functools.partial(balance_rows, axis_name=TOKEN_MESH_AXES, score_axes=score_axes),
+          mesh=mesh, in_specs=(P(), P(None, None, TOKEN_MESH_AXES + score_axes, None),
+                               rows_spec, P(None, BATCH_MESH_AXES, CONTEXT_AXIS)),
           out_specs=P())(b_t, scores, experts, segment_ids)
     return _set_path(bias, path, b_next.astype(b_t.dtype)), load
 

@@ -24,6 +24,10 @@ ones also `interpret`, to run the kernels on a CPU):
 
 On a GPU, backend=None picks "pallas_mosaic_gpu" on sm_90 and newer (where Mosaic GPU runs) when
 K fits it, "pallas_gpu" otherwise.
+
+`kda_range` runs one range of a sequence from a zero state and returns, besides its outputs,
+how the range depends on the state entering it (its affine map S_out = M S_in + C): what
+context parallelism composes over shards (docs/kernels.md#a-range-as-an-affine-map).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import importlib
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 # public here too (ops.GATES, ops.prepare_inputs), as before the bundle
 from pallas_kernels.kda.reference import GATES, RawInputs, prepare_inputs  # noqa: F401 - re-exported
@@ -44,6 +49,7 @@ class _Backend(NamedTuple):
   kda: str       # the op: (q, k, v, g, beta, *, scale, initial_state, ..., raw) -> (o, state)
   kda_step: str  # one decode token on prepared inputs: (q, k, v, g, beta, state, *, scale)
   pallas: bool   # both also take `interpret`
+  transition: bool = True  # runs `kda_range` (V + K value columns): tested to (see below)
 
 
 _REGISTRY = {
@@ -52,11 +58,13 @@ _REGISTRY = {
     "chunked": _Backend("reference:chunk_kda", "reference:kda_step", pallas=False),
     "xla_cpu": _Backend("xla_cpu:kda_xla_cpu", "reference:kda_step", pallas=False),
     "pallas_tpu": _Backend("tpu:kda_tpu", "tpu:kda_step_tpu", pallas=True),
-    "pallas_gpu": _Backend("gpu:kda_gpu", "gpu:kda_step_gpu", pallas=True),
+    # the GPU kernels size their tiles for V = K; a range's V + K columns are not tested there
+    "pallas_gpu": _Backend("gpu:kda_gpu", "gpu:kda_step_gpu", pallas=True, transition=False),
     "pallas_mosaic_gpu": _Backend("mosaic_gpu:kda_mosaic_gpu", "mosaic_gpu:kda_step_mosaic_gpu",
-                                  pallas=True),
+                                  pallas=True, transition=False),
 }
 BACKENDS = tuple(_REGISTRY)
+TRANSITION_BACKENDS = tuple(name for name, b in _REGISTRY.items() if b.transition)
 
 
 def gpu_backend(compute_capability: str | None) -> str:
@@ -158,3 +166,48 @@ def kda(
   return op(q, k, v, g, beta, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state, segment_ids=segment_ids, A_log=A_log,
             dt_bias=dt_bias, raw=raw, **_interpret(backend, interpret))
+
+
+class RangeMap(NamedTuple):
+  """One range of a sequence run from a zero entering state, and how it depends on the state S
+  it really enters with (per head; `kda_range`):
+      o_t   = o_zero_t + S^T read_t           (read_t = M_t^T scale q_t, M_t the map to t)
+      S_out = transition S + offset"""
+  o: jax.Array           # [B, T, H, V] outputs from a zero state, in the state's dtype
+  read: jax.Array        # [B, T, H, K] what each output reads of the entering state
+  offset: jax.Array      # [B, H, K, V] the final state from a zero state (C)
+  transition: jax.Array  # [B, H, K, K] the range's linear map of the state (M)
+
+
+def has_transition(backend: str | None) -> bool:
+  """Whether `backend` (None: the platform's default) runs `kda_range`."""
+  name = default_backend() if backend is None else backend
+  return name in TRANSITION_BACKENDS
+
+
+def kda_range(q, k, v, g, beta, *, backend: str | None = None, **kwargs) -> RangeMap:
+  """The op (`kda`, same arguments but `initial_state` / `output_final_state`) on one range of
+  a sequence, as an affine map of the state entering it.
+
+  Every token's update S <- (I - beta k k^T) Diag(e^g) S + beta k v^T is affine in S, and the
+  state's value columns evolve independently, so one run of the op with the value columns
+  [v | 0] from the state [0 | I] (V + K columns) computes both the zero-state run (the first
+  V) and the range's transition M (the last K: the identity carried through every token,
+  segment restarts zeroing it as they zero any state). The outputs' last K columns are
+  M_t^T scale q_t. Values and outputs are carried in the state's dtype (float32, or float64),
+  so a caller completing o_zero + S^T read rounds once, as the op does."""
+  for name in ("initial_state", "output_final_state"):
+    if name in kwargs:
+      raise TypeError(f"kda_range: {name} is not an argument (the range starts from zero)")
+  if not has_transition(backend):
+    raise ValueError(f"KDA backend {backend or default_backend()!r} does not run a range's "
+                     f"transition (one of {', '.join(TRANSITION_BACKENDS)})")
+  B, _, H, K = q.shape
+  V = v.shape[-1]
+  dt = jnp.result_type(jnp.float32, q.dtype, k.dtype, v.dtype)
+  v_ext = jnp.concatenate([v.astype(dt), jnp.zeros((*v.shape[:3], K), dt)], axis=-1)
+  eye = jnp.broadcast_to(jnp.eye(K, dtype=dt), (B, H, K, K))
+  s0 = jnp.concatenate([jnp.zeros((B, H, K, V), dt), eye], axis=-1)
+  o, s = kda(q, k, v_ext, g, beta, initial_state=s0, output_final_state=True, backend=backend,
+             **kwargs)
+  return RangeMap(o[..., :V], o[..., V:], s[..., :V], s[..., V:])

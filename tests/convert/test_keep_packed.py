@@ -72,7 +72,7 @@ def test_keep_packed_sharded_restore(checkpoints):
   """On a (fsdp 2, expert 2, tensor 2) mesh the codes and scales arrive in the shardings of
   the rules table (`named_shardings(keep_packed=True)`), each shard the one-device value."""
   path = checkpoints["mxfp4"]
-  mesh = jax.make_mesh((1, 2, 2, 2), MESH_AXES)
+  mesh = jax.make_mesh((1, 2, 2, 1, 2), MESH_AXES)
   shardings = named_shardings(configs.resolve(path), mesh, keep_packed=True)
   got = _flat(load_checkpoint(path, shardings=shardings, keep_packed=True)[0])
   want = _flat(load_checkpoint(path, keep_packed=True)[0])

@@ -97,7 +97,7 @@ def test_sharded_restore_on_8_devices(ckpt, ckpt_mxfp4, direct, experts):
   codes are restored sharded the same way and dequantised where they lie."""
   assert jax.device_count() == 8
   path = ckpt if experts == "bf16" else ckpt_mxfp4
-  mesh = jax.make_mesh((1, 2, 2, 2), MESH_AXES)
+  mesh = jax.make_mesh((1, 2, 2, 1, 2), MESH_AXES)
   cfg = configs.resolve(path)
   shardings = named_shardings(cfg, mesh)
   model, _ = load_checkpoint(path, shardings=shardings)
@@ -256,7 +256,7 @@ from convert import orbax_io
 from convert.load import named_shardings
 from convert.variables import abstract_variables
 from sharding.rules import MESH_AXES
-mesh = jax.make_mesh((1, 1, 2, 4), MESH_AXES)  # expert axis across the two processes
+mesh = jax.make_mesh((1, 1, 2, 1, 4), MESH_AXES)  # expert axis across the two processes
 cfg = configs.resolve({ckpt!r})
 shardings = named_shardings(cfg, mesh)
 experts = {{p: orbax_io.shape_dtype(v.shape, v.get_value().dtype, shardings[p])

@@ -139,7 +139,7 @@ from convert.stream import load_folder_sharded
 from sharding.rules import MESH_AXES
 from tests.convert.test_stream_load import F64
 source = open_source(folder)
-shardings = named_shardings(source.cfg, jax.make_mesh((1, 2, 2, 2), MESH_AXES))
+shardings = named_shardings(source.cfg, jax.make_mesh((1, 2, 2, 1, 2), MESH_AXES))
 got = load_folder_sharded(source, source.cfg, F64, shardings)
 model_read = source.reader.bytes_read
 want = {tuple(map(str, p)): v.get_value()
@@ -183,7 +183,7 @@ def test_model_from_folder_box_by_box_equals_the_in_memory_load(reference_dir, x
   device block read box by box equals that block of `load_model`'s whole-tensor load."""
   folder = os.path.join(reference_dir, "k3_tiny_a")
   source = open_source(folder)
-  mesh = jax.make_mesh((1, 2, 2, 2), MESH_AXES)
+  mesh = jax.make_mesh((1, 2, 2, 1, 2), MESH_AXES)
   shardings = named_shardings(source.cfg, mesh)
   got = load_folder_sharded(source, source.cfg, F64, shardings)
   model, _ = load_model(folder, F64)

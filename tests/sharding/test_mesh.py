@@ -18,8 +18,10 @@ from sharding.rules import MESH_AXES
 def test_spec_grammar():
   assert parse_mesh_spec("data=2,fsdp=1,expert=2,tensor=2") == {
       "data": 2, "fsdp": 1, "expert": 2, "tensor": 2}
-  assert axis_sizes("expert=4,tensor=2", 8) == {"data": 1, "fsdp": 1, "expert": 4, "tensor": 2}
-  assert axis_sizes("data=-1,tensor=2", 8) == {"data": 4, "fsdp": 1, "expert": 1, "tensor": 2}
+  assert axis_sizes("expert=4,tensor=2", 8) == {"data": 1, "fsdp": 1, "expert": 4, "context": 1,
+                                                 "tensor": 2}
+  assert axis_sizes("data=-1,tensor=2", 8) == {"data": 4, "fsdp": 1, "expert": 1, "context": 1,
+                                                "tensor": 2}
   assert axis_sizes(" fsdp = 8 ", 8)["fsdp"] == 8
   for spec, needle in [("", "empty"), ("data:2", "AXIS=SIZE"), ("pipe=2", "unknown axis"),
                        ("data=2,data=4", "twice"), ("data=0", ">= 1"),
@@ -32,7 +34,7 @@ def test_spec_grammar():
 def test_mesh_on_any_device_list():
   mesh = make_mesh("data=2,expert=2,tensor=2")
   assert mesh.axis_names == MESH_AXES and dict(mesh.shape) == {
-      "data": 2, "fsdp": 1, "expert": 2, "tensor": 2}
+      "data": 2, "fsdp": 1, "expert": 2, "context": 1, "tensor": 2}
   assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
   four = jax.devices()[4:]
   sub = make_mesh("tensor=-1", four)

@@ -41,7 +41,7 @@ def test_mesh_pool_shards_serve_the_tokens_of_one_device(mesh, axes, steps):
   for pool in (cache.kda[0].recurrent, cache.snapshots[0].recurrent, cache.pages[0].c):
     assert pool.sharding.spec[0] == axes
     assert pool.addressable_shards[0].data.shape[0] == pool.shape[0] // 4  # one shard each
-  assert engine.runner.pools == (4, axes if isinstance(axes, tuple) else (axes,))
+  assert engine.runner.pools == (4, axes if isinstance(axes, tuple) else (axes,), 1)
 
 
 def test_pool_shards_move_no_page_or_state_between_devices(monkeypatch):

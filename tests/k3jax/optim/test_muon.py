@@ -527,15 +527,15 @@ def one_device_two_steps(small_state):
 
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
 def test_sharded_update_equals_one_device(small_state, one_device_two_steps, axis_type):
-  """Params placed by the logical-axis rules on a (data 1, fsdp 4, expert 1, tensor 2) mesh of 8
-  CPU devices: two jitted steps give the single-device numbers, computed in float64
+  """Params placed by the logical-axis rules on a (data 1, fsdp 4, expert 1, context 1, tensor 2)
+  mesh of 8 CPU devices: two jitted steps give the single-device numbers, computed in float64
   (docs/correctness.md's 1e-5 is met with room: the float32 bound per leaf, two_steps_float64, is <=
   7e-6)."""
   from jax.sharding import NamedSharding
 
   from sharding.rules import MESH_AXES, logical_to_spec
-  mesh = jax.make_mesh((1, 4, 1, 2), MESH_AXES,
-                       axis_types=(getattr(jax.sharding.AxisType, axis_type),) * 4)
+  mesh = jax.make_mesh((1, 4, 1, 1, 2), MESH_AXES,
+                       axis_types=(getattr(jax.sharding.AxisType, axis_type),) * 5)
   axes = logical_axes_from_state(small_state)
   tx, grads, (want, tol) = one_device_two_steps
   params = nnx.as_pure(small_state)

@@ -154,3 +154,30 @@ def test_engine_plan_keys_defaults_and_max_fit(config_file, capsys):
                  *([] if extra else ["--serving", "engine"]), *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--analytic" in err[0], err
+
+
+def test_million_positions_fit_only_with_pages_over_context(config_file, capsys):
+  """`--mode decode --seq 1048576 --max-fit` on v5e:2x2: the engine's candidate meshes also
+  spread the latent pages by position over `context` (a device holding 1 / context of them
+  and attending over 1 / context of each row's positions), and are ranked by the most slots
+  that fit at --seq. With a prefill chunk of 64 no mesh without a context axis holds one
+  1M-position slot of the K3-shaped model (16 GiB per device), context=4 holds two."""
+  path, _ = config_file
+  assert main(["plan", "--config", path, "--topology", "v5e:2x2", "--mode", "decode",
+               "--seq", str(1 << 20), "--batch", "1", "--prefill-chunk", "64", "--analytic",
+               "--max-fit", "--json"]) == 0
+  out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  cands = out["candidates"]
+  slots = [c["max_fit_batch"] for c in cands]
+  assert slots == sorted(slots, reverse=True) and out["mesh"] == cands[0]["mesh"]
+  by_context = {}
+  for c in cands:
+    sizes = dict(kv.split("=") for kv in c["mesh"].split(","))
+    assert c["context_shards"] == int(sizes["context"])
+    by_context.setdefault(c["context_shards"], []).append(c)
+  assert set(by_context) == {1, 2, 4}
+  assert all(c["max_fit_batch"] == 0 and not c["fits"] for c in by_context[1])
+  assert out["context_shards"] == 4 and out["max_fit_batch"] >= 2 and out["fits"]
+  # a device's latent pages of the one slot: fewer the more devices they spread over
+  pages = {n: min(c["latent_page_bytes_per_device"] for c in cs) for n, cs in by_context.items()}
+  assert pages[4] < pages[2] < pages[1]

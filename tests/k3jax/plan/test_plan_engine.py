@@ -76,6 +76,27 @@ def test_cache_bytes_equal_the_placed_paged_cache(setup, request_, shards):
                                               plan.decode_temp_bytes_per_device))
 
 
+def test_cache_bytes_with_pages_by_position_over_context():
+  """On expert=2,context=2,tensor=2 the latent pages are 2 stripes per shard over `context`:
+  the plan's figures are the placed striped cache's, a device holding half its shards' pages
+  (the shards over expert: 2 of them)."""
+  devices = jax.devices()[:8]
+  ex = decode.serve_execution(REQUEST)
+  mesh_spec = "expert=2,context=2,tensor=2"
+  mesh = make_mesh(mesh_spec, devices)
+  request_ = REQUEST.replace(batch=4, num_pages=48, prefix_snapshots=8)
+  variables = engine_memory.weight_variables(CFG, ex, "mxfp4")
+  plan = decode.plan_one(request_, CFG, ex, devices, mesh_spec, analytic=True,
+                         variables=variables)
+  assert (plan.data_shards, plan.context_shards) == (2, 2)
+  cache = paged.place(paged.init_cache(CFG, ex, slots=4, pages=48, page_size=8, snapshots=8,
+                                       shards=2, stripes=2), mesh, 2, 2)
+  assert plan.latent_page_bytes_per_device == _device0_bytes(cache.pages)
+  assert plan.kda_slot_bytes_per_device == _device0_bytes(cache.kda)
+  assert _device0_bytes(cache.pages) * 4 == sum(x.nbytes for x in jax.tree.leaves(cache.pages))
+  assert "pages by position over context=2" in plan.report()
+
+
 def test_weight_bytes_equal_the_placed_packed_model(setup):
   devices, ex, mesh = setup
   model = K3Model(CFG, ex, rngs=nnx.Rngs(0))

@@ -15,11 +15,12 @@ pytest.importorskip("libtpu", reason="libtpu is needed to compile for TPU ahead 
 import itertools
 from types import SimpleNamespace
 
+import configs
 from k3jax import plan
 from k3jax.cli import build_parser, main
 from k3jax.commands.train import options_from_args
 from k3jax.execution import Remat
-from k3jax.plan import settings
+from k3jax.plan import settings, train
 from k3jax.train.loop import execution
 
 TOPOLOGY, MESH = "v5e:2x2", "fsdp=2,tensor=2"
@@ -155,3 +156,19 @@ def test_nothing_fits_names_the_nearest_batch(config_file, capsys):
                "4", "--seq", "256", "--analytic"]) == 2
   err = capsys.readouterr().err.strip().splitlines()[-1]
   assert "fits no setting" in err and "a larger topology, or --mode lora" in err
+
+
+def test_long_sequences_are_planned_on_meshes_with_a_context_axis():
+  """At a million positions the train plan's candidate meshes split them over `context`, each
+  device keeping 4,096 to 32,768 positions of whole KDA chunks, with batch axes that divide
+  the rows; at 8,192 positions none does. Without --batch a long sequence gets the rows of
+  8,192 positions per device."""
+  cfg = configs.get("k3")
+  meshes = train.candidate_meshes(cfg, 1024, 8, 1 << 20)
+  assert meshes and all(m.get("context", 1) > 1 for m in meshes)
+  for m in meshes:
+    assert 4096 <= (1 << 20) // m["context"] <= 32768 and (1 << 20) % (m["context"] * 64) == 0
+    assert 8 % (m["data"] * m["fsdp"] * m["expert"]) == 0
+    assert m["data"] * m["fsdp"] * m["expert"] * m["context"] * m["tensor"] == 1024
+  assert not any("context" in m for m in train.candidate_meshes(cfg, 1024, 1024, 8192))
+  assert plan.DEFAULT_TOKENS_PER_DEVICE * 1024 // (1 << 20) == 8

@@ -70,13 +70,14 @@ def test_schedule_flags_reach_the_step():
 TOL = 1e-11  # float64, O(d + V) terms of O(10) per value (test_loss.py)
 
 
-@pytest.mark.parametrize("chunk", [5, 64])
-def test_chunked_logsumexp_and_its_gradient_equal_the_formula(x64, chunk):
+# groups=2: the positions cut in two ranges (a sequence over context=2), T=14 into 7 + 7
+@pytest.mark.parametrize("chunk,t,groups", [(5, 13, 1), (64, 13, 1), (3, 14, 2)])
+def test_chunked_logsumexp_and_its_gradient_equal_the_formula(x64, chunk, t, groups):
   ks = jax.random.split(jax.random.key(3), 4)
-  x = jax.random.normal(ks[0], (2, 13, 16), jnp.float64)
+  x = jax.random.normal(ks[0], (2, t, 16), jnp.float64)
   w = jax.random.normal(ks[1], (16, 37), jnp.float64) * 0.5
-  tg = jax.random.randint(ks[2], (2, 13), 0, 37)
-  mask = jax.random.bernoulli(ks[3], 0.8, (2, 13))
+  tg = jax.random.randint(ks[2], (2, t), 0, 37)
+  mask = jax.random.bernoulli(ks[3], 0.8, (2, t))
   z = 0.3
 
   def formula(x, w):  # plain jnp: log-softmax pieces written out
@@ -86,7 +87,7 @@ def test_chunked_logsumexp_and_its_gradient_equal_the_formula(x64, chunk):
     return jnp.sum(jnp.where(mask, nll + z * lse**2, 0.0))
 
   def chunked(x, w):
-    nll, lse = chunked_token_nll_lse(x, w, tg, mask, chunk)
+    nll, lse = chunked_token_nll_lse(x, w, tg, mask, chunk, groups=groups)
     return jnp.sum(nll) + z * jnp.sum(lse**2)
 
   def whole(x, w):
