@@ -3,8 +3,8 @@
 Every prompt of a step is sampled `group_size` times by the engine over the policy's current
 weights (the optimizer's own arrays: `EngineConfig(layout="stacked")` slices them inside its
 step, and `set_params` hands it each update's). A completion keeps what the engine reports:
-its tokens, each token's logprob under the tempered policy (pi_old of the objective) and why
-it ended:
+its tokens, each token's logprob under the distribution it was drawn from (pi_old of the
+objective; the tempered policy, as RL sets no filters) and why it ended:
 
     stop    the policy drew a stop token (EOS / end of turn). The stop token is part of the
             completion: the policy chose to end, so that token is trained like any other
@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from k3jax.engine import Engine, FinishReason, SamplingParams
+from k3jax.engine import Engine, FinishReason, LogprobsMode, SamplingParams
 from k3jax.rl.data import Prompt
 
 
@@ -55,7 +55,8 @@ def rollout(engine: Engine, prompts: Sequence[Prompt], group_size: int, *, max_n
     for g in range(group_size):
       engine.add(f"{p}:{g}", prompt.ids, SamplingParams(
           max_tokens=max_new_tokens, temperature=temperature, seed=int(seeds[p][g]),
-          logprobs=0, tempered_logprobs=True, stop_token_ids=tuple(stop_ids), ignore_eos=True))
+          logprobs=0, logprobs_mode=LogprobsMode.PROCESSED, stop_token_ids=tuple(stop_ids),
+          ignore_eos=True))
   out = [[Completion(prompt, [], [], "") for _ in range(group_size)] for prompt in prompts]
   while engine.has_work():
     for o in engine.step():

@@ -44,18 +44,41 @@ def prompts(seed: int, lengths):
   return [[int(t) for t in rng.integers(0, 64, n)] for n in lengths]
 
 
+def drawn_from(lp_row: np.ndarray, params) -> np.ndarray:
+  """The float64 log-distribution a processed request's token is drawn from, given the model's
+  own log-probabilities at its position: softmax(logits / T) over the tokens top-k / top-p /
+  min-p keep, renormalised (-inf elsewhere). Written from the filters' definitions, sorting
+  the float64 distribution (the engine filters in float32; the tests' draws sit far from a
+  boundary)."""
+  x = lp_row / params.temperature  # logits / T up to a constant
+  p = np.exp(log_softmax(x))
+  order = np.argsort(-p, kind="stable")
+  keep = np.ones(len(p), bool)
+  if 0 < params.top_k < len(p):
+    keep &= x >= x[order[params.top_k - 1]]
+  if params.top_p < 1:
+    before = np.cumsum(p[order]) - p[order]
+    nucleus = np.zeros(len(p), bool)
+    nucleus[order[(before < params.top_p) | (np.arange(len(p)) == 0)]] = True
+    keep &= nucleus
+  if params.min_p > 0:
+    keep &= p >= params.min_p * p.max()
+  return log_softmax(np.where(keep, x, -np.inf))
+
+
 def check_against_truth(m, prompt, result, params=GREEDY):
   lp = truth(m, prompt + result.tokens)
-  if params.tempered_logprobs and params.temperature > 0:
-    lp = log_softmax(lp / params.temperature)  # = log_softmax(logits / T): a shift of logits
   n = len(prompt)
   for j, tok in enumerate(result.tokens):
     row = lp[n - 1 + j]
+    if params.logprobs_mode == "processed" and params.temperature > 0:
+      row = drawn_from(row, params)
     if params.temperature == 0:
       assert tok == int(np.argmax(row))
+    assert np.isfinite(row[tok])  # the token is one the filters keep
     if params.logprobs is not None:
       assert abs(result.logprobs[j] - row[tok]) <= TOL
-      best = np.argsort(-row)[:params.logprobs]
+      best = [b for b in np.argsort(-row, kind="stable")[:params.logprobs] if np.isfinite(row[b])]
       assert sorted(result.top[j]) == sorted(int(b) for b in best)
       np.testing.assert_allclose([result.top[j][int(b)] for b in best], row[best], rtol=0,
                                  atol=TOL)
@@ -82,19 +105,37 @@ def test_greedy_tokens_and_logprobs_equal_the_full_forward(m, config):
   assert eng.stats()["pages_used"] == eng.stats()["cached_blocks"]  # only cached blocks stay
 
 
-def test_tempered_logprobs_are_the_sampling_distribution(m):
-  """tempered_logprobs: the drawn tokens' logprobs and alternatives under softmax(logits / T),
-  what they are drawn from (RL's behaviour policy); the same request without it draws the
-  same tokens and reports the model's own log_softmax(logits)."""
+def test_processed_logprobs_are_the_sampling_distribution(m):
+  """logprobs_mode "processed": the drawn tokens' logprobs and alternatives under the
+  distribution they are drawn from, softmax(logits / T) (RL's behaviour policy); the same
+  request in "raw" mode draws the same tokens and reports the model's own log_softmax."""
   p = prompts(12, (9,))[0]
-  tempered = SamplingParams(max_tokens=6, temperature=0.7, seed=5, logprobs=2,
-                            tempered_logprobs=True)
-  plain = dataclasses.replace(tempered, tempered_logprobs=False)
-  out = drain(Engine(m, CONFIG), {0: [("t", p, tempered), ("p", p, plain)]})
+  processed = SamplingParams(max_tokens=6, temperature=0.7, seed=5, logprobs=2,
+                             logprobs_mode="processed")
+  raw = dataclasses.replace(processed, logprobs_mode="raw")
+  out = drain(Engine(m, CONFIG), {0: [("t", p, processed), ("p", p, raw)]})
   assert out["t"].tokens == out["p"].tokens
-  check_against_truth(m, p, out["t"], tempered)
-  check_against_truth(m, p, out["p"], plain)
+  check_against_truth(m, p, out["t"], processed)
+  check_against_truth(m, p, out["p"], raw)
   assert max(abs(a - b) for a, b in zip(out["t"].logprobs, out["p"].logprobs)) > 1e-3
+
+
+@pytest.mark.parametrize("filters", [{"top_k": 3}, {"top_p": 0.5}, {"min_p": 0.5},
+                                     {"top_k": 4, "top_p": 0.8, "min_p": 0.05}],
+                         ids=["top_k", "top_p", "min_p", "all"])
+def test_processed_logprobs_are_those_of_the_filtered_distribution(m, filters):
+  """With top-k / top-p / min-p, "processed" logprobs are those of the renormalised kept set
+  (float64 against the full forward, 1e-12), every drawn token is one the filters keep, and
+  the alternatives are the kept tokens alone; decode blocks report the same."""
+  p = prompts(13, (11,))[0]
+  params = SamplingParams(max_tokens=8, temperature=1.3, seed=9, logprobs=4,
+                          logprobs_mode="processed", **filters)
+  for config in (CONFIG, dataclasses.replace(CONFIG, decode_steps=4)):
+    out = drain(Engine(m, config), {0: [("f", p, params)]})
+    check_against_truth(m, p, out["f"], params)
+  lp = truth(m, p + out["f"].tokens)[len(p) - 1:-1]
+  kept = [int(np.isfinite(drawn_from(row, params)).sum()) for row in lp]
+  assert min(kept) < m.cfg.vocab_size  # the filters removed tokens
 
 
 def test_max_tokens_zero_scores_the_prompt_only(m):
