@@ -57,7 +57,8 @@ def options_from_args(args: argparse.Namespace) -> RLOptions:
       weight_decay=args.weight_decay, clip_norm=args.clip_norm, grad_accum=args.grad_accum,
       lora_rank=args.lora, lora_alpha=args.lora_alpha,
       lora_targets=tuple(args.lora_targets) if args.lora_targets else None,
-      base_experts=args.base_experts, dtype=args.dtype, remat=args.remat, mesh=args.mesh,
+      base_experts=args.base_experts, experts_qat=args.experts_qat, dtype=args.dtype,
+      remat=args.remat, mesh=args.mesh,
       coordinator=args.coordinator, num_processes=args.num_processes,
       process_id=args.process_id, startup_timeout=args.startup_timeout,
       max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, seed=args.seed,
@@ -152,6 +153,10 @@ def register(sub) -> None:
   add_lora(g, rank=None, base_experts="float")
   g.add_argument("--lora-alpha", type=float, default=None, metavar="A",
                  help="scale the adapter update by A / RANK (default: A = RANK)")
+  g.add_argument("--experts-qat", action="store_true",
+                 help="routed experts forward with their MXFP4-rounded weights (straight-"
+                      "through gradients); the engine samples from them packed: the rollouts "
+                      "come from the model `k3jax export --merge-lora` ships")
   g = p.add_argument_group("numerics, devices")
   g.add_argument("--dtype", choices=DTYPES, default="auto",
                  help="compute dtype (auto: fp32 on CPU, bf16 on TPU/GPU); float64 for "

@@ -27,7 +27,7 @@ from flax import nnx
 
 from k3jax.engine.config import EngineConfig, check_shards
 from k3jax.generate.sampling import Sampling, filtered_logits, sample
-from k3jax.model import paged
+from k3jax.model import lora, paged
 from k3jax.model.decode import unstack_model
 from k3jax.model.layers import wide_dtype
 
@@ -137,6 +137,21 @@ def _decode_block(static, params, cache: paged.PagedCache, page_table, part: pag
   return StepOut(*out, None, None, None), cache
 
 
+def _serving_form(model: nnx.Module):
+  """(the graph the engine runs, None or the jitted map from the model's state to its state
+  in that graph). A model whose routed experts train under QAT (their forward rounds W +
+  scale A B to MXFP4 at every call) is served as that rounded model, packed: each
+  `set_params` quantises the experts once into codes and scales (lora.pack_qat_experts), and
+  every step multiplies by them as by a released MXFP4 checkpoint's. Its tokens and logprobs
+  are the trainer's forward's (the same values, dequantised exactly)."""
+  graphdef = nnx.graphdef(model)
+  if not lora.has_qat(model):
+    return graphdef, None
+  packed = lambda state: lora.pack_qat_experts(nnx.merge(graphdef, state))
+  served = nnx.graphdef(nnx.eval_shape(lambda: packed(nnx.state(model))))
+  return served, jax.jit(lambda state: nnx.state(packed(state)))
+
+
 def _device_rows(part: paged.Rows) -> paged.Rows:
   return paged.Rows(*(None if a is None else jnp.asarray(a) for a in part))
 
@@ -150,7 +165,7 @@ class Runner:
     self.cfg, self.ex, self.config = model.cfg, model.ex, config
     layout = config.layout or ("unstacked" if jax.default_backend() == "cpu" else "stacked")
     self.layout = layout
-    self.graphdef = nnx.graphdef(model)
+    self.graphdef, self._serving = _serving_form(model)
     self.set_params(nnx.state(model))
     shards = config.data_shards
     self.cache = paged.init_cache(self.cfg, self.ex, slots=config.max_num_seqs,
@@ -166,8 +181,11 @@ class Runner:
       self.cache = jax.device_put(self.cache, jax.devices()[0])
 
   def set_params(self, state) -> None:
-    """New weights (an nnx.State of the engine's model graph): stacked, used as they are;
-    unstacked, split once per layer here."""
+    """New weights (an nnx.State of the model graph the engine was built with): stacked, used
+    as they are; unstacked, split once per layer here. Routed experts under QAT are packed
+    here, once (`_serving_form`)."""
+    if self._serving is not None:
+      state = self._serving(state)
     if self.layout == "stacked":
       self.static, self.params = ("stacked", self.graphdef), state
     else:

@@ -123,13 +123,15 @@ class RLOptions:
   lora_alpha: float | None = None
   lora_targets: tuple[str, ...] | None = None
   base_experts: str = "float"
+  experts_qat: bool = False          # routed experts forward MXFP4-rounded; the engine serves
+                                     #   them packed (the model export --merge-lora writes)
   # numerics, devices, engine
   dtype: str = "auto"
   remat: str = "none"
   # how the train step computes, as `k3jax train` takes them (train.loop.execution reads them)
   loss_chunk: int | None = None
   attention: str | None = None
-  capacity_factor: float | None = None
+  capacity_factor: float | None = None  # refused: every pass that scores rollouts is dropless
   mesh: str | None = None
   # several processes on one mesh (sharding/distributed.py), as `k3jax train` takes them
   coordinator: str | None = None
@@ -146,14 +148,13 @@ class RLOptions:
   plots: bool = True
   progress: bool = True
   compile_cache: str | None = None
-  # what k3jax.train.loop.adapt_spec also reads: RL neither QK-clips nor runs expert QAT
-  experts_qat: ClassVar[bool] = False
+  # what k3jax.train.loop.adapt_spec also reads: RL does not QK-clip
   qk_clip: ClassVar[None] = None
 
 
 # a resume must keep what fixes the meaning of a checkpoint and of its data position
 RESUME_KEYS = ("init_from", "data", "group_size", "prompts_per_step", "seed", "lora_rank",
-               "lora_alpha", "lora_targets", "base_experts", "grad_accum")
+               "lora_alpha", "lora_targets", "base_experts", "experts_qat", "grad_accum")
 PATHS = {"init_from": absolute, "data": absolute}
 
 
@@ -201,6 +202,10 @@ def _check(opts: RLOptions) -> None:
   if not opts.temperature > 0:
     raise UserError("--temperature must be > 0: greedy completions of a prompt are all "
                     "the same")
+  if opts.capacity_factor:
+    raise UserError(f"capacity factor {opts.capacity_factor}: RL scores every rollout dropless "
+                    "(under a capacity a token's experts depend on the other tokens of its "
+                    "batch, so the engine's and the trainer's logprobs would differ)")
   rows = opts.prompts_per_step * opts.group_size
   if rows % opts.grad_accum:
     raise UserError(f"--prompts-per-step x --group-size = {rows} rollouts is not a multiple "

@@ -418,3 +418,41 @@ def test_packed_mxfp4_experts_serve_the_dequantised_model(reference_dir):
   out = drain(Engine(packed, CONFIG), {0: [("a", ps[0], GREEDY), ("b", ps[1], GREEDY)]})
   for rid, p in zip("ab", ps, strict=True):
     check_against_truth(dense, p, out[rid])
+
+
+def test_qat_experts_are_served_packed_as_the_trained_forward_rounds_them(reference_dir):
+  """k3_tiny_a's MXFP4 experts as a frozen base with per-expert adapters trained under QAT
+  (the forward multiplies by round_mxfp4(dequant(W) + scale A B)): the engine holds those
+  experts as codes and scales, quantised once per set_params, and serves the full forward of
+  the merged model (what `k3jax export --merge-lora` writes), float64, 1e-12; after a
+  set_params with other adapters too."""
+  dense, _ = load_model(os.path.join(reference_dir, "k3_tiny_a"), F64)
+  spec = lora.AdaptSpec(rank=2, targets=("moe.experts.*",), base_experts="mxfp4", qat=True)
+
+  def policy(seed):
+    adapted = lora.adapt(nnx.clone(dense), spec, nnx.Rngs(seed))
+    rng = np.random.default_rng(seed)
+    for ex in lora.expert_paths(adapted).values():
+      for w in lora.EXPERT_WEIGHTS:
+        b = getattr(ex, f"{w}_lora_b")
+        b.set_value(jax.numpy.asarray(0.3 * rng.standard_normal(b.shape)))
+    return adapted
+
+  first, second = policy(1), policy(2)
+  eng = Engine(first, CONFIG)
+  served = nnx.merge(eng.runner.graphdef, eng.runner._serving(nnx.state(first)))
+  for ex in lora.expert_paths(served).values():  # codes and scales, no QAT, no adapters
+    assert not ex.qat and ex.operands("w1").packed and not hasattr(ex, "w1_lora_a")
+  rng = np.random.default_rng(8)
+  p = [int(t) for t in rng.integers(0, dense.cfg.vocab_size, 12)]
+  sampled = SamplingParams(max_tokens=5, temperature=0.9, seed=2, logprobs=2,
+                           logprobs_mode="processed")
+  for adapted in (first, second):
+    if adapted is second:
+      eng.set_params(nnx.state(second))
+    out = drain(eng, {0: [("g", p, GREEDY), ("s", p, sampled)]})
+    merged = lora.merge(adapted)
+    assert np.any(np.asarray(lora.merge(adapted).moe.experts.w1[...])
+                  != np.asarray(dense.moe.experts.w1[...]))  # the adapters moved the experts
+    check_against_truth(merged, p, out["g"])
+    check_against_truth(merged, p, out["s"], sampled)

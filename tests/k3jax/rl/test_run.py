@@ -22,12 +22,13 @@ from convert import orbax_io
 from convert.fingerprint import fingerprint, weight_bytes
 from convert.lora_export import is_adapter
 from k3jax import cli
+from k3jax.errors import UserError
 from k3jax.folders import model_folder
 from k3jax.rl import loop
 from k3jax.rl.loop import METRICS
 from k3jax.tokenizer import ByteTokenizer
 from k3jax.train.checkpoint import Checkpointer
-from tests.k3jax.server.helpers import byte_run
+from tests.k3jax.server.helpers import byte_run, packable_run
 from tests.sharding.test_multiprocess import free_port, process_env
 
 TIMING = ("rollout_s", "reward_s", "reference_s", "train_s", "step_time_s", "tokens_per_s")
@@ -228,6 +229,30 @@ def test_lora_runs_its_reference_is_the_base_and_checkpoints_hold_the_adapters(
   refused(f"{base}: the base of the run in {resumed} is missing")
   assert sorted(os.listdir(resumed / "checkpoints")) == ["1", "2"]  # the refusals left it
   assert strip(records(resumed)) == strip(records(out))
+
+
+def test_experts_qat_rollouts_are_the_trained_policy(files, tmp_path):
+  """--experts-qat over an MXFP4 base with per-expert adapters: the trainer's forward rounds
+  dequant(W) + scale A B to MXFP4, and the engine samples from exactly that (packed once per
+  set_params), so the float64 rollout logprobs are the trainer's at every step, the adapters
+  having moved the experts after the first."""
+  folder = packable_run(str(tmp_path / "model"))
+  args = flags(files, tmp_path / "qat", 2, "--no-plots", "--experts-qat", "--lora", "4",
+               "--base-experts", "mxfp4", "--lora-targets", "moe.experts.*", "mla.*")
+  args[args.index(files["model"])] = folder
+  assert cli.main(args) == 0
+  first, second = records(tmp_path / "qat")
+  assert first["mismatch_max"] <= MISMATCH and second["mismatch_max"] <= MISMATCH
+  assert second["kl"] > 0 and second["trained_tokens"] > 0
+
+
+def test_a_capacity_factor_is_refused(files, tmp_path):
+  """RL scores every rollout dropless: run(RLOptions) refuses a capacity factor in one line."""
+  opts = loop.RLOptions(init_from=files["model"], data=files["data"], reward=("numeric",),
+                        group_size=2, steps=1, out=str(tmp_path / "out"), capacity_factor=1.25)
+  with pytest.raises(UserError, match="capacity factor 1.25: RL scores every rollout dropless"):
+    loop.run(opts)
+  assert not os.path.exists(tmp_path / "out")
 
 
 def _spy(monkeypatch, name: str, wrap) -> list:
