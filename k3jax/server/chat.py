@@ -105,7 +105,7 @@ def _choice(svc: Service, req: ChatRequest, c: Choice, how: dict) -> dict:
   out = {"index": c.index, "message": message, "finish_reason": _finish(c, parsed),
          "logprobs": _logprobs(svc, c) if req.logprobs else None}
   if req.return_token_ids:
-    out.update(token_ids=c.token_ids, prompt_token_ids=c.prompt)
+    out.update(token_ids=c.token_ids, prompt_token_ids=c.prompt, token_logprobs=c.logprobs)
   return out
 
 
@@ -121,9 +121,9 @@ def _stream(svc: Service, req: ChatRequest, job: Job, choices: list[Choice], hea
   sent = [Parsed(None, "") for _ in choices]
   scored = [0] * len(choices)
 
-  def chunk(index: int, delta: dict, finish=None, logprobs=None) -> str:
+  def chunk(index: int, delta: dict, finish=None, logprobs=None, **extra) -> str:
     return sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                     "finish_reason": finish}]})
+                                     "finish_reason": finish, **extra}]})
 
   def update(c: Choice):
     i, old = c.index, sent[c.index]
@@ -143,7 +143,9 @@ def _stream(svc: Service, req: ChatRequest, job: Job, choices: list[Choice], hea
     if delta or lp is not None:
       yield chunk(i, delta, logprobs=lp)
     if c.finished:
-      yield chunk(i, {}, finish=_finish(c, now))
+      ids = ({"token_ids": c.token_ids, "token_logprobs": c.logprobs} if req.return_token_ids
+             else {})
+      yield chunk(i, {}, finish=_finish(c, now), **ids)
 
   def end():
     if req.include_usage:

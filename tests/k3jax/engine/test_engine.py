@@ -21,7 +21,7 @@ from k3jax.engine.config import EngineConfig
 from k3jax.engine.engine import Engine
 from k3jax.engine.request import SamplingParams
 from k3jax.model import lora
-from tests.k3jax.engine.helpers import CONFIG, drain, log_softmax, model, truth
+from tests.k3jax.engine.helpers import CONFIG, drain, drawn_from, model, truth
 from tests.k3jax.model.helpers import F64
 
 TOL = 1e-12
@@ -42,28 +42,6 @@ def _x64():
 def prompts(seed: int, lengths):
   rng = np.random.default_rng(seed)
   return [[int(t) for t in rng.integers(0, 64, n)] for n in lengths]
-
-
-def drawn_from(lp_row: np.ndarray, params) -> np.ndarray:
-  """The float64 log-distribution a processed request's token is drawn from, given the model's
-  own log-probabilities at its position: softmax(logits / T) over the tokens top-k / top-p /
-  min-p keep, renormalised (-inf elsewhere). Written from the filters' definitions, sorting
-  the float64 distribution (the engine filters in float32; the tests' draws sit far from a
-  boundary)."""
-  x = lp_row / params.temperature  # logits / T up to a constant
-  p = np.exp(log_softmax(x))
-  order = np.argsort(-p, kind="stable")
-  keep = np.ones(len(p), bool)
-  if 0 < params.top_k < len(p):
-    keep &= x >= x[order[params.top_k - 1]]
-  if params.top_p < 1:
-    before = np.cumsum(p[order]) - p[order]
-    nucleus = np.zeros(len(p), bool)
-    nucleus[order[(before < params.top_p) | (np.arange(len(p)) == 0)]] = True
-    keep &= nucleus
-  if params.min_p > 0:
-    keep &= p >= params.min_p * p.max()
-  return log_softmax(np.where(keep, x, -np.inf))
 
 
 def check_against_truth(m, prompt, result, params=GREEDY):
