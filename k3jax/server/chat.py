@@ -6,7 +6,8 @@ transformers' `apply_chat_template`), then encoded with special tokens recognise
 ends at the model config's EOS, the tokenizer's end-of-turn tokens (`<|im_end|>`), a stop
 string or `max_tokens` / `max_completion_tokens` (None: the model's maximum length). Its text
 is split into `reasoning_content` (a leading <think> block), `content` and `tool_calls`
-(k3jax/server/parse.py); finish_reason is "tool_calls" when it ended on its own after calls.
+(k3jax/tokenizer/tool_calls.py, shared with RL's environments); finish_reason is "tool_calls"
+when it ended on its own after calls.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from k3jax.errors import UserError
 from k3jax.server.jobs import Choice, Job, events, sse, unless_disconnected
-from k3jax.server.parse import THINK_OPEN, Parsed, parse
 from k3jax.server.protocol import APIError, ChatRequest, read
 from k3jax.server.service import Service
+from k3jax.tokenizer.tool_calls import THINK_OPEN, Parsed, parse
 
 # the roles of OpenAI's chat messages; a template renders any role it is given, so an unknown
 # one (a typo) would become a turn the caller never meant
