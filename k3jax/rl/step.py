@@ -12,7 +12,8 @@ log-softmax. The reference policy is the same function of the reference weights.
 The train step is `k3jax.train.step.build(..., objective=PolicyGradient(...))`: Per-Head Muon
 or AdamW (LoRA), clipping, micro-batches and shardings exactly as `k3jax train`'s step; only
 the loss differs. Its batch [A, b, T] holds inputs, targets, segment_ids, loss_mask (the
-completion tokens that train), old_logp, ref_logp, advantages and weights (objectives.py).
+completion tokens that train), old_logp, ref_logp, advantages and weights (objectives.py), and
+behav_logp under --is-correction tis / mis.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ class PolicyGradient:
                                         self.temperature)
     mask = mb["loss_mask"]
     loss, metrics = policy_loss(self.config, logp, mb["old_logp"], mb["ref_logp"],
-                                mb["advantages"], mask, mb["weights"])
+                                mb["advantages"], mask, mb["weights"], mb.get("behav_logp"))
     metrics["entropy"] = jnp.sum(jnp.where(mask, entropy, 0.0))
     return loss, out, metrics
 
