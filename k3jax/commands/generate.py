@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
 import jax
 
-from convert.load import load_any, stores_packed_experts
 from k3jax.commands._args import (
   Formatter,
   add_engine_flags,
@@ -34,11 +32,12 @@ from k3jax.commands._args import (
   use_compile_cache,
 )
 from k3jax.engine import DEFAULT_MAX_MODEL_LEN, Engine, EngineConfig, SamplingParams, check_shards
-from k3jax.errors import CheckpointError, UserError
-from k3jax.execution import NUMERICS, resolve_dtype
-from k3jax.folders import max_model_len, model_folder
+from k3jax.errors import UserError
+from k3jax.execution import resolve_dtype
+from k3jax.folders import max_model_len
 from k3jax.generate import chat
 from k3jax.generate.chat import find_tokenizer_config
+from k3jax.run.model import existing_folder, load_for_serving
 from k3jax.tokenizer import text_tokenizer
 from sharding.mesh import make_mesh
 
@@ -135,9 +134,7 @@ def run(args: argparse.Namespace) -> int:
     raise UserError(f"--top-p must be in (0, 1], got {args.top_p}")
   use_compile_cache(args.compile_cache)
   dtype = resolve_dtype(args.dtype)
-  if not os.path.exists(args.model):
-    raise UserError(f"{args.model}: no such model folder")
-  folder = model_folder(args.model)
+  folder = existing_folder(args.model)
   weights, source = folder.weights, folder.tokenizer
   mesh = make_mesh(args.mesh) if args.mesh else None
   if mesh is not None:  # before loading: a mesh the pools cannot split is refused at once
@@ -147,11 +144,8 @@ def run(args: argparse.Namespace) -> int:
       raise UserError(f"--data-shards: {e}") from None
   with jax.enable_x64(dtype == "float64"):
     t0 = time.perf_counter()
-    try:  # placed on the mesh as loaded (a converted checkpoint straight into its shards)
-      model, cfg = load_any(weights, NUMERICS[dtype], mesh=mesh,
-                            keep_packed=keep_packed(args.experts, weights))
-    except CheckpointError as e:
-      raise UserError(str(e)) from None
+    # placed on the mesh as loaded (a converted checkpoint straight into its shards)
+    model, cfg = load_for_serving(folder, dtype, mesh, args.experts)
     tokenizer = text_tokenizer(source, cfg.vocab_size)
     prompts = _prompts(args, tokenizer, find_tokenizer_config([source.folder, weights]))
     bad = [t for p in prompts for t in p if not 0 <= t < cfg.vocab_size]
@@ -164,15 +158,6 @@ def run(args: argparse.Namespace) -> int:
     config = engine_config(args, prompts, max_model_len(folder))
     _generate(args, model, prompts, tokenizer, stops, config, mesh)
   return 0
-
-
-def keep_packed(experts: str | None, weights: str) -> bool:
-  """--experts: mxfp4 keeps the routed experts as codes + scales (dequantised a tile at a time
-  inside the grouped matmul), dequantized holds them in the run's dtype; by default, as the
-  folder stores them."""
-  if experts is None:
-    return stores_packed_experts(weights)
-  return experts == "mxfp4"
 
 
 def engine_config(args, prompts: list[list[int]], limit: int | None) -> EngineConfig:

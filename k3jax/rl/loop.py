@@ -52,22 +52,18 @@ from k3jax.rl.data import PromptStream, load_prompts
 from k3jax.rl.rewards import Reward, Sample
 from k3jax.rl.rollout import build_batch, draw_seeds, rollout
 from k3jax.rl.step import PolicyGradient, logprob_fn
+from k3jax.run.model import model_config
+from k3jax.run.options import adapt_spec, execution
+from k3jax.run.placement import initial_params
+from k3jax.run.resume import check_base_present, check_resume, checkpoint_sizes, write_run_file
+from k3jax.run.start import start
 from k3jax.tokenizer import ByteTokenizer, load_tokenizer
-from k3jax.train import frozen_base
+from k3jax.train import state as state_lib
 from k3jax.train import step as step_lib
 from k3jax.train.checkpoint import Checkpointer, save_model
-from k3jax.train.loop import (
-  adapt_spec,
-  check_resume,
-  checkpoint_sizes,
-  execution,
-  initial_params,
-  model_config,
-  write_run_file,
-)
 from k3jax.train.metrics import MetricsWriter, read_records
 from sharding import distributed
-from sharding.mesh import describe, make_mesh
+from sharding.mesh import describe
 from sharding.placement import check_batch
 
 # what every metrics.jsonl line holds (all finite): docs/rl.md#metrics
@@ -128,7 +124,7 @@ class RLOptions:
   # numerics, devices, engine
   dtype: str = "auto"
   remat: str = "none"
-  # how the train step computes, as `k3jax train` takes them (train.loop.execution reads them)
+  # how the train step computes, as `k3jax train` takes them (run.options.execution reads them)
   loss_chunk: int | None = None
   attention: str | None = None
   capacity_factor: float | None = None  # refused: every pass that scores rollouts is dropless
@@ -148,7 +144,7 @@ class RLOptions:
   plots: bool = True
   progress: bool = True
   compile_cache: str | None = None
-  # what k3jax.train.loop.adapt_spec also reads: RL does not QK-clip
+  # what k3jax.run.options.adapt_spec also reads: RL does not QK-clip
   qk_clip: ClassVar[None] = None
 
 
@@ -250,10 +246,6 @@ def run(opts: RLOptions, *, on_step=None) -> dict[str, Any]:
     return _run(opts, on_step)
 
 
-def _quiet(*args, **kwargs) -> None:
-  """print for processes other than 0."""
-
-
 def _policy(steps: step_lib.Steps, state: dict) -> nnx.Module:
   """The train state's policy as a model over the same arrays (no copy): what the engine runs."""
   return nnx.merge(steps.graphdef, nnx.State(state["params"]), nnx.State(state["router_bias"]))
@@ -280,18 +272,69 @@ class _Log:
             f"{self.path}", file=sys.stderr, flush=True)
 
 
+@dataclasses.dataclass
+class _Run:
+  """What the steps of an RL run share: set up once (`_set_up`), the state replaced every
+  step."""
+  opts: RLOptions
+  out: str
+  mesh: Any
+  main: bool                  # process 0: scores, writes run.json, metrics, plots
+  folder: Any                 # the --init-from model folder (folders.ModelFolder)
+  cfg: Any
+  ex: Any
+  spec: Any                   # the AdaptSpec (None: full fine-tuning)
+  objective: obj_lib.ObjectiveConfig
+  tokenizer: Any
+  prompts: list
+  context: int                # the model's context: longer prompts are skipped
+  fitting: list[int]          # the lengths of the prompts that fit it
+  max_len: int                # the engine's longest sequence
+  seq_len: int                # the train step's positions
+  steps: step_lib.Steps
+  ckpt: Checkpointer | None = None
+  point: state_lib.ResumePoint | None = None
+  state: dict | None = None
+  ref_params: Any = None      # None under LoRA: the policy's own arrays with adapters off
+  stream: PromptStream | None = None
+  meta: dict | None = None
+  start: int = 0
+
+  @property
+  def lora(self) -> bool:
+    return self.spec is not None and self.spec.lora
+
+
 def _run(opts: RLOptions, on_step) -> dict[str, Any]:
   _check(opts)
-  if opts.compile_cache:
-    jax.config.update("jax_compilation_cache_dir", opts.compile_cache)
-  distributed.initialize(opts.coordinator, opts.num_processes, opts.process_id)
-  main_process = distributed.is_main_process()
-  if jax.process_count() > 1 and not opts.mesh:
-    raise UserError(f"{jax.process_count()} processes need --mesh (e.g. data=-1)")
-  mesh = make_mesh(opts.mesh) if opts.mesh else None
-  out = os.path.abspath(opts.out)
-  opts = dataclasses.replace(opts, **{k: fn(getattr(opts, k)) for k, fn in PATHS.items()})
-  frozen_base.check_present(out, opts.init_from)
+  run = _set_up(opts)
+  reward = Reward(opts.reward, opts.max_new_tokens, opts.reward_timeout)
+  writer, first, last = None, None, None
+  try:
+    run.ckpt = Checkpointer(os.path.join(run.out, "checkpoints"), keep=opts.keep)
+    run.point = state_lib.resume_point(run.ckpt, run.steps, run.folder.weights, opts.seed,
+                                       run.out)
+    _initial_state(run)
+    engine = Engine(_policy(run.steps, run.state),
+                    engine_config(opts, max(run.fitting), run.max_len), mesh=run.mesh)
+    _announce(run)
+    writer = (MetricsWriter(run.out, resume_step=run.point.step, tensorboard=opts.tensorboard)
+              if run.main else None)
+    first, last = _steps(run, _step_of(run, engine, reward), writer, on_step)
+  finally:
+    reward.close()
+    sizes = _close_checkpoints(run.ckpt)
+    if writer is not None:
+      writer.close()
+  return _finish(run, first, last, *sizes)
+
+
+def _set_up(opts: RLOptions) -> _Run:
+  """Processes, mesh, model, execution, adapters, the resume checks, prompts, the compiled
+  steps' builder: everything that can refuse the run before weights load."""
+  started = start(opts, PATHS)
+  opts, out, mesh = started.opts, started.out, started.mesh
+  check_base_present(out, opts.init_from)
   if not os.path.isdir(opts.init_from):
     raise UserError(f"--init-from {opts.init_from}: no such folder")
   os.makedirs(out, exist_ok=True)
@@ -307,130 +350,128 @@ def _run(opts: RLOptions, on_step) -> dict[str, Any]:
     raise UserError(f"every prompt of --data has at least {context} tokens, the context "
                     "(--max-model-len): nothing can be generated")
   max_len = min(context, max(fitting) + opts.max_new_tokens)
-  seq_len = -(-(max_len - 1) // 8) * 8
-  stop_ids = _stop_ids(cfg, tokenizer)
   spec = adapt_spec(opts, cfg)
-  lora = spec is not None and spec.lora
-  B, G, A = opts.prompts_per_step, opts.group_size, opts.grad_accum
-  n_rows = B * G
   if mesh is not None:
-    check_batch(n_rows // A, mesh)
+    check_batch(opts.prompts_per_step * opts.group_size // opts.grad_accum, mesh)
   steps = step_lib.build(cfg, ex, step_config(opts), mesh, spec,
                          PolicyGradient(objective, float(opts.temperature)))
-  logprobs_of = logprob_fn(steps, float(opts.temperature), adapters_off=lora)
-  wide = np.float64 if ex.dtype == "float64" else np.float32
+  return _Run(opts, out, mesh, started.main_process, folder, cfg, ex, spec, objective,
+              tokenizer, prompts, context, fitting, max_len, -(-(max_len - 1) // 8) * 8, steps)
 
-  reward = Reward(opts.reward, opts.max_new_tokens, opts.reward_timeout)
-  ckpt = writer = None
-  saved_steps, checkpoint_bytes = [], None
-  try:
-    ckpt = Checkpointer(os.path.join(out, "checkpoints"), keep=opts.keep)
-    resume_step = ckpt.latest_step()
-    # a frozen base (LoRA, packed experts) stays out of the checkpoints, referenced by `base`
-    # (a checkpoint without a reference holds the whole state: older LoRA runs)
-    frozen = frozen_base.has_frozen(steps.trainable)
-    base = saved_base = None if resume_step is None else ckpt.base_reference(resume_step)
-    if saved_base is not None:  # refuse a changed base before the model is loaded
-      frozen_base.check(saved_base, f"checkpoint {resume_step} of {out}")
-    elif frozen:
-      base = frozen_base.reference(folder.weights, opts.seed)
 
-    def initial():
-      return initial_params(steps, cfg, ex, spec, folder.weights, opts.seed)
+def _initial_state(run: _Run) -> None:
+  """The TrainState (restored, its frozen base rebuilt; or fresh), the reference policy's
+  params (a copy: the train step donates the policy's arrays; none under LoRA), the prompt
+  stream at its position; then run.json."""
+  opts, point = run.opts, run.point
 
-    ref_params = None
-    if resume_step is not None:
-      p_abs, b_abs = jax.eval_shape(lambda: step_lib.init_params(cfg, ex, opts.seed, spec))
-      target = step_lib.abstract_state(steps, p_abs, b_abs)
-      if saved_base is not None:
-        target = frozen_base.trainable_state(target, steps.trainable)
-      state, data_state, meta = ckpt.restore(resume_step, target, (0,))
-      stream = PromptStream(prompts, opts.seed, data_state["0"])
-      start = resume_step
-      if saved_base is not None or not lora:
-        params = initial()[0]
-        if saved_base is not None:  # the frozen leaves, rebuilt as the run first built them
-          state = frozen_base.with_base(state, params, steps.trainable)
-        if not lora:  # the train step donates the policy's arrays (now params' frozen ones)
-          ref_params = params if saved_base is None else jax.tree.map(jnp.copy, params)
-    else:
-      params, bias = initial()
-      if not lora:  # the train step donates the policy's arrays: the reference is a copy
-        ref_params = jax.tree.map(jnp.copy, params)
-      rng = step_lib.new_rng(opts.seed)
-      state = steps.init(params, bias, np.asarray(rng) if mesh is not None else rng)
-      stream, start, meta = PromptStream(prompts, opts.seed), 0, {"rollout_tokens": 0}
-    if mesh is None:
-      state = step_lib.place(state)  # fresh and resumed states lower to the same program
-    if main_process:
-      write_run_file(out, opts, cfg, ex)
+  def initial():
+    return initial_params(run.cfg, run.ex, run.spec, run.folder.weights, opts.seed, run.mesh)
 
-    engine = Engine(_policy(steps, state),
-                    engine_config(opts, max(fitting), max_len), mesh=mesh)
-    say = print if main_process else _quiet
-    say(f"k3jax rl: {opts.init_from} ({ex.dtype}{f', LoRA r={spec.rank}' if lora else ''}"
+  if point.step is not None:
+    params = initial()[0] if point.saved_base or not run.lora else None
+    run.state, data_state, run.meta = state_lib.restore(
+        run.ckpt, point, run.steps, run.cfg, run.ex, run.spec, opts.seed, (0,), params)
+    run.stream = PromptStream(run.prompts, opts.seed, data_state["0"])
+    run.start = point.step
+    if not run.lora:  # the state's frozen leaves are now params' own arrays: copy them
+      run.ref_params = params if not point.saved_base else jax.tree.map(jnp.copy, params)
+  else:
+    params, bias = initial()
+    if not run.lora:  # the train step donates the policy's arrays: the reference is a copy
+      run.ref_params = jax.tree.map(jnp.copy, params)
+    run.state = state_lib.fresh(run.steps, params, bias, opts.seed)
+    run.stream, run.meta = PromptStream(run.prompts, opts.seed), {"rollout_tokens": 0}
+  if run.mesh is None:
+    run.state = step_lib.place(run.state)  # fresh and resumed states lower to the same program
+  if run.main:
+    write_run_file(run.out, opts, run.cfg, run.ex)
+
+
+def _announce(run: _Run) -> None:
+  if not run.main:
+    return
+  opts, objective, spec = run.opts, run.objective, run.spec
+  B, G = opts.prompts_per_step, opts.group_size
+  print(f"k3jax rl: {opts.init_from} ({run.ex.dtype}{f', LoRA r={spec.rank}' if run.lora else ''}"
         f"{', MXFP4 experts' if spec is not None and spec.base_experts == 'mxfp4' else ''}); "
-        f"{len(prompts)} prompts ({len(prompts) - len(fitting)} longer than the context "
-        f"{context}), {B} x {G} rollouts of <= {opts.max_new_tokens} tokens a step, "
+        f"{len(run.prompts)} prompts ({len(run.prompts) - len(run.fitting)} longer than the "
+        f"context {run.context}), {B} x {G} rollouts of <= {opts.max_new_tokens} tokens a step, "
         f"{objective.algorithm} ({objective.loss_agg}, clip {objective.clip_eps}/"
         f"{objective.clip_eps_high}, kl {objective.kl_coef}); "
-        + (f"mesh {describe(mesh)}, {jax.process_count()} process(es); "
-           if mesh is not None else "")
-        + (f"resuming at step {start}" if resume_step is not None else "from the start"),
+        + (f"mesh {describe(run.mesh)}, {jax.process_count()} process(es); "
+           if run.mesh is not None else "")
+        + (f"resuming at step {run.start}" if run.point.step is not None else "from the start"),
         file=sys.stderr, flush=True)
 
-    writer = (MetricsWriter(out, resume_step=resume_step, tensorboard=opts.tensorboard)
-              if main_process else None)
-    loop = _Step(opts, objective, steps, engine, logprobs_of, ref_params, stream, reward,
-                 _Log(out) if main_process else None, stop_ids, tokenizer.decode, context,
-                 seq_len, wide, mesh)
-    bar = tqdm(total=opts.steps, initial=start, disable=not (opts.progress and main_process),
-               unit="step", dynamic_ncols=True, file=sys.stderr)
-    # every process loaded: the engine's first programs compile together (its first collective)
-    distributed.barrier("k3jax-rl-loaded", opts.startup_timeout)
-    first = last = None
-    for s in range(start + 1, opts.steps + 1):
-      state, record, generated = loop(s, state)
-      meta["rollout_tokens"] = meta.get("rollout_tokens", 0) + generated
-      if writer is not None:
-        writer.write(record)
-      if on_step is not None:
-        on_step(s, record)
-      first = record if first is None else first
-      last = record
-      if s % opts.save_every == 0 or s == opts.steps:
-        ckpt.save(s, frozen_base.trainable_state(state, steps.trainable) if frozen else state,
-                  {0: stream.state()} if main_process else {}, meta,
-                  base=base if frozen else None)
-      bar.update(1)
-      bar.set_postfix(reward=f"{record['reward_mean']:.3f}", kl=f"{record['kl']:.4f}")
-    bar.close()
-  finally:
-    reward.close()
-    if ckpt is not None:
-      ckpt.wait()  # the last async save completes before its size is read
-      saved_steps = ckpt.all_steps()
-      checkpoint_bytes = ckpt.step_bytes(saved_steps[-1]) if saved_steps else None
-      ckpt.close()
+
+def _step_of(run: _Run, engine: Engine, reward: Reward) -> _Step:
+  opts = run.opts
+  return _Step(opts, run.objective, run.steps, engine,
+               logprob_fn(run.steps, float(opts.temperature), adapters_off=run.lora),
+               run.ref_params, run.stream, reward, _Log(run.out) if run.main else None,
+               _stop_ids(run.cfg, run.tokenizer), run.tokenizer.decode, run.context,
+               run.seq_len, np.float64 if run.ex.dtype == "float64" else np.float32, run.mesh)
+
+
+def _steps(run: _Run, step: _Step, writer, on_step) -> tuple[dict | None, dict | None]:
+  """Steps start+1 .. --steps, each logged and, every --save-every, saved; (first, last)
+  records."""
+  opts = run.opts
+  bar = tqdm(total=opts.steps, initial=run.start, disable=not (opts.progress and run.main),
+             unit="step", dynamic_ncols=True, file=sys.stderr)
+  # every process loaded: the engine's first programs compile together (its first collective)
+  distributed.barrier("k3jax-rl-loaded", opts.startup_timeout)
+  first = last = None
+  for s in range(run.start + 1, opts.steps + 1):
+    run.state, record, generated = step(s, run.state)
+    run.meta["rollout_tokens"] = run.meta.get("rollout_tokens", 0) + generated
     if writer is not None:
-      writer.close()
+      writer.write(record)
+    if on_step is not None:
+      on_step(s, record)
+    first, last = first or record, record
+    if s % opts.save_every == 0 or s == opts.steps:
+      state_lib.save(run.ckpt, run.point, run.steps, s, run.state,
+                     {0: run.stream.state()} if run.main else {}, run.meta)
+    bar.update(1)
+    bar.set_postfix(reward=f"{record['reward_mean']:.3f}", kl=f"{record['kl']:.4f}")
+  bar.close()
+  return first, last
+
+
+def _close_checkpoints(ckpt: Checkpointer | None) -> tuple[list[int], int | None]:
+  """(saved steps, bytes of the last one) once the last async save completed."""
+  if ckpt is None:
+    return [], None
+  ckpt.wait()
+  saved = ckpt.all_steps()
+  size = ckpt.step_bytes(saved[-1]) if saved else None
+  ckpt.close()
+  return saved, size
+
+
+def _finish(run: _Run, first, last, saved_steps, checkpoint_bytes) -> dict[str, Any]:
+  """The final weights (OUT/model/), the checkpoint-size line, the plot; the summary."""
+  state, base = run.state, run.point.base
   if first is not None:
-    save_model(os.path.join(out, MODEL_DIR), steps.graphdef, state["params"],
-               state["router_bias"], cfg, adapters=None if spec is None else spec.to_dict())
+    save_model(os.path.join(run.out, MODEL_DIR), run.steps.graphdef, state["params"],
+               state["router_bias"], run.cfg,
+               adapters=None if run.spec is None else run.spec.to_dict())
   base_bytes = (base["bytes"] if base is not None and base["folder"] else
-                weight_bytes(folder.weights))
-  if checkpoint_bytes is not None and main_process:
+                weight_bytes(run.folder.weights))
+  if checkpoint_bytes is not None and run.main:
     print(f"k3jax rl: {checkpoint_sizes(saved_steps[-1], checkpoint_bytes, base_bytes, base)}",
           file=sys.stderr, flush=True)
   plots = []
-  if opts.plots and main_process:
+  if run.opts.plots and run.main:
     from k3jax.train.plots import plot_panels  # noqa: PLC0415 - matplotlib is slow to import; only the end of a run plots
-    os.makedirs(os.path.join(out, "plots"), exist_ok=True)
-    plots = [os.path.join(out, "plots", "rl.png")]
-    plot_panels(read_records(out), PLOT, plots[0])
-  return {"out": out, "start_step": start, "steps": opts.steps,
+    os.makedirs(os.path.join(run.out, "plots"), exist_ok=True)
+    plots = [os.path.join(run.out, "plots", "rl.png")]
+    plot_panels(read_records(run.out), PLOT, plots[0])
+  return {"out": run.out, "start_step": run.start, "steps": run.opts.steps,
           "first": first, "last": last, "plots": plots,
-          "rollout_tokens": meta.get("rollout_tokens", 0),
+          "rollout_tokens": run.meta.get("rollout_tokens", 0),
           "checkpoint_bytes": checkpoint_bytes, "base_bytes": base_bytes}
 
 

@@ -27,8 +27,9 @@ from flax import nnx
 
 from k3jax.model.layers import head_logits
 from k3jax.rl.objectives import ObjectiveConfig, policy_loss
+from k3jax.run.placement import OnMesh
 from k3jax.train.loss import chunked_token_nll
-from k3jax.train.step import OnMesh, Steps
+from k3jax.train.step import Steps
 
 LOGPROB_KEYS = ("inputs", "targets", "segment_ids")
 

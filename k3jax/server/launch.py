@@ -12,7 +12,6 @@ answers (/health 503 until the engine is ready).
 from __future__ import annotations
 
 import dataclasses
-import enum
 import os
 import socket
 import sys
@@ -22,11 +21,11 @@ import time
 import uvicorn
 
 import configs
-from convert.load import load_any, stores_packed_experts
 from k3jax.engine import DEFAULT_MAX_MODEL_LEN, Engine, EngineConfig, check_shards
 from k3jax.errors import UserError
-from k3jax.execution import NUMERICS, resolve_dtype
-from k3jax.folders import max_model_len, model_folder
+from k3jax.execution import resolve_dtype
+from k3jax.folders import max_model_len
+from k3jax.run.model import Experts, existing_folder, load_for_serving
 from k3jax.server.app import build_app
 from k3jax.server.loop import EngineLoop, State
 from k3jax.server.service import Service, ServiceConfig
@@ -34,11 +33,6 @@ from k3jax.tokenizer import load_tokenizer, text_tokenizer
 from sharding.mesh import make_mesh
 
 END_OF_TURN = ("<|im_end|>",)  # a chat answer ends here (Kimi's chat format)
-
-
-class Experts(enum.StrEnum):
-  DEQUANTIZED = "dequantized"  # MXFP4 experts expanded to the run dtype as they load
-  MXFP4 = "mxfp4"              # kept packed, run by the MXFP4 grouped matmul
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -65,10 +59,8 @@ class ServeOptions:
 
 
 def build(options: ServeOptions) -> Server:
-  if not os.path.exists(options.model):
-    raise UserError(f"{options.model}: no such model folder")
+  folder = existing_folder(options.model)
   dtype = resolve_dtype(options.dtype)
-  folder = model_folder(options.model)
   cfg = configs.resolve(folder.weights)
   if options.tokenizer:
     tokenizer = load_tokenizer(options.tokenizer, folder.tokenizer.folder)
@@ -94,12 +86,10 @@ def build(options: ServeOptions) -> Server:
       check_shards(engine_config.data_shards, mesh)
     except ValueError as e:
       raise UserError(f"--data-shards: {e}") from None
-  keep_packed = (stores_packed_experts(folder.weights) if options.experts is None
-                 else options.experts == Experts.MXFP4)
 
   def load() -> Engine:
     t0 = time.perf_counter()
-    model, _ = load_any(folder.weights, NUMERICS[dtype], mesh=mesh, keep_packed=keep_packed)
+    model, _ = load_for_serving(folder, dtype, mesh, options.experts)
     engine = Engine(model, engine_config, mesh=mesh)
     print(f"k3jax serve: {cfg.num_layers} layers, {dtype}, loaded in "
           f"{time.perf_counter() - t0:.1f}s: ready", file=sys.stderr, flush=True)

@@ -25,8 +25,7 @@ import jax
 
 from convert import fingerprint as fp_lib
 from k3jax.errors import UserError
-from k3jax.folders import RUN_FILE
-from k3jax.train.adapted import combine, partition
+from k3jax.run.params import combine, partition
 
 
 def has_frozen(mask: Any) -> bool:
@@ -41,14 +40,6 @@ def reference(folder: str | None, seed: int) -> dict:
     return {"folder": None, "seed": seed, "fingerprint": None, "bytes": None}
   fp = fp_lib.fingerprint(folder)
   return {"folder": folder, "seed": seed, "fingerprint": fp, "bytes": fp_lib.total_bytes(fp)}
-
-
-def check_present(out: str, init_from: str | None) -> None:
-  """A run in `out` to resume whose --init-from folder is gone: say so first (its
-  checkpoints cannot stand without it)."""
-  if init_from and not os.path.isdir(init_from) and os.path.exists(os.path.join(out, RUN_FILE)):
-    raise UserError(f"{init_from}: the base of the run in {out} is missing (its --init-from); "
-                    "put it back to resume, or use a new --out")
 
 
 def check(ref: dict, where: str) -> None:

@@ -16,8 +16,13 @@ state, router biases, step, RNG key and data position), so `--steps` can be rais
 on. The cosine schedule spans `decay_steps` (default: `steps`): give it explicitly to stop and
 resume on the same schedule.
 
-On a mesh (`mesh="data=2,expert=2,tensor=2"`, docs/sharding.md) the state is created, restored and
-updated in its shardings (step.py), and with several processes (`coordinator`,
+The run is set up by k3jax/run (processes, mesh, model config, execution, adapters, the resume
+checks, the initial parameters in their shardings) and state.py (the TrainState: fresh or
+restored); then one `_Run` holds what the steps share and `_train` runs them: each a batch
+(`_batch`), the step (`_step`), eval and the metrics line (`_log`), a checkpoint (`_save`).
+
+On a mesh (`mesh="data=2,expert=2,tensor=2"`, docs/sharding.md) the state is created, restored
+and updated in its shardings (step.py), and with several processes (`coordinator`,
 `num_processes`, `process_id`, or a Cloud TPU environment) each process reads only the data
 shards whose rows its devices hold; every process saves and restores its own shards of a
 checkpoint, and process 0 alone writes run.json, metrics.jsonl, TensorBoard, the plots and
@@ -28,257 +33,38 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import time
 from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 from tqdm import tqdm
 
-import configs
-from convert import load as convert_load
 from convert.fingerprint import weight_bytes
-from convert.hf_load import load_model
 from k3jax.config import ModelConfig
-from k3jax.errors import ConfigError, UserError
-from k3jax.execution import Execution, recorded, resolve_dtype
-from k3jax.folders import (
-  MODEL_DIR,
-  RUN_FILE,
-  absolute,
-  absolute_tokenizer,
-  model_folder,
-  tokenizer_source,
-)
-from k3jax.model import lora
-from k3jax.model.transformer import K3Model
+from k3jax.errors import UserError
+from k3jax.execution import Execution
+from k3jax.folders import MODEL_DIR, model_folder, tokenizer_source
+from k3jax.model.lora import AdaptSpec
+from k3jax.run.model import model_config
+from k3jax.run.options import adapt_spec, execution
+from k3jax.run.placement import initial_params
+from k3jax.run.resume import check_base_present, check_resume, checkpoint_sizes, write_run_file
+from k3jax.run.start import start
 from k3jax.tokenizer import load_tokenizer
 from k3jax.train import data as data_lib
 from k3jax.train import flops as flops_lib
-from k3jax.train import frozen_base
+from k3jax.train import state as state_lib
 from k3jax.train import step as step_lib
 from k3jax.train.checkpoint import Checkpointer, save_model
 from k3jax.train.metrics import MetricsWriter, read_records
+from k3jax.train.options import PATHS, RESUME_KEYS, RunOptions, step_config
 from sharding import distributed
-from sharding.mesh import describe, make_mesh
+from sharding.mesh import describe
 from sharding.placement import check_batch
 
-# options that fix what a checkpoint and its data position mean: a resume must not change them
-_RESUME_KEYS = ("data", "data_format", "tokenizer", "seq_len", "batch_size", "seed",
-                "init_from", "data_shards", "lora_rank", "lora_alpha", "lora_targets",
-                "base_experts", "experts_qat")
-# path-valued options: a run records them absolute (a later command may run elsewhere)
-_PATHS = {"data": absolute, "init_from": absolute, "tokenizer": absolute_tokenizer}
-
-
-@dataclasses.dataclass(frozen=True)
-class RunOptions:
-  out: str
-  config: str | None = None          # preset or config file (default "tiny"); not with init_from
-  init_from: str | None = None       # converted Orbax checkpoint or official-layout HF folder
-  steps: int = 300
-  data: str | None = None            # text file / folder; None: the stdlib sources
-  data_format: str = "text"          # text | chat (JSONL conversations, assistant tokens only)
-  skip_bad_rows: bool = False        # chat: train on the good rows (else bad rows refuse the run)
-  tokenizer: str = "auto"            # auto | byte | tiktoken | a folder holding tiktoken.model
-  batch_size: int = 4                # rows per optimizer step
-  grad_accum: int = 1                # micro-batches per step (batch_size % grad_accum == 0)
-  seq_len: int = 128
-  learning_rate: float = 1e-2
-  adam_learning_rate: float | None = None
-  warmup_steps: int = 20
-  decay_steps: int | None = None     # cosine horizon; default: steps
-  end_lr_ratio: float = 0.1
-  weight_decay: float = 0.1
-  clip_norm: float | None = 1.0
-  qb: bool = True
-  qb_method: str = "exact"
-  qb_rule: str = "k3"                # QB thresholds: "k3" (the K3 report's) | "per_expert"
-  qk_clip: float | None = None       # MuonClip threshold (K2: 100); None: off
-  remat: str = "none"                # none | full | save-dots | offload (execution.Remat)
-  loss_chunk: int | None = None      # positions per loss chunk (None: whole logits)
-  attention: str | None = None       # MLA's training attention (None: dense)
-  capacity_factor: float | None = None  # routed experts' capacity (None: dropless)
-  dtype: str = "auto"                # compute dtype; auto: bfloat16 on TPU/GPU, float32 on CPU;
-                                     #   float64: float64 weights and compute (exactness checks)
-  mesh: str | None = None            # device mesh spec, e.g. "data=2,expert=2,tensor=2"
-  data_shards: int = 1               # data pipelines of the run (never the process count)
-  coordinator: str | None = None     # multi-process: HOST:PORT of process 0, or "auto"
-  num_processes: int | None = None
-  process_id: int | None = None
-  startup_timeout: float = 3600.0    # seconds a process waits for the others to compile
-  eval_every: int = 50
-  eval_batches: int = 4
-  save_every: int = 100
-  keep: int = 3
-  log_every: int = 1
-  seed: int = 0
-  peak_tflops: float | None = None   # for MFU; None: measured (dense matmul) at start-up
-  progress: bool = True
-  tensorboard: bool = True
-  plots: bool = True
-  compile_cache: str | None = None   # persistent XLA compilation cache folder
-  # fine-tuning (docs/training.md#fine-tuning; model/lora.py)
-  lora_rank: int | None = None       # LoRA adapters of this rank, the base frozen; None: off
-  lora_alpha: float | None = None    # adapter update scale alpha / rank (default: rank)
-  lora_targets: tuple[str, ...] | None = None  # projection path patterns (default: lora.py)
-  base_experts: str = "float"        # float | mxfp4: routed experts held as MXFP4 codes
-  experts_qat: bool = False          # routed experts forward with MXFP4-rounded weights
-
-
-def step_config(opts: RunOptions) -> step_lib.StepConfig:
-  if opts.batch_size % opts.grad_accum:
-    raise UserError(f"--batch-size {opts.batch_size} is not a multiple of --grad-accum "
-                    f"{opts.grad_accum}")
-  return step_lib.StepConfig(
-      learning_rate=opts.learning_rate, adam_learning_rate=opts.adam_learning_rate,
-      warmup_steps=opts.warmup_steps, decay_steps=opts.decay_steps or opts.steps,
-      end_lr_ratio=opts.end_lr_ratio, weight_decay=opts.weight_decay, clip_norm=opts.clip_norm,
-      qb=opts.qb, qb_method=opts.qb_method, qb_rule=opts.qb_rule)
-
-
-def master_dtype(opts: RunOptions) -> str:
-  return "float64" if opts.dtype == "float64" else "float32"
-
-
-def adapt_spec(opts: RunOptions, cfg: ModelConfig):
-  """The AdaptSpec of the run (None: plain training), checked against the model."""
-  if opts.lora_rank is None and (opts.lora_alpha is not None or opts.lora_targets):
-    raise UserError("--lora-alpha and --lora-targets need --lora RANK")
-  if opts.lora_rank is None and opts.base_experts == "float" and not opts.experts_qat:
-    return None
-  if opts.lora_rank is not None and opts.lora_rank <= 0:
-    raise UserError(f"--lora RANK must be > 0, got {opts.lora_rank}")
-  if opts.lora_rank is not None and opts.qk_clip is not None:
-    raise UserError("--qk-clip rescales base weights, which --lora keeps frozen")
-  if opts.base_experts not in ("float", "mxfp4"):
-    raise UserError(f"--base-experts {opts.base_experts!r}: expected float or mxfp4")
-  if (opts.base_experts == "mxfp4" or opts.experts_qat) and not cfg.moe_layers:
-    raise UserError("--base-experts mxfp4 / --experts-qat: the model has no routed experts")
-  spec = lora.AdaptSpec(rank=opts.lora_rank, alpha=opts.lora_alpha,
-                        targets=tuple(opts.lora_targets or lora.DEFAULT_TARGETS),
-                        base_experts=opts.base_experts, qat=opts.experts_qat)
-  if spec.lora:
-    try:
-      lora.matching(spec, nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0))))
-    except ValueError as e:
-      raise UserError(str(e)) from None
-  return spec
-
-
-def execution(opts: RunOptions) -> Execution:
-  """How the run computes: bf16 (or fp32) compute over fp32 master weights (fp64 over fp64
-  when asked); remat, loss chunks, MLA's attention and the experts' capacity (the knobs
-  `k3jax plan` searches and prints as train flags)."""
-  knobs = {"loss_chunk": opts.loss_chunk, "attention": opts.attention,
-           "moe_capacity_factor": opts.capacity_factor}
-  try:
-    return Execution(dtype=resolve_dtype(opts.dtype), param_dtype=master_dtype(opts),
-                     remat=opts.remat, **{k: v for k, v in knobs.items() if v})  # 0: off
-  except ConfigError as e:
-    raise UserError(str(e)) from None
-
-
-def load_init(path: str, ex: Execution, shardings: dict | None = None):
-  """(model, cfg) from a converted checkpoint or an official-layout folder, run as `ex` says.
-  `shardings` (k3jax path -> NamedSharding) makes Orbax restore a checkpoint's arrays into
-  their shards; an official-layout folder is read into host memory (convert it first for big
-  models)."""
-  if not os.path.isdir(path):
-    raise UserError(f"--init-from {path}: no such folder")
-  if convert_load.is_checkpoint(path):
-    return convert_load.load_checkpoint(path, ex, shardings=shardings)
-  if os.path.exists(os.path.join(path, "config.json")):
-    return load_model(path, ex)
-  raise UserError(f"--init-from {path}: neither a k3jax checkpoint (k3jax_config.json) nor an "
-                  "official-layout model folder (config.json)")
-
-
-def _model_config(opts: RunOptions) -> ModelConfig:
-  return model_config(opts.init_from, opts.config)
-
-
-def model_config(init_from: str | None, config: str | None = None) -> ModelConfig:
-  """The architecture of `--init-from` (a model folder of any kind; folders.py), else of the
-  preset or config file `config` (default tiny)."""
-  if init_from and not os.path.isdir(init_from):
-    raise UserError(f"--init-from {init_from}: no such folder")
-  if init_from:
-    weights = model_folder(init_from).weights
-    if convert_load.is_checkpoint(weights):
-      cfg = convert_load.checkpoint_config(weights)
-    else:
-      cfg = configs.resolve(weights)
-  else:
-    cfg = configs.resolve(config or "tiny")
-  return cfg
-
-
-def check_resume(out: str, opts, cfg: ModelConfig, ex: Execution,
-                 keys: tuple[str, ...] = _RESUME_KEYS, paths: dict = _PATHS) -> None:
-  """Refuse to continue the run in `out` with another model, execution or any of the option
-  `keys` changed (`opts`: RunOptions, or another options dataclass: its class defaults stand
-  for options older runs did not record; `paths`: options recorded absolute)."""
-  path = os.path.join(out, RUN_FILE)
-  if not os.path.exists(path):
-    return
-  with open(path) as f:
-    saved = json.load(f)
-  if _normalised(saved.get("model")) != cfg.to_dict() or _saved_execution(saved) != ex:
-    raise UserError(f"{out} holds a run of another model config; use a new --out")
-  for key in keys:
-    was = saved["options"].get(key, getattr(type(opts), key, None))  # runs before the option
-    if key in paths and was is not None:  # older runs recorded them as typed
-      was = paths[key](was)
-    now = getattr(opts, key)
-    if was != (list(now) if isinstance(now, tuple) else now):  # JSON keeps tuples as lists
-      raise UserError(f"{out} holds a run with --{key.replace('_', '-')} "
-                      f"{was!r} (now {getattr(opts, key)!r}); "
-                      "resuming must keep it, or use a new --out")
-
-
-def _normalised(model: dict | None) -> dict | None:
-  """A saved model config as this version writes it (older runs saved the execution fields
-  in it too)."""
-  try:
-    return ModelConfig.from_dict(model).to_dict()
-  except Exception:  # noqa: BLE001 - not a config this version reads: a mismatch
-    return model
-
-
-def _saved_execution(saved: dict) -> Execution | None:
-  """The execution a run file records ("execution"; older runs: inside "model", with remat
-  as a bool)."""
-  try:
-    return recorded({"config": saved.get("model"), **saved})
-  except Exception:  # noqa: BLE001 - not one this version reads: a mismatch
-    return None
-
-
-def write_run_file(out: str, opts, cfg: ModelConfig, ex: Execution) -> None:
-  with open(os.path.join(out, RUN_FILE), "w") as f:
-    json.dump({"options": dataclasses.asdict(opts), "model": cfg.to_dict(),
-               "execution": ex.to_dict()}, f, indent=1)
-
-
-def _eval_loss(steps, state, batches) -> float:
-  total, tokens = 0.0, 0
-  for batch in batches:
-    s, n = steps.eval(state["params"], state["router_bias"], batch)
-    total, tokens = total + float(s), tokens + int(n)
-  return total / max(tokens, 1)
-
-
-def _compile_then_meet(steps, state, batch, eval_batch, qk_threshold, timeout_s: float) -> None:
-  """Compile the train and eval steps (their first calls reuse the executables), then wait for
-  every process: a first collective must not start while another process still compiles (on
-  CPU gloo gives a peer 30 s to join; docs/sharding.md#multi-host)."""
-  steps.train.lower(state, batch, qk_threshold).compile()
-  steps.eval.lower(state["params"], state["router_bias"], eval_batch).compile()
-  distributed.barrier("k3jax-train-compiled", timeout_s)
+__all__ = ["RunOptions", "adapt_spec", "execution", "run", "step_config"]
 
 
 def run(opts: RunOptions, *, on_step=None) -> dict[str, Any]:
@@ -287,42 +73,116 @@ def run(opts: RunOptions, *, on_step=None) -> dict[str, Any]:
     return _run(opts, on_step)
 
 
-def _path_shardings(steps: step_lib.Steps) -> dict:
-  """k3jax variable path (tuple of str) -> NamedSharding, for convert.load's restore target."""
-  out = {}
-  for tree in (steps.shardings["params"], steps.shardings["router_bias"]):
-    for path, sh in jax.tree_util.tree_flatten_with_path(tree)[0]:
-      out[tuple(str(k.key) for k in path)] = sh
-  return out
+@dataclasses.dataclass
+class _Run:
+  """What the steps of a run share: set up once (`_set_up`), the state replaced every step."""
+  opts: RunOptions
+  out: str
+  mesh: jax.sharding.Mesh | None
+  main: bool                  # process 0: writes run.json, metrics, TensorBoard, plots
+  cfg: ModelConfig
+  ex: Execution
+  spec: AdaptSpec | None
+  steps: step_lib.Steps
+  pipe: data_lib.PipelineConfig
+  rows: tuple[int, int]       # the rows of each micro-batch this process supplies
+  read_shards: list[int]      # the data shards it reads ...
+  write_shards: list[int]     # ... and those whose position it checkpoints
+  ckpt: Checkpointer
+  point: state_lib.ResumePoint
+  data: data_lib.TrainingData | None = None
+  data_description: str = ""      # the data and tokenizer, for the start-up line
+  eval_batches: list | None = None
+  state: dict | None = None
+  data_state: dict | None = None  # the data position restored (None: from the start)
+  meta: dict | None = None        # tokens seen, train seconds (checkpointed)
+  start: int = 0                  # the step the run starts after
+
+  @property
+  def rows_per_micro(self) -> int:
+    return self.opts.batch_size // self.opts.grad_accum
+
+  def to_device(self, batch: dict, rows: tuple[int, int] | None = None):
+    """A batch of this process's rows as the step's global arrays (as it is: no mesh)."""
+    if self.mesh is None:
+      return batch
+    return distributed.global_batch(batch, self.steps.batch_sharding, rows or self.rows,
+                                    self.rows_per_micro)
 
 
-def initial_params(steps: step_lib.Steps, cfg: ModelConfig, ex: Execution, spec,
-                   init: str | None, seed: int) -> tuple[Any, Any]:
-  """(params, router_bias) a run starts from, placed: the weights folder `init` loaded and
-  adapted as `spec` asks (MXFP4 packing, fresh adapters from `seed`), else a fresh model from
-  `seed`. A resume rebuilds a frozen base with it, bit for bit (train and rl)."""
-  mesh = steps.mesh
-  if init is None:
-    return steps.init_params(seed)  # on a mesh: created in its shardings
-  shardings = _path_shardings(steps) if mesh is not None and spec is None else None
-  _, params, bias = step_lib.split_model(load_init(init, ex, shardings)[0])
-  if spec is not None:
-    params = step_lib.adapt_params(cfg, ex, params, bias, spec, seed)
-  if mesh is not None:  # an official-layout folder (or an adapted model) arrives whole
-    params = jax.device_put(params, steps.shardings["params"])
-    bias = jax.device_put(bias, steps.shardings["router_bias"])
-  return params, bias
+@dataclasses.dataclass
+class _Meter:
+  """The rates of a step: tokens, model FLOPs and the peak they are measured against."""
+  flop_count: Any
+  tokens_per_step: int
+  peak: float
+
+  def mfu(self, seconds: float) -> float:
+    return self.flop_count.train_per_token * self.tokens_per_step / seconds / self.peak
 
 
-def checkpoint_sizes(step: int, checkpoint_bytes: int, base_bytes: int | None,
-                     base: dict | None) -> str:
-  """The log line on what the last checkpoint holds next to the base (train and rl)."""
-  line = f"checkpoint {step} holds {checkpoint_bytes / 1e6:.3f} MB"
-  if base is not None and base["folder"]:
-    return line + f", the frozen base it refers to ({base['folder']}) {base_bytes / 1e6:.3f} MB"
-  if base is not None:
-    return line + " (the frozen base is rebuilt from --seed)"
-  return line + (f", --init-from {base_bytes / 1e6:.3f} MB" if base_bytes else "")
+@dataclasses.dataclass
+class _Tally:
+  """What the step loop has seen, for the summary."""
+  first_loss: float | None = None
+  last_loss: float | None = None
+  eval_loss: float | None = None
+  compile_s: float | None = None  # the first step of a process: tracing and compilation too
+  step_times: list[float] = dataclasses.field(default_factory=list)
+  t_prev: float = dataclasses.field(default_factory=time.perf_counter)
+  saved_steps: list[int] = dataclasses.field(default_factory=list)
+  checkpoint_bytes: int | None = None
+
+
+class _NoWriter:
+  """Processes other than 0 write no metrics."""
+
+  def write(self, record) -> None:
+    pass
+
+  def close(self) -> None:
+    pass
+
+
+def _run(opts: RunOptions, on_step) -> dict[str, Any]:
+  if opts.steps < 1:
+    raise UserError("--steps must be >= 1")
+  run = _set_up(opts)
+  _load_data(run)
+  _initial_state(run)
+  meter = _meter(run)
+  _announce(run, meter)
+  tally = _train(run, meter, on_step)
+  return _finish(run, meter, tally)
+
+
+def _set_up(opts: RunOptions) -> _Run:
+  """Processes, mesh, model, execution, adapters, the resume checks, the compiled steps'
+  builder and the checkpoints: everything that can refuse the run before data or weights
+  load."""
+  started = start(opts, PATHS)
+  opts, out, mesh = started.opts, started.out, started.mesh
+  os.makedirs(out, exist_ok=True)
+  check_base_present(out, opts.init_from)
+  cfg, ex = model_config(opts.init_from, opts.config), execution(opts)
+  check_resume(out, opts, cfg, ex, RESUME_KEYS, PATHS)
+  sc = step_config(opts)
+  if mesh is not None:
+    check_batch(opts.batch_size // opts.grad_accum, mesh)
+  spec = adapt_spec(opts, cfg)
+  steps = step_lib.build(cfg, ex, sc, mesh, spec)  # refuses a mesh the model cannot be split on
+  pipe = data_lib.PipelineConfig(opts.seq_len, opts.batch_size, opts.grad_accum, opts.seed,
+                                 num_shards=opts.data_shards)
+  rows, read_shards, write_shards = _process_rows_and_shards(steps, pipe, opts)
+  ckpt = Checkpointer(os.path.join(out, "checkpoints"), keep=opts.keep)
+  point = state_lib.resume_point(ckpt, steps, _init_weights(opts), opts.seed, out)
+  return _Run(opts, out, mesh, started.main_process, cfg, ex, spec, steps, pipe, rows,
+              read_shards, write_shards, ckpt, point)
+
+
+def _init_weights(opts: RunOptions) -> str | None:
+  """The weights folder of --init-from (a run folder's model/), or None."""
+  return model_folder(opts.init_from).weights if opts.init_from else None
 
 
 def _process_rows_and_shards(steps: step_lib.Steps, pipe: data_lib.PipelineConfig,
@@ -341,197 +201,219 @@ def _process_rows_and_shards(steps: step_lib.Steps, pipe: data_lib.PipelineConfi
   return by_process[me], mine, [s for s in mine if writers[s] == me]
 
 
-class _NoWriter:
-  """Processes other than 0 write no metrics."""
-
-  def write(self, record) -> None:
-    pass
-
-  def close(self) -> None:
-    pass
-
-
-def _run(opts: RunOptions, on_step) -> dict[str, Any]:
-  if opts.compile_cache:
-    jax.config.update("jax_compilation_cache_dir", opts.compile_cache)
-  if opts.steps < 1:
-    raise UserError("--steps must be >= 1")
-  distributed.initialize(opts.coordinator, opts.num_processes, opts.process_id)
-  main_process = distributed.is_main_process()
-  if jax.process_count() > 1 and not opts.mesh:
-    raise UserError(f"{jax.process_count()} processes need --mesh (e.g. data=-1)")
-  mesh = make_mesh(opts.mesh) if opts.mesh else None
-  out = os.path.abspath(opts.out)
-  opts = dataclasses.replace(opts, **{k: fn(getattr(opts, k)) for k, fn in _PATHS.items()})
-  os.makedirs(out, exist_ok=True)
-  frozen_base.check_present(out, opts.init_from)
-  cfg, ex = _model_config(opts), execution(opts)
-  check_resume(out, opts, cfg, ex)
-  sc = step_config(opts)
-  if mesh is not None:
-    check_batch(opts.batch_size // opts.grad_accum, mesh)
-  spec = adapt_spec(opts, cfg)
-  steps = step_lib.build(cfg, ex, sc, mesh, spec)  # refuses a mesh the model cannot be split on
-  pipe = data_lib.PipelineConfig(opts.seq_len, opts.batch_size, opts.grad_accum, opts.seed,
-                                 num_shards=opts.data_shards)
-  rows, read_shards, write_shards = _process_rows_and_shards(steps, pipe, opts)
-  rows_per_micro = opts.batch_size // opts.grad_accum
-
-  ckpt = Checkpointer(os.path.join(out, "checkpoints"), keep=opts.keep)
-  resume_step = ckpt.latest_step()
-  # a frozen base (LoRA, packed experts) stays out of the checkpoints, referenced by `base`
-  frozen = frozen_base.has_frozen(steps.trainable)
-  # (a checkpoint without a reference holds the whole state: plain training, older runs)
-  base = saved_base = None if resume_step is None else ckpt.base_reference(resume_step)
-  if saved_base is not None:  # refuse a changed base before anything is loaded or compiled
-    frozen_base.check(saved_base, f"checkpoint {resume_step} of {out}")
-  elif frozen:
-    base = frozen_base.reference(
-        model_folder(opts.init_from).weights if opts.init_from else None, opts.seed)
+def _load_data(run: _Run) -> None:
+  """The tokenizer, the training data and the held-out batches (every process holds all of
+  those: they are small and fixed)."""
+  opts = run.opts
   source = tokenizer_source(opts.tokenizer, opts.init_from)
   tokenizer = load_tokenizer(source.kind, source.folder)
-  if tokenizer.vocab_size > cfg.vocab_size:
+  if tokenizer.vocab_size > run.cfg.vocab_size:
     raise UserError(f"the {tokenizer.name} tokenizer has {tokenizer.vocab_size} ids but the "
-                    f"model only {cfg.vocab_size} embeddings")
-  data = data_lib.load_training_data(opts.data, opts.data_format, tokenizer, pipe,
-                                     opts.eval_batches, skip_bad_rows=opts.skip_bad_rows,
-                                     out=out if main_process else None)
-  eval_batches = data.eval_batches
+                    f"model only {run.cfg.vocab_size} embeddings")
+  run.data = data_lib.load_training_data(opts.data, opts.data_format, tokenizer, run.pipe,
+                                         opts.eval_batches, skip_bad_rows=opts.skip_bad_rows,
+                                         out=run.out if run.main else None)
+  run.data_description = f"{run.data.description} ({tokenizer.name})"
+  run.eval_batches = [run.to_device(b, (0, run.rows_per_micro))
+                      for b in run.data.eval_batches]
 
-  def to_device(batch, rows=rows):
-    if mesh is None:
-      return batch
-    return distributed.global_batch(batch, steps.batch_sharding, rows, rows_per_micro)
 
-  if mesh is not None:  # the held-out set is small and fixed: every process holds all of it
-    eval_batches = [to_device(b, (0, rows_per_micro)) for b in eval_batches]
-
-  if resume_step is not None:
-    params, bias = jax.eval_shape(lambda: step_lib.init_params(cfg, ex, opts.seed, spec))
-    target = step_lib.abstract_state(steps, params, bias)
-    if saved_base is not None:
-      target = frozen_base.trainable_state(target, steps.trainable)
-    state, data_state, meta = ckpt.restore(resume_step, target, read_shards)
-    if saved_base is not None:  # the frozen leaves, rebuilt as the run first built them
-      params, _ = initial_params(steps, cfg, ex, spec, base["folder"], opts.seed)
-      state = frozen_base.with_base(state, params, steps.trainable)
-    start = int(state["step"])
+def _initial_state(run: _Run) -> None:
+  """The TrainState: restored from the last checkpoint (its frozen base rebuilt), or fresh
+  over the initial parameters; then run.json."""
+  opts, point = run.opts, run.point
+  if point.step is not None:
+    base = None
+    if point.saved_base:  # the frozen leaves, rebuilt as the run first built them
+      base = _initial_params(run, point.base["folder"])[0]
+    run.state, run.data_state, run.meta = state_lib.restore(
+        run.ckpt, point, run.steps, run.cfg, run.ex, run.spec, opts.seed, run.read_shards, base)
+    run.start = int(run.state["step"])
   else:
-    rng = step_lib.new_rng(opts.seed)
-    init = model_folder(opts.init_from).weights if opts.init_from else None
-    params, bias = initial_params(steps, cfg, ex, spec, init, opts.seed)
-    if mesh is not None:
-      rng = np.asarray(rng)  # the same value on every process: replicated by the jit
-    state = steps.init(params, bias, rng)
-    data_state, meta, start = None, {"tokens_seen": 0, "train_seconds": 0.0}, 0
-  if mesh is None:
+    params, bias = _initial_params(run, _init_weights(opts))
+    run.state = state_lib.fresh(run.steps, params, bias, opts.seed)
+    run.meta = {"tokens_seen": 0, "train_seconds": 0.0}
+  if run.mesh is None:
     # Orbax restores committed arrays; placing a fresh state the same way makes a fresh run
     # and a resumed one lower to the same program (one persistent-cache entry, not two)
-    state = step_lib.place(state)
-  if main_process:
-    write_run_file(out, opts, cfg, ex)
+    run.state = step_lib.place(run.state)
+  if run.main:
+    write_run_file(run.out, opts, run.cfg, run.ex)
 
-  flop_count = flops_lib.count(cfg, opts.seq_len)
-  tokens_per_step = opts.batch_size * opts.seq_len
-  devices = 1 if mesh is None else mesh.size
+
+def _initial_params(run: _Run, weights: str | None):
+  return initial_params(run.cfg, run.ex, run.spec, weights, run.opts.seed, run.mesh)
+
+
+def _meter(run: _Run) -> _Meter:
+  opts = run.opts
+  devices = 1 if run.mesh is None else run.mesh.size
   peak = devices * (opts.peak_tflops * 1e12 if opts.peak_tflops
-                    else flops_lib.measure_matmul_peak(ex.jnp_dtype))
-  n_params = step_lib.count_params(state["params"])
-  n_trainable = step_lib.count_params(step_lib.partition(state["params"], steps.trainable)[0])
-  if main_process:
-    print(f"k3jax train: {n_params / 1e6:.2f}M params ({flop_count.active_matmul_params / 1e6:.2f}"
-          f"M active matmul), {ex.dtype} compute / {ex.param_dtype} master; "
-          f"{data.description} ({tokenizer.name}); batch {opts.batch_size} x {opts.seq_len}"
+                    else flops_lib.measure_matmul_peak(run.ex.jnp_dtype))
+  return _Meter(flops_lib.count(run.cfg, opts.seq_len), opts.batch_size * opts.seq_len, peak)
+
+
+def _announce(run: _Run, meter: _Meter) -> None:
+  """The start-up line (process 0), and each process's rows and data shards."""
+  opts, mesh = run.opts, run.mesh
+  if run.main:
+    n_params = step_lib.count_params(run.state["params"])
+    print(f"k3jax train: {n_params / 1e6:.2f}M params "
+          f"({meter.flop_count.active_matmul_params / 1e6:.2f}M active matmul), "
+          f"{run.ex.dtype} compute / {run.ex.param_dtype} master; {run.data_description}; "
+          f"batch {opts.batch_size} x {opts.seq_len}"
           f"{f' ({opts.grad_accum} micro-batches)' if opts.grad_accum > 1 else ''}; "
           + (f"mesh {describe(mesh)}, {jax.process_count()} process(es), "
              f"{opts.data_shards} data shard(s); " if mesh is not None else "")
-          + (f"resuming from step {start}" if resume_step is not None else "from scratch"
-             if not opts.init_from else f"from {opts.init_from}"), flush=True)
-
+          + (f"resuming from step {run.start}" if run.point.step is not None else
+             "from scratch" if not opts.init_from else f"from {opts.init_from}"), flush=True)
   if jax.process_count() > 1:
     print(f"k3jax train: process {jax.process_index()}/{jax.process_count()} supplies rows "
-          f"[{rows[0]}, {rows[1]}) of each micro-batch from data shard(s) {read_shards}",
-          flush=True)
-  writer = (MetricsWriter(out, resume_step=resume_step, tensorboard=opts.tensorboard)
-            if main_process else _NoWriter())
-  iterator = data_lib.ShardIterator(data.train_tokens, pipe, rows, data_state,
-                                    data.train_weights)
-  bar = tqdm(total=opts.steps, initial=start, disable=not (opts.progress and main_process),
+          f"[{run.rows[0]}, {run.rows[1]}) of each micro-batch from data shard(s) "
+          f"{run.read_shards}", flush=True)
+
+
+def _train(run: _Run, meter: _Meter, on_step) -> _Tally:
+  """Steps start+1 .. --steps; the checkpoints and the metrics file are closed however the
+  loop ends."""
+  opts, tally = run.opts, _Tally()
+  writer = (MetricsWriter(run.out, resume_step=run.point.step, tensorboard=opts.tensorboard)
+            if run.main else _NoWriter())
+  iterator = data_lib.ShardIterator(run.data.train_tokens, run.pipe, run.rows, run.data_state,
+                                    run.data.train_weights)
+  bar = tqdm(total=opts.steps, initial=run.start, disable=not (opts.progress and run.main),
              unit="step", dynamic_ncols=True)
   qk_threshold = step_lib.NO_QK_CLIP if opts.qk_clip is None else np.float32(opts.qk_clip)
-  first_loss = last_loss = eval_loss = None
-  step_times: list[float] = []
-  compile_s = None
-  t_prev = time.perf_counter()
   try:
-    for s in range(start + 1, opts.steps + 1):
-      batch = to_device(next(iterator))
-      if s == start + 1 and jax.process_count() > 1:
-        _compile_then_meet(steps, state, batch, eval_batches[0], qk_threshold,
-                           opts.startup_timeout)
-      state, metrics = steps.train(state, batch, qk_threshold)
-      metrics = jax.device_get(metrics)
-      now = time.perf_counter()
-      dt, t_prev = now - t_prev, now
-      if compile_s is None:
-        compile_s = dt  # the first step of a process includes tracing and compilation
-      else:
-        step_times.append(dt)
-      meta["tokens_seen"] += tokens_per_step
-      meta["train_seconds"] += dt
-      loss = float(metrics["loss"])
-      first_loss = loss if first_loss is None else first_loss
-      last_loss = loss
-      record = {"step": s, "loss": loss, **metrics, "step_time_s": dt}
-      if len(step_times):
-        record["tokens_per_s"] = tokens_per_step / dt
-        record["mfu"] = flop_count.train_per_token * tokens_per_step / dt / peak
-      if s % opts.eval_every == 0 or s == opts.steps:
-        eval_loss = _eval_loss(steps, state, eval_batches)
-        record["eval_loss"] = eval_loss
-        t_prev = time.perf_counter()  # eval time is not step time
-      if s % opts.log_every == 0 or "eval_loss" in record or s == opts.steps:
-        writer.write(record)
-        if on_step is not None:
-          on_step(s, record)
+    tally.t_prev = time.perf_counter()
+    for s in range(run.start + 1, opts.steps + 1):
+      record = _step(run, s, _batch(run, iterator), qk_threshold, meter, tally)
+      _log(run, s, record, writer, on_step, tally)
       if s % opts.save_every == 0 or s == opts.steps:
-        data_states = iterator.get_state()
-        ckpt.save(s, frozen_base.trainable_state(state, steps.trainable) if frozen else state,
-                  {k: v for k, v in data_states.items() if int(k) in write_shards}, meta,
-                  base=base if frozen else None)
-        t_prev = time.perf_counter()  # the blocking part of a save is not step time
-      bar.update(1)
-      bar.set_postfix(loss=f"{loss:.3f}", **({"eval": f"{eval_loss:.3f}"} if eval_loss else {}),
-                      **({"tok/s": f"{tokens_per_step / dt:.0f}"} if step_times else {}))
+        _save(run, s, iterator, tally)
+      _show(bar, record, tally)
   finally:
     bar.close()
     iterator.close()
-    ckpt.wait()  # the last async save completes before the run reports
-    saved_steps = ckpt.all_steps()
-    checkpoint_bytes = ckpt.step_bytes(saved_steps[-1]) if saved_steps else None
-    ckpt.close()
+    _close_checkpoints(run, tally)
     writer.close()
-  if first_loss is not None:  # the final weights, exportable (`k3jax export`) and fine-tunable
-    save_model(os.path.join(out, MODEL_DIR), steps.graphdef, state["params"],
-               state["router_bias"], cfg, adapters=None if spec is None else spec.to_dict())
+  return tally
+
+
+def _batch(run: _Run, iterator) -> dict:
+  return run.to_device(next(iterator))
+
+
+def _step(run: _Run, s: int, batch: dict, qk_threshold, meter: _Meter, tally: _Tally) -> dict:
+  """One optimizer step; its metrics record (the first step of a process, which compiles,
+  is timed apart and has no rate)."""
+  if s == run.start + 1 and jax.process_count() > 1:
+    _compile_then_meet(run, batch, qk_threshold)
+  run.state, metrics = run.steps.train(run.state, batch, qk_threshold)
+  metrics = jax.device_get(metrics)
+  now = time.perf_counter()
+  dt, tally.t_prev = now - tally.t_prev, now
+  if tally.compile_s is None:
+    tally.compile_s = dt
+  else:
+    tally.step_times.append(dt)
+  run.meta["tokens_seen"] += meter.tokens_per_step
+  run.meta["train_seconds"] += dt
+  loss = float(metrics["loss"])
+  tally.first_loss = loss if tally.first_loss is None else tally.first_loss
+  tally.last_loss = loss
+  record = {"step": s, "loss": loss, **metrics, "step_time_s": dt}
+  if tally.step_times:
+    record["tokens_per_s"] = meter.tokens_per_step / dt
+    record["mfu"] = meter.mfu(dt)
+  return record
+
+
+def _compile_then_meet(run: _Run, batch: dict, qk_threshold) -> None:
+  """Compile the train and eval steps (their first calls reuse the executables), then wait for
+  every process: a first collective must not start while another process still compiles (on
+  CPU gloo gives a peer 30 s to join; docs/sharding.md#multi-host)."""
+  steps, state = run.steps, run.state
+  steps.train.lower(state, batch, qk_threshold).compile()
+  steps.eval.lower(state["params"], state["router_bias"], run.eval_batches[0]).compile()
+  distributed.barrier("k3jax-train-compiled", run.opts.startup_timeout)
+
+
+def _log(run: _Run, s: int, record: dict, writer, on_step, tally: _Tally) -> None:
+  """Eval every --eval-every steps and at the end; the metrics line every --log-every."""
+  opts = run.opts
+  if s % opts.eval_every == 0 or s == opts.steps:
+    tally.eval_loss = record["eval_loss"] = _eval_loss(run)
+    tally.t_prev = time.perf_counter()  # eval time is not step time
+  if s % opts.log_every == 0 or "eval_loss" in record or s == opts.steps:
+    writer.write(record)
+    if on_step is not None:
+      on_step(s, record)
+
+
+def _eval_loss(run: _Run) -> float:
+  total, tokens = 0.0, 0
+  state = run.state
+  for batch in run.eval_batches:
+    s, n = run.steps.eval(state["params"], state["router_bias"], batch)
+    total, tokens = total + float(s), tokens + int(n)
+  return total / max(tokens, 1)
+
+
+def _save(run: _Run, s: int, iterator, tally: _Tally) -> None:
+  """Checkpoint step `s` (async) with this process's data shards' positions."""
+  data_states = iterator.get_state()
+  state_lib.save(run.ckpt, run.point, run.steps, s, run.state,
+                 {k: v for k, v in data_states.items() if int(k) in run.write_shards},
+                 run.meta)
+  tally.t_prev = time.perf_counter()  # the blocking part of a save is not step time
+
+
+def _show(bar, record: dict, tally: _Tally) -> None:
+  bar.update(1)
+  eval_loss = tally.eval_loss
+  bar.set_postfix(loss=f"{record['loss']:.3f}",
+                  **({"eval": f"{eval_loss:.3f}"} if eval_loss else {}),
+                  **({"tok/s": f"{record['tokens_per_s']:.0f}"} if "tokens_per_s" in record
+                     else {}))
+
+
+def _close_checkpoints(run: _Run, tally: _Tally) -> None:
+  run.ckpt.wait()  # the last async save completes before the run reports
+  tally.saved_steps = run.ckpt.all_steps()
+  if tally.saved_steps:
+    tally.checkpoint_bytes = run.ckpt.step_bytes(tally.saved_steps[-1])
+  run.ckpt.close()
+
+
+def _finish(run: _Run, meter: _Meter, tally: _Tally) -> dict[str, Any]:
+  """The final weights (OUT/model/), the checkpoint-size line, the plots; the summary."""
+  opts, state, base = run.opts, run.state, run.point.base
+  if tally.first_loss is not None:  # the final weights, exportable and fine-tunable
+    save_model(os.path.join(run.out, MODEL_DIR), run.steps.graphdef, state["params"],
+               state["router_bias"], run.cfg,
+               adapters=None if run.spec is None else run.spec.to_dict())
   base_bytes = (base["bytes"] if base is not None and base["folder"] else
-                weight_bytes(model_folder(opts.init_from).weights) if opts.init_from else None)
-  if main_process and checkpoint_bytes is not None:
-    sizes = checkpoint_sizes(saved_steps[-1], checkpoint_bytes, base_bytes, base)
+                weight_bytes(_init_weights(opts)) if opts.init_from else None)
+  if run.main and tally.checkpoint_bytes is not None:
+    sizes = checkpoint_sizes(tally.saved_steps[-1], tally.checkpoint_bytes, base_bytes, base)
     print(f"k3jax train: {sizes}", flush=True)
   plots = []
-  if opts.plots and main_process:
+  if opts.plots and run.main:
     from k3jax.train.plots import write_plots  # noqa: PLC0415 - matplotlib is slow to import; only the end of a run plots
-    plots = write_plots(read_records(out), out)
-  median = float(np.median(step_times)) if step_times else None
-  summary = {
-      "out": out, "start_step": start, "steps": opts.steps, "first_loss": first_loss,
-      "last_loss": last_loss, "eval_loss": eval_loss, "compile_and_first_step_s": compile_s,
+    plots = write_plots(read_records(run.out), run.out)
+  median = float(np.median(tally.step_times)) if tally.step_times else None
+  return {
+      "out": run.out, "start_step": run.start, "steps": opts.steps,
+      "first_loss": tally.first_loss, "last_loss": tally.last_loss,
+      "eval_loss": tally.eval_loss, "compile_and_first_step_s": tally.compile_s,
       "median_step_s": median,
-      "tokens_per_s": tokens_per_step / median if median else None,
-      "mfu": (flop_count.train_per_token * tokens_per_step / median / peak) if median else None,
-      "peak_flops": peak, "plots": plots, "checkpoints": saved_steps, "data": data.summary,
-      "trainable_params": n_trainable, "total_params": n_params,
-      "checkpoint_bytes": checkpoint_bytes, "base_bytes": base_bytes,
+      "tokens_per_s": meter.tokens_per_step / median if median else None,
+      "mfu": meter.mfu(median) if median else None,
+      "peak_flops": meter.peak, "plots": plots, "checkpoints": tally.saved_steps,
+      "data": run.data.summary,
+      "trainable_params": step_lib.count_params(
+          step_lib.partition(state["params"], run.steps.trainable)[0]),
+      "total_params": step_lib.count_params(state["params"]),
+      "checkpoint_bytes": tally.checkpoint_bytes, "base_bytes": base_bytes,
   }
-  return summary

@@ -63,7 +63,7 @@ from k3jax.model.quantile_balancing import (
   quantile_balancing_bias,
 )
 from k3jax.optim import logical_axes_from_state, per_head_muon, qk_clip
-from k3jax.train.adapted import (  # noqa: F401 - re-exported: the loop and tests use step's names
+from k3jax.run.params import (  # noqa: F401 - re-exported: the loops and tests use step's names
   WEIGHTS,
   adapt_params,
   combine,
@@ -74,6 +74,11 @@ from k3jax.train.adapted import (  # noqa: F401 - re-exported: the loop and test
   split_for_training,
   split_model,
   trainable_mask,
+)
+from k3jax.run.placement import (
+  OnMesh,
+  fresh_on_mesh,
+  init_params,
 )
 from k3jax.train.loss import model_nll, token_nll  # noqa: F401 - token_nll re-exported
 from sharding.placement import (
@@ -166,42 +171,6 @@ def _reduce_metrics(extra: dict) -> dict:
   """Per-micro-batch metrics [A, ...] -> one value each (see TokenNLL)."""
   return {k: (jnp.max(v, axis=0) if k.startswith("max_") else jnp.sum(v, axis=0))
           for k, v in extra.items()}
-
-
-class OnMesh:
-  """A jitted function that is traced and run under `jax.set_mesh(mesh)` (the context mesh the
-  layers' activation constraints read); `lower` too, for compiled-program checks."""
-
-  def __init__(self, jitted, mesh: jax.sharding.Mesh):
-    self.jitted, self.mesh = jitted, mesh
-
-  def __call__(self, *args):
-    with jax.set_mesh(self.mesh):
-      return self.jitted(*args)
-
-  def lower(self, *args):
-    with jax.set_mesh(self.mesh):
-      return self.jitted.lower(*args)
-
-
-class InitParamsOnMesh:
-  """seed -> (params, router_bias) created in their shardings by one jitted init per seed;
-  `lower(seed)` gives its compiled program (e.g. for the per-device memory plan)."""
-
-  def __init__(self, cfg: ModelConfig, ex: Execution, mesh: jax.sharding.Mesh, shardings,
-               spec: AdaptSpec | None = None):
-    self.cfg, self.ex, self.mesh, self.shardings, self.spec = cfg, ex, mesh, shardings, spec
-
-  @functools.cache  # noqa: B019 - one per run: its compiled programs live as long as it does
-  def _jitted(self, seed: int) -> OnMesh:
-    return OnMesh(jax.jit(functools.partial(_init_params, self.cfg, self.ex, seed, self.spec),
-                          out_shardings=self.shardings), self.mesh)
-
-  def __call__(self, seed: int):
-    return self._jitted(seed)()
-
-  def lower(self, seed: int):
-    return self._jitted(seed).lower()
 
 
 class Steps(NamedTuple):
@@ -401,7 +370,7 @@ def build(cfg: ModelConfig, ex: Execution, sc: StepConfig,
 
   return Steps(
       graphdef=graphdef, logical_axes=axes, tx=tx,
-      init_params=InitParamsOnMesh(cfg, ex, mesh, (param_sh, bias_sh), spec),
+      init_params=fresh_on_mesh(cfg, ex, spec, mesh),
       init=OnMesh(jax.jit(init, in_shardings=(param_sh, bias_sh, rep),
                           out_shardings=state_sh), mesh),
       train=OnMesh(jax.jit(train, donate_argnums=0, in_shardings=(state_sh, batch_sh, rep),
@@ -425,20 +394,6 @@ def _set_path(tree: dict, path, value) -> dict:
     node = node[key]
   node[keys[-1]] = value
   return out
-
-
-def _init_params(cfg: ModelConfig, ex: Execution, seed: int, spec: AdaptSpec | None = None
-                 ) -> tuple[dict, dict]:
-  return split_for_training(make_model(cfg, ex, seed, spec), spec)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def init_params(cfg: ModelConfig, ex: Execution, seed: int, spec: AdaptSpec | None = None
-                ) -> tuple[dict, dict]:
-  """(params, router_bias) of a freshly initialised model, built under jit: creating the
-  stacked modules eagerly runs thousands of tiny ops one by one (a minute on a CPU). On a mesh
-  use `build(...).init_params(seed)`: the same values, created in their shardings."""
-  return _init_params(cfg, ex, seed, spec)
 
 
 def abstract_state(steps: Steps, params: Any, bias: Any) -> Any:

@@ -1,4 +1,4 @@
-"""The parameter trees the train step works on: a built (and possibly adapted) model split
+"""The parameter trees a run works on (train, rl): a built (and possibly adapted) model split
 into plain dicts, and under LoRA the trainable / frozen partition of them
 (docs/training.md#fine-tuning).
 
