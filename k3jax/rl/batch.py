@@ -84,13 +84,14 @@ def trajectory_weights(trained: Sequence[int], agg: LossAgg, max_len: int) -> li
 
 def build(trajectories, trains: Sequence[bool], advantages: Sequence[Sequence[float]],
           seq_len: int, multiple: int, most: int, agg: LossAgg, max_len: int, float_dtype,
-          one_per_row: bool = False) -> Batch:
+          one_per_row: bool = False, fixed_rows: bool = False) -> Batch:
   """The packed batch of `trajectories` (driver.Trajectory: ids, sampled, logprobs, versions).
   `advantages[i]`: trajectory i's advantage per id (aligned with its ids; read at sampled
-  ones); `trains[i]`: whether it is in the loss. Arrays: inputs, targets, segment_ids,
-  loss_mask, old_logp (mu), advantages, weights, and `versions` (-1 off sampled tokens)."""
+  ones); `trains[i]`: whether it is in the loss; `fixed_rows`: always `most` rows. Arrays:
+  inputs, targets, segment_ids, loss_mask, old_logp (mu), advantages, weights, and `versions`
+  (-1 off sampled tokens)."""
   layout = pack([len(t.ids) for t in trajectories], seq_len, one_per_row)
-  n_rows = row_count(len(layout), multiple, most)
+  n_rows = most if fixed_rows else row_count(len(layout), multiple, most)
   shape = (n_rows, seq_len)
   a = {"inputs": np.zeros(shape, np.int32), "targets": np.zeros(shape, np.int32),
        "segment_ids": np.zeros(shape, np.int32), "loss_mask": np.zeros(shape, bool),

@@ -18,12 +18,14 @@ class ServiceConfig:
   """name: the model name requests must use; max_model_len: prompt + output, at most;
   eos_token_ids: what ends a completion (the model config's EOS, as `k3jax generate`);
   chat_stop_ids: what ends a chat answer besides them (the tokenizer's end-of-turn tokens);
-  api_key: the Bearer token every /v1 request must carry (None: open)."""
+  api_key: the Bearer token every /v1 request must carry (None: open); vocab_size: the
+  model's (reported in /v1/models: an RL run checks a teacher's against its own)."""
   name: str
   max_model_len: int
   eos_token_ids: tuple[int, ...] = ()
   chat_stop_ids: tuple[int, ...] = ()
   api_key: str | None = None
+  vocab_size: int | None = None
 
 
 class Service:
