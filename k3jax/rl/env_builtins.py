@@ -7,8 +7,9 @@ score the final answer), and `info` counts `tool_calls` and `tool_errors`.
     tools    --env-arg module=MODULE_OR_FILE.py: the row's `tools` (a list of function names;
              none: every public function of the module) are the model's tools, declared to
              the chat template as OpenAI function schemas read from their signatures and
-             docstrings. Each call of a turn is run and answered with a tool message (its
-             result as text); a call with arguments that are not a JSON object, an unknown
+             docstrings (--env-arg declare=false: not declared; the prompt describes them).
+             Each call of a turn is run and answered with a tool message (its result as
+             text); a call with arguments that are not a JSON object, an unknown
              name or a function that raises is answered with the error (counted in
              tool_errors). A turn without calls ends the trajectory.
     python   one tool, `python(code)`: the code runs in a sandbox (a separate process, a
@@ -67,11 +68,15 @@ def schema(name: str, fn) -> dict:
 
 
 class _ToolEnv:
-  """Runs a turn's tool calls with `self.functions`; a turn without calls ends."""
+  """Runs a turn's tool calls with `self.functions`; a turn without calls ends. `declare`
+  False: the tools are not declared to the chat template (the prompt describes them)."""
   functions: dict = {}
+  declare: bool = True
 
   def reset(self, row: dict):
     messages = _messages(row)
+    if not self.declare:
+      return messages
     return {"messages": messages, "tools": [schema(n, f) for n, f in self.functions.items()]}
 
   def step(self, action: dict):
@@ -105,8 +110,8 @@ class _ToolEnv:
 class Tools(_ToolEnv):
   """`--env tools --env-arg module=...` (module docstring)."""
 
-  def __init__(self, module: str):
-    self.module = _load_module(module)
+  def __init__(self, module: str, declare: bool = True):
+    self.module, self.declare = _load_module(module), bool(declare)
     self.all = {n: f for n, f in vars(self.module).items()
                 if inspect.isfunction(f) and not n.startswith("_")
                 and f.__module__ == self.module.__name__}
@@ -125,8 +130,10 @@ class Tools(_ToolEnv):
 class Python(_ToolEnv):
   """`--env python` (module docstring): one tool, python(code)."""
 
-  def __init__(self, timeout: float = 10.0, memory_mb: int = 512, max_output: int = 4000):
+  def __init__(self, timeout: float = 10.0, memory_mb: int = 512, max_output: int = 4000,
+               declare: bool = True):
     self.timeout, self.memory_mb, self.max_output = float(timeout), int(memory_mb), max_output
+    self.declare = bool(declare)
 
     def python(code: str) -> str:
       """Run Python code in a sandbox and return its output (stdout, then stderr)."""

@@ -1,0 +1,144 @@
+"""`k3jax rl` with partial rollouts and with teachers, end to end through the CLI on the 2-layer
+byte-level float64 model of test_run.py:
+
+  * partial rollouts: a token budget leaves trajectories running into the next step (their
+    tokens then older than the policy: staleness > 0), under keep and recompute, with TIS;
+    --max-staleness 0 drops them;
+  * on-policy distillation: a student learns a teacher's behaviour (the KL to it falls: the
+    teacher is the student's own distribution at temperature 2); the
+    same teacher served by `k3jax serve` (echo logprobs over HTTP) scores exactly as the model
+    folder on the run's mesh (float64); a teacher with another vocabulary is refused, and one
+    that stops answering ends the run in one line after a checkpoint.
+"""
+
+import json
+import math
+import os
+
+import pytest
+from flax import nnx
+
+from convert.load import load_any
+from k3jax import cli
+from k3jax.execution import NUMERICS
+from k3jax.folders import model_folder
+from k3jax.model.transformer import K3Model
+from k3jax.rl import teacher as teacher_lib
+from k3jax.rl.loop import METRICS
+from tests.k3jax.model.helpers import randomize, tiny_cfg
+from tests.k3jax.rl.test_run import flags, records
+from tests.k3jax.server import helpers
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+  root = tmp_path_factory.mktemp("agentic")
+  rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in ((1, 2), (3, 4), (2, 5),
+                                                                      (4, 4))]
+  (root / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  (root / "score.py").write_text(
+      "def score(prompt, completion, row):\n  return (sum(map(ord, completion)) % 10) / 10\n")
+  model = helpers.byte_run(str(root / "model"))
+  return {"model": model, "data": str(root / "data.jsonl"),
+          "score": str(root / "score.py") + ":score", "root": root,
+          "teacher": _flatter(model, str(root / "teacher"))}
+
+
+def _flatter(student: str, folder: str) -> str:
+  """A teacher: the student's weights with its head halved (its own distribution at
+  temperature 2: the same behaviour, flatter)."""
+  model, cfg = load_any(model_folder(student).weights, NUMERICS["float32"])
+  model.lm_head.set_value(model.lm_head[...] * 0.5)
+  return helpers._save(folder, model, cfg, "byte")
+
+
+def _narrow(folder: str) -> str:
+  """A model of vocabulary 64: not the byte-level student's."""
+  cfg = tiny_cfg(num_layers=2, mla_layers=(1,))
+  return helpers._save(folder, randomize(K3Model(cfg, rngs=nnx.Rngs(0))), cfg, "byte")
+
+
+def finite(rs):
+  for r in rs:
+    assert all(math.isfinite(r[k]) for k in METRICS), r
+
+
+@pytest.mark.parametrize("mode", ["keep", "recompute"])
+def test_partial_rollouts_carry_trajectories_across_updates(files, tmp_path, mode):
+  out = tmp_path / mode
+  args = flags(files, out, 4, "--no-plots", "--max-new-tokens", "12", "--rollout-budget",
+               "20", "--partial-rollout", mode, "--is-correction", "tis", "--max-staleness",
+               "3")
+  assert cli.main(args) == 0
+  rs = records(out)
+  finite(rs)
+  assert sum(r["carried"] for r in rs) > 0 and sum(r["trained_tokens"] for r in rs) > 0
+  assert max(r["staleness_mean"] for r in rs) > 0   # tokens drawn by an older policy trained
+  assert all(r["stale_dropped"] == 0 for r in rs)
+  assert all(r["is_weight_mean"] > 0 for r in rs if r["trained_tokens"])
+
+
+def test_stale_trajectories_are_dropped_and_counted(files, tmp_path):
+  out = tmp_path / "stale"
+  args = flags(files, out, 3, "--no-plots", "--max-new-tokens", "12", "--rollout-budget",
+               "20", "--max-staleness", "0")
+  assert cli.main(args) == 0
+  rs = records(out)
+  finite(rs)
+  assert sum(r["stale_dropped"] for r in rs) > 0
+  assert all(r["staleness_mean"] == 0 for r in rs)  # nothing older than its step trained
+
+
+def distill_flags(files, out, steps, teacher, *extra):
+  args = flags(files, out, steps, "--no-plots", "--teacher", f"t={teacher}", *extra)
+  i = args.index("--reward")
+  del args[i:i + 4]  # distillation alone: no reward terms
+  return args
+
+
+def test_a_student_learns_its_teachers_behaviour(files, tmp_path):
+  out = tmp_path / "distill"
+  assert cli.main(distill_flags(files, out, 10, files["teacher"], "--learning-rate",
+                                "2e-3")) == 0
+  rs = records(out)
+  finite(rs)
+  kls = [r["distill_kl"] for r in rs]
+  assert kls[0] > 0.1 and sum(kls[-3:]) / 3 < 0.7 * kls[0], kls
+
+
+def test_a_served_teacher_scores_as_the_model_folder(files, tmp_path, monkeypatch):
+  """Step 1 of the same run with the teacher as a folder on the mesh and as a `k3jax serve`
+  URL: the same distill_kl, advantages and update (float64)."""
+  folder = tmp_path / "folder"
+  assert cli.main(distill_flags(files, folder, 1, files["teacher"])) == 0
+  monkeypatch.setenv("K3JAX_TEACHER_API_KEY", helpers.KEY)
+  with helpers.serving(files["teacher"], "--max-model-len", "64") as server:
+    served = tmp_path / "served"
+    assert cli.main(distill_flags(files, served, 1, server.url)) == 0
+  (a,), (b,) = records(folder), records(served)
+  for k in ("distill_kl", "loss", "grad_norm", "kl", "reward_mean"):
+    assert a[k] == pytest.approx(b[k], rel=1e-9, abs=1e-12), k
+
+
+def test_teacher_refusals(files, tmp_path, capsys, monkeypatch):
+  assert cli.main(distill_flags(files, tmp_path / "v", 1, _narrow(str(tmp_path / "v64")))) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "its vocabulary has 64 ids, the student's 256" in err[0], err
+
+  # a served teacher that stops answering at step 2: one line, and step 1's checkpoint
+  calls = []
+
+  def sequence(self, ids):
+    calls.append(1)
+    if len(calls) > 8:  # step 1 scores its 8 trajectories
+      raise teacher_lib.TeacherUnavailable(f"--teacher t={self.source} did not answer")
+    return [0.0] * (len(ids) - 1)
+  monkeypatch.setattr(teacher_lib.ServerTeacher, "sequence", sequence)
+  monkeypatch.setattr(teacher_lib.ServerTeacher, "__init__", lambda self, name, url, vocab: (
+      setattr(self, "name", name), setattr(self, "source", url)) and None)
+  out = tmp_path / "gone"
+  assert cli.main(distill_flags(files, out, 3, "http://127.0.0.1:9", "--save-every",
+                                "10")) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "did not answer" in err[0], err
+  assert os.listdir(out / "checkpoints") == ["1"] and len(records(out)) == 1
