@@ -67,6 +67,7 @@ def options_from_args(args: argparse.Namespace) -> RLOptions:
       max_trajectory_tokens=args.max_trajectory_tokens, rollout_budget=args.rollout_budget,
       partial_rollout=args.partial_rollout, max_staleness=args.max_staleness,
       teacher=tuple(args.teacher), distill_weight=args.distill_weight,
+      distill_baseline=args.distill_baseline,
       save_every=args.save_every, keep=args.keep, tensorboard=not args.no_tensorboard,
       plots=not args.no_plots, progress=not (args.no_progress or args.json),
       compile_cache=cache)
@@ -162,6 +163,9 @@ def register(sub) -> None:
   g.add_argument("--distill-weight", type=float, default=1.0, metavar="LAMBDA",
                  help="advantage = LAMBDA (teacher - student logprob) + (1 - LAMBDA) x the "
                       "group reward advantage")
+  g.add_argument("--distill-baseline", action="store_true",
+                 help="take teacher - student less its mean over the group's sampled tokens "
+                      "(a baseline: lower variance, the same expected gradient)")
   g = p.add_argument_group("objective")
   g.add_argument("--algorithm", choices=[a.value for a in objectives.Algorithm],
                  default="grpo")

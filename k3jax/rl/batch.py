@@ -35,6 +35,10 @@ class Batch:
   def rows(self) -> int:
     return self.rollout_mask.shape[0]
 
+  @property
+  def seq_len(self) -> int:
+    return self.rollout_mask.shape[1]
+
   def per_token(self, trajectories, values: Sequence[Sequence[float]], dtype) -> np.ndarray:
     """[rows, seq_len] of per-trajectory arrays aligned with each one's targets (ids[1:])."""
     out = np.zeros(self.rollout_mask.shape, dtype)

@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from k3jax.engine.config import bucket
 from k3jax.rl import batch as batch_lib
 from k3jax.rl import objectives as obj_lib
 from k3jax.rl.options import RLOptions
@@ -77,15 +78,23 @@ class Learner:
     multiple = opts.grad_accum * (1 if self.mesh is None else batch_rows_ways(self.mesh))
     # several processes: one shape (each compiles it ahead and meets the others once)
     b = batch_lib.build(trajs, trains, [[a] * len(t.ids) for a, t in zip(per_traj, trajs)],
-                        self.seq_len, multiple, rows, objective.loss_agg,
+                        self._positions(trajs), multiple, rows, objective.loss_agg,
                         opts.max_new_tokens * opts.turns, self.wide,
                         one_per_row=objective.algorithm == obj_lib.Algorithm.GSPO,
                         fixed_rows=jax.process_count() > 1)
     return trajs, b, per_traj, uniform, dropped
 
+  def _positions(self, trajs) -> int:
+    """A row's positions: the longest trajectory's, in a power of two (a few compiled shapes),
+    at most `seq_len`; always `seq_len` with several processes (one shape, compiled ahead)."""
+    if jax.process_count() > 1 or not trajs:
+      return self.seq_len
+    longest = max(len(t.ids) for t in trajs) - 1
+    return min(self.seq_len, max(8, bucket(longest, self.seq_len)))
+
   def _device(self, b) -> dict:
     A = self.opts.grad_accum
-    dev = {k: v.reshape(A, b.rows // A, self.seq_len) for k, v in b.arrays.items()
+    dev = {k: v.reshape(A, b.rows // A, b.seq_len) for k, v in b.arrays.items()
            if k != "versions"}
     if self.mesh is not None:  # every process holds the whole batch: it places its shards
       dev = jax.device_put(dev, self.steps.batch_sharding)
@@ -127,7 +136,7 @@ class Learner:
     return out
 
   def _host(self, x, b) -> np.ndarray:
-    return distributed.fetch(x).astype(np.float64).reshape(b.rows, self.seq_len)
+    return distributed.fetch(x).astype(np.float64).reshape(b.rows, b.seq_len)
 
   def _distill(self, dev, b, trajs, per_traj, mu, metrics) -> None:
     """Per-token advantages lam (teacher - mu) + (1 - lam) A_i from each trajectory's teacher
@@ -141,14 +150,27 @@ class Learner:
     group = b.per_token(trajs, [[a] * (len(t.ids) - 1) for a, t in zip(per_traj, trajs)],
                         np.float64)
     m, loss = b.rollout_mask, b.arrays["loss_mask"]
-    adv = np.where(loss, obj_lib.distill_advantages(teacher, mu, group,
-                                                    self.opts.distill_weight), 0.0)
+    baseline = self._baselines(b, trajs, teacher - mu) if self.opts.distill_baseline else 0.0
+    adv = np.where(loss, obj_lib.distill_advantages(teacher, mu, group, self.opts.distill_weight,
+                                                    baseline), 0.0)
     b.arrays["advantages"] = adv.astype(self.wide)
     A = self.opts.grad_accum
-    dev["advantages"] = b.arrays["advantages"].reshape(A, b.rows // A, self.seq_len)
+    dev["advantages"] = b.arrays["advantages"].reshape(A, b.rows // A, b.seq_len)
     if self.mesh is not None:
       dev["advantages"] = jax.device_put(dev["advantages"], self.steps.batch_sharding)
     metrics["distill_kl"] = float(np.mean((mu - teacher)[m]))
+
+  def _baselines(self, b, trajs, d: np.ndarray) -> np.ndarray:
+    """[rows, T]: the mean of `d` over the sampled tokens of each trajectory's group (the
+    batch holds whole groups of group_size trajectories, in order)."""
+    G, out = self.opts.group_size, np.zeros_like(d)
+    for first in range(0, len(trajs), G):
+      spans = [(row, at, len(t.ids) - 1) for t, (row, at) in
+               zip(trajs[first:first + G], b.where[first:first + G])]
+      vals = np.concatenate([d[r, a:a + n][b.rollout_mask[r, a:a + n]] for r, a, n in spans])
+      for r, a, n in spans:
+        out[r, a:a + n] = vals.mean() if vals.size else 0.0
+    return out
 
   def _compile_then_meet(self, state: dict, ref_params, dev: dict) -> None:
     """Compile the logprob passes and the train step (their first calls reuse the

@@ -165,7 +165,8 @@ def _run(opts: RLOptions, on_step) -> dict[str, Any]:
                                        run.out)
     _initial_state(run)
     engine = Engine(_policy(run.steps, run.state),
-                    options_lib.engine_config(opts, max(run.fitting), run.max_len), mesh=run.mesh)
+                    options_lib.engine_config(opts, max(run.fitting) if run.env.one_turn else 256,
+                                              run.max_len), mesh=run.mesh)
     _announce(run)
     writer = (MetricsWriter(run.out, resume_step=run.point.step, tensorboard=opts.tensorboard)
               if run.main else None)

@@ -44,7 +44,12 @@ log v_it), truncated or masked the same way.
 On-policy distillation (`distill_advantages`): the per-token advantage
     A_it = lam (log pi_teacher(o_it) - log mu(o_it)) + (1 - lam) A_i
 (reverse KL to the teacher on the student's own samples, mixed with the group reward
-advantage by lam = `--distill-weight`).
+advantage by lam = `--distill-weight`). With `--distill-baseline` the teacher - mu term is
+taken less its mean b_g over the sampled tokens of the trajectory's group: a baseline (the
+expected gradient is unchanged, since E[b grad log mu] = 0). Without it, a token the policy
+rarely samples is pushed by the advantages of the tokens sampled instead (the normaliser's
+term), which in expectation its own rare samples cancel but which, with few samples a step
+and Adam's per-parameter normalisation, drifts the policy away from the teacher.
 
 The weights are computed on the host over the whole update batch, so a loss summed over
 micro-batches is the loss of the batch. Log-ratios are clamped to [-20, 20] before exp: a
@@ -168,11 +173,12 @@ def token_weights(mask_nt: np.ndarray, agg: LossAgg, max_len: int) -> np.ndarray
 
 
 def distill_advantages(teacher_logp: np.ndarray, student_logp: np.ndarray,
-                       group_adv: np.ndarray, weight: float) -> np.ndarray:
+                       group_adv: np.ndarray, weight: float, baseline=0.0) -> np.ndarray:
   """Per-token advantages of on-policy distillation (module docstring): lam (teacher -
-  student) + (1 - lam) A_i, arrays [..., T] (group_adv broadcast along T)."""
+  student - baseline) + (1 - lam) A_i, arrays [..., T] (group_adv and baseline broadcast)."""
   t, s = np.asarray(teacher_logp, np.float64), np.asarray(student_logp, np.float64)
-  return weight * (t - s) + (1.0 - weight) * np.asarray(group_adv, np.float64)
+  return (weight * (t - s - np.asarray(baseline, np.float64))
+          + (1.0 - weight) * np.asarray(group_adv, np.float64))
 
 
 def k3(log_p: np.ndarray | jax.Array, log_q: np.ndarray | jax.Array, xp=jnp):

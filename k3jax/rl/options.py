@@ -56,6 +56,7 @@ class RLOptions:
   # on-policy distillation
   teacher: tuple[str, ...] = ()      # NAME=MODEL_FOLDER_OR_URL
   distill_weight: float = 1.0
+  distill_baseline: bool = False     # teacher - student less its group mean (objectives.py)
   # the optimizer (the train step's: Per-Head Muon + AdamW; AdamW on LoRA adapters)
   learning_rate: float = 1e-6
   adam_learning_rate: float | None = None
@@ -179,13 +180,16 @@ def _check_rollouts(opts: RLOptions) -> None:
 
 def engine_config(opts: RLOptions, longest_prompt: int, max_len: int) -> EngineConfig:
   """One engine shape for the run: a slot per rollout of a step (or --max-num-seqs), decode
-  rows always that many and one attention context (min_decode_rows, min_context): a step's
-  rollouts start together and shrink as they finish, so a few programs serve the run. Decode
-  blocks of 8 steps once the prompts are read (no host round trip per token)."""
+  rows always that many and, for one-turn rollouts, one attention context (min_decode_rows,
+  min_context): a step's rollouts start together and shrink as they finish, so a few programs
+  serve the run. Multi-turn trajectories grow turn by turn: their context starts at 512
+  positions and doubles as they need. Decode blocks of 8 steps once the prompts are read (no
+  host round trip per token)."""
   slots = min(opts.max_num_seqs or 10**9, opts.prompts_per_step * opts.group_size)
-  chunk = min(512, max(8, bucket(longest_prompt, 512)))
+  chunk = min(512, max(8, bucket(min(longest_prompt, max_len), 512)))
   page = 16 if max_len <= 256 else 64
   return EngineConfig(max_num_seqs=slots, max_model_len=max_len, page_size=page,
                       prefill_chunk=chunk, prefill_rows=min(slots, max(1, 1024 // chunk)),
-                      min_decode_rows=slots, min_context=max_len, max_top_logprobs=1,
-                      decode_steps=8, layout="stacked")
+                      min_decode_rows=slots,
+                      min_context=max_len if opts.env is None else min(max_len, 512),
+                      max_top_logprobs=1, decode_steps=8, layout="stacked")

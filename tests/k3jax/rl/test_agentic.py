@@ -142,3 +142,86 @@ def test_teacher_refusals(files, tmp_path, capsys, monkeypatch):
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and "did not answer" in err[0], err
   assert os.listdir(out / "checkpoints") == ["1"] and len(records(out)) == 1
+
+
+ENV = """
+class Chat:
+  def __init__(self, turns=3, long=0):
+    self.turns, self.long, self.seen, self.row = turns, long, 0, None
+
+  def reset(self, row):
+    self.row = row
+    return [{"role": "user", "content": row["q"]}]
+
+  def step(self, action):
+    self.seen += 1
+    if self.row.get("fail") and self.seen == 1:
+      raise RuntimeError("this environment failed")
+    if self.seen >= self.turns:
+      return [], 1.0, True, {"tool_calls": 1}
+    text = "go on " + "x" * self.long
+    return [{"role": "user", "content": text}], 0.25, False, {"tool_calls": 1}
+"""
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+  """A float64-ready random model over the K2-shaped BPE vocabulary whose <|im_end|> is likely
+  (turns end), saved as a run folder with that tokenizer; and the environment's file."""
+  import jax
+  import numpy as np
+
+  from tests.k3jax.tokenizer import release
+  root = tmp_path_factory.mktemp("chat_rl")
+  added = release.build(str(root / "tok"))
+  cfg = tiny_cfg(vocab_size=max(added.values()) + 1, num_layers=2, mla_layers=(1,),
+                 eos_token_id=added["<|im_end|>"])
+  m = randomize(K3Model(cfg, rngs=nnx.Rngs(0)), seed=3)
+  ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (4, 32))
+  f = np.asarray(m(jax.numpy.asarray(ids)).features, np.float64).reshape(-1, cfg.hidden_size)
+  mean = f.mean(0)
+  head = np.array(m.lm_head[...])
+  head[:, added["<|im_end|>"]] = 1.5 * mean / (mean @ mean)
+  m.lm_head.set_value(jax.numpy.asarray(head, m.lm_head[...].dtype))
+  (root / "chat_env.py").write_text(ENV)
+  rows = [{"q": f"question {i}", "fail": i == 1} for i in range(4)]
+  (root / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  return helpers._save(str(root / "run"), m, cfg, str(root / "tok")), root
+
+
+def env_flags(chat_model, out, *extra):
+  folder, root = chat_model
+  return ["rl", "--init-from", folder, "--data", str(root / "rows.jsonl"), "--env",
+          f"{root / 'chat_env.py'}:Chat", "--group-size", "2", "--prompts-per-step", "4",
+          "--max-new-tokens", "8", "--steps", "2", "--out", str(out), "--dtype", "float64",
+          "--learning-rate", "1e-3", "--compile-cache", "none", "--no-tensorboard",
+          "--no-progress", "--no-plots", *extra]
+
+
+def test_an_environment_run_counts_turns_errors_and_overlong_trajectories(chat_model, tmp_path):
+  out = tmp_path / "env"
+  assert cli.main(env_flags(chat_model, out)) == 0
+  rs = records(out)
+  finite(rs)
+  assert all(r["env_errors"] == 2 for r in rs)  # row 1's two samples, each step
+  assert max(r["turns"] for r in rs) > 1 and sum(r["tool_calls"] for r in rs) > 0
+  assert all(r["mismatch_max"] <= 1e-9 for r in rs if r["trained_tokens"])
+  with open(out / "env_errors.jsonl") as f:
+    errors = [json.loads(line) for line in f]
+  assert len(errors) == 4 and all("this environment failed" in e["error"] for e in errors)
+  assert {e["row"] for e in errors} == {1}
+
+  short = tmp_path / "short"
+  assert cli.main(env_flags(chat_model, short, "--env-arg", "long=200",
+                            "--max-trajectory-tokens", "120")) == 0
+  assert sum(r["overlong"] for r in records(short)) > 0
+
+
+def test_a_bad_environment_refuses_the_run(chat_model, tmp_path, capsys):
+  _, root = chat_model
+  args = env_flags(chat_model, tmp_path / "bad")
+  args[args.index("--env") + 1] = f"{root / 'chat_env.py'}:Missing"
+  assert cli.main(args) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "has no class 'Missing'" in err[0], err
+  assert not (tmp_path / "bad" / "metrics.jsonl").exists()

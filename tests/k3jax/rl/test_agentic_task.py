@@ -83,7 +83,8 @@ def test_rl_learns_to_use_a_calculator(tmp_path, capsys):
                    "--env-arg", f"module={tmp_path / 'calc.py'}", "--env-arg",
                    "declare=false", "--reward", "numeric",
                    "--group-size", str(GROUP), "--prompts-per-step", str(PROMPTS),
-                   "--max-new-tokens", "24", "--max-turns", "3", "--steps", str(RL_STEPS),
+                   "--max-new-tokens", "48", "--max-turns", "3",
+                   "--max-trajectory-tokens", "256", "--steps", str(RL_STEPS),
                    "--learning-rate", "3e-3", "--out", str(out), "--save-every", "1000",
                    "--compile-cache", "none", "--no-tensorboard", "--json"]) == 0
   with open(out / "metrics.jsonl") as f:

@@ -194,6 +194,9 @@ def test_distillation_advantages_and_gradient_match_the_float64_reference(algori
   want = [[lam * (teacher[i, t] - old[i, t]) + (1 - lam) * group[i] for t in range(T)]
           for i in range(len(LENGTHS))]
   np.testing.assert_allclose(got, want, rtol=0, atol=1e-15)
+  base = np.random.default_rng(3).normal(size=(len(LENGTHS), 1))  # --distill-baseline's b_g
+  np.testing.assert_allclose(distill_advantages(teacher, old, group[:, None], lam, base),
+                             np.asarray(want) - lam * base, rtol=0, atol=1e-14)
   value, grad, _ = ours(cfg, logp, old, ref, mask, token_adv=got)
   assert value == pytest.approx(ref_loss(cfg, logp, old, ref, mask, token_adv=want),
                                 abs=1e-12, rel=1e-12)
