@@ -15,12 +15,14 @@ from k3jax.commands import (
                             info,
                             parity,
                             plan,
+                            prepare_data,
                             rl,
                             serve,
                             tokenize,
                             train,
 )
 
-COMMANDS = (info, train, rl, generate, serve, eval, convert, export, parity, tokenize, plan)
+COMMANDS = (info, prepare_data, train, rl, generate, serve, eval, convert, export, parity,
+            tokenize, plan)
 
 __all__ = ["COMMANDS"]

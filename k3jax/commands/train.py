@@ -7,6 +7,9 @@ converted checkpoint (`k3jax convert`) or an official-layout model folder, with 
 tiktoken tokenizer when it has one. `--format chat --data FILE.jsonl` is chat SFT: rows of
 {"messages": [...], "tools": [...]} rendered with the folder's chat template, the loss on
 assistant tokens only (`k3jax tokenize MODEL_DIR --chat ROW.json` shows what is trained).
+`--data DIR` of `k3jax prepare-data` (or `--data-mix mix.json`, a weighted mixture of such
+folders) trains on a prepared dataset: each process reads only the documents its rows need,
+lazily (docs/training.md#data-at-scale).
 
 Scale-out (docs/sharding.md): --mesh data=2,fsdp=1,expert=2,tensor=2 runs the step sharded over the
 devices (axes left out have size 1; one axis may be -1: the devices left over; the sizes must
@@ -31,6 +34,7 @@ from k3jax.commands._args import (
   add_remat,
   add_step_knobs,
   default_compile_cache,
+  nonneg_int,
   optional_float,
   positive_float,
   positive_int,
@@ -46,7 +50,8 @@ def options_from_args(args: argparse.Namespace):
   cache = None if args.compile_cache.lower() == "none" else args.compile_cache
   return RunOptions(
       out=args.out, config=args.config, init_from=args.init_from, steps=args.steps,
-      data=args.data, data_format=args.format, skip_bad_rows=args.skip_bad_rows,
+      data=args.data, data_mix=args.data_mix, data_workers=args.data_workers,
+      data_format=args.format, skip_bad_rows=args.skip_bad_rows,
       tokenizer=args.tokenizer, batch_size=args.batch_size,
       grad_accum=args.grad_accum, seq_len=args.seq_len, learning_rate=args.lr,
       adam_learning_rate=args.adam_lr, warmup_steps=args.warmup, decay_steps=args.decay_steps,
@@ -105,8 +110,16 @@ def register(sub) -> None:
   g.add_argument("--seed", type=int, default=0, help="init and data-order seed")
   g = p.add_argument_group("data")
   g.add_argument("--data", default=None,
-                 help="text file or folder (none given: this Python's standard-library "
-                      "sources); --format chat: a .jsonl file or folder of them")
+                 help="a prepared dataset (k3jax prepare-data's folder), a text file or folder "
+                      "(none given: this Python's standard-library sources); --format chat: "
+                      "a .jsonl file or folder of them")
+  g.add_argument("--data-mix", default=None, metavar="MIX.json",
+                 help="a mixture of prepared datasets: {\"components\": [{\"path\": DIR, "
+                      "\"weight\": w}, ...]} (shares of documents; \"shares\": \"tokens\" "
+                      "for tokens); not with --data")
+  g.add_argument("--data-workers", type=nonneg_int, default=0, metavar="N",
+                 help="prepared data: Grain worker processes packing rows (0: one thread); "
+                      "the batches are the same for any N, so a resume may change it")
   g.add_argument("--format", choices=("text", "chat"), default="text",
                  help="text: documents, every token trained; chat: JSONL rows {\"messages\": "
                       "[...], \"tools\": [...]} rendered with the checkpoint's chat template, "

@@ -4,7 +4,7 @@ tiktoken BPE, special tokens and Jinja chat template, read as transformers reads
 One interface, used by `k3jax train`, `k3jax tokenize` and `k3jax generate`:
 
     tok = load_tokenizer("auto", folder)         # folder: HF folder or converted checkpoint
-    tok.name, tok.vocab_size
+    tok.name, tok.vocab_size, tok.fingerprint   (fingerprint: "byte", or a hash of the BPE)
     tok.encode(text, allow_special=True)  -> np.ndarray int32   (special-token text -> ids)
     tok.decode(ids) -> str                  tok.decode_bytes(ids) -> bytes (streaming)
     tok.token_id("<|im_end|>") -> int       tok.special_tokens: {text: id}
@@ -38,6 +38,7 @@ __all__ = ["ByteTokenizer", "TIKTOKEN_FILE", "find_tiktoken_file", "load_tokeniz
 class ByteTokenizer:
   """UTF-8 bytes as token ids 0..255; no special tokens, no chat format."""
   name = "byte"
+  fingerprint = "byte"
   vocab_size = 256
   special_tokens: dict[str, int] = {}
   bos_id = eos_id = None

@@ -19,6 +19,9 @@ token text as ordinary text, as the remote code's `encode(text, allow_special_to
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import os
 import re
 
@@ -94,6 +97,19 @@ class BpeTokenizer:
     if self.spec.stop_ids:
       return self.spec.stop_ids
     return () if self.eos_id is None else (self.eos_id,)
+
+  @functools.cached_property
+  def fingerprint(self) -> str:
+    """What fixes the ids text encodes to and the end-of-document id: the ranks file's bytes,
+    the pre-tokenisation regex, the long-text guards and the special tokens (a prepared
+    dataset records it; training refuses a dataset of another tokenizer)."""
+    h = hashlib.sha256()
+    with open(self.spec.ranks_file, "rb") as f:
+      h.update(f.read())
+    remote = self.spec.remote
+    h.update(json.dumps([remote.pattern, remote.max_chars, remote.max_run,
+                         sorted(self.special_tokens.items()), self.eos_id]).encode())
+    return f"tiktoken:{h.hexdigest()[:32]}"
 
   # ---- encode / decode ---------------------------------------------------------------------
 

@@ -27,9 +27,9 @@ import os
 
 import numpy as np
 
+from k3jax.corpus.holdout import is_held_out
 from k3jax.errors import ChatError, UserError
 from k3jax.tokenizer import chat
-from k3jax.train.holdout import is_held_out
 
 BAD_ROWS_FILE = "bad_rows.jsonl"
 SHOWN = 3  # bad rows named in the refusal line

@@ -94,8 +94,9 @@ class _HoldRestore(ocp.args.JsonRestore):
 
 
 class _ShardStatesHandler(ocp.JsonCheckpointHandler):
-  """The data item: {shard: grain state} -> one `shard_<s>.json` per shard, written by
-  whichever process is handed it (not only the primary host, unlike plain JSON items)."""
+  """The data item: {shard: its position (a grain state, or a prepared dataset's)} -> one
+  `shard_<s>.json` per shard, written by whichever process is handed it (not only the primary
+  host, unlike plain JSON items)."""
 
   async def _save_fn(self, x, directory):
     # awaited by Orbax's commit future once the (temporary) item folder exists

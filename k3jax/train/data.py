@@ -1,5 +1,11 @@
-"""Input pipeline: documents -> tokens -> pieces -> grain first-fit packing -> batches
-(docs/training.md#data).
+"""Input pipeline of documents held in memory (text files and folders, the default corpus,
+chat rows): documents -> tokens -> pieces -> grain first-fit packing -> batches
+(docs/training.md#data). A prepared dataset streams its documents instead (prepared_data.py,
+k3jax/corpus/stream.py); what both hand the loop is a `ShardOpener` (data shard, saved
+position -> batches) read through `ShardIterator`.
+
+A text document's tokens end with the tokenizer's end-of-document id (when it has one, and
+from data format version 2 on: inputs.py), so the last pair of every document is trained.
 
 A document of L tokens is cut into pieces of at most T+1 tokens that overlap by one token
 (starts 0, T, 2T, ...), so each next-token pair of the document is trained on exactly once.
@@ -39,23 +45,23 @@ import dataclasses
 import glob
 import os
 import sysconfig
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import grain
 import numpy as np
 
+from k3jax.corpus.holdout import EVAL_EVERY, is_held_out
+from k3jax.corpus.sources import TEXT_SUFFIXES
 from k3jax.errors import UserError
-from k3jax.train import chat_data
-from k3jax.train.holdout import EVAL_EVERY, is_held_out
 
 MIN_DOCS_FOR_DOC_SPLIT = 2 * EVAL_EVERY
-TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".json", ".jsonl", ".c", ".h", ".html")
 
 
 @dataclasses.dataclass(frozen=True)
 class Document:
   name: str
   data: bytes
+  ends: bool = True  # the document's end (False: a head cut off for the eval split)
 
 
 def stdlib_documents() -> list[Document]:
@@ -100,14 +106,17 @@ def split_documents(docs: Sequence[Document]) -> tuple[list[Document], list[Docu
   train, held_out = [], []
   for d in docs:
     cut = len(d.data) - len(d.data) // EVAL_EVERY
-    train.append(Document(d.name, d.data[:cut]))
+    train.append(Document(d.name, d.data[:cut], ends=False))
     held_out.append(Document(d.name + "[eval]", d.data[cut:]))
   return train, held_out
 
 
-def tokenize(docs: Sequence[Document], tokenizer) -> list[np.ndarray]:
-  # special-token text in a training document is ordinary text, not a control token
+def tokenize(docs: Sequence[Document], tokenizer, eos: int | None = None) -> list[np.ndarray]:
+  """Each document's ids, `eos` (the end-of-document id; None: nothing) after every one that
+  `ends`. Special-token text in a training document is ordinary text, not a control token."""
   out = [tokenizer.encode(d.data, allow_special=False) for d in docs]
+  if eos is not None:
+    out = [np.append(ids, np.int32(eos)) if d.ends else ids for d, ids in zip(docs, out)]
   vocab = tokenizer.vocab_size
   for d, ids in zip(docs, out):
     if ids.size and (ids.min() < 0 or ids.max() >= vocab):
@@ -216,14 +225,25 @@ def train_dataset(docs_tokens: Sequence[np.ndarray], cfg: PipelineConfig,
   return grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=2)
 
 
+# data shard, its saved position (None: the start) -> its batches [A, b/S, T], an iterator
+# with get_state() (and close())
+ShardOpener = Callable[[int, "dict | None"], Iterator[dict[str, np.ndarray]]]
+
+
+def in_memory_shards(docs_tokens: Sequence[np.ndarray], cfg: PipelineConfig,
+                     weights: Sequence[np.ndarray] | None = None) -> ShardOpener:
+  """The data shards of documents held in memory (text folders, chat rows): `train_dataset`."""
+  return lambda shard, state: iterate(train_dataset(docs_tokens, cfg, weights, shard=shard),
+                                      state)
+
+
 class ShardIterator:
   """Micro-batch rows [start, stop) (of b) of every step's global batch, cut from the data
-  shards that overlap them: [A, stop - start, T]. State: {shard: grain state} of those shards
-  (resumable per shard; the same whichever rows, hence process count, read them)."""
+  shards that overlap them: [A, stop - start, T]. State: {shard: its saved position} of those
+  shards (resumable per shard; the same whichever rows, hence process count, read them)."""
 
-  def __init__(self, docs_tokens: Sequence[np.ndarray], cfg: PipelineConfig,
-               rows: tuple[int, int] | None = None, state: dict | None = None,
-               weights: Sequence[np.ndarray] | None = None):
+  def __init__(self, open_shard: ShardOpener, cfg: PipelineConfig,
+               rows: tuple[int, int] | None = None, state: dict | None = None):
     b = cfg.batch_rows // cfg.micro_batches
     self.rows = (0, b) if rows is None else tuple(rows)
     self.shards = shards_for_rows(cfg, self.rows)
@@ -231,8 +251,7 @@ class ShardIterator:
     first = self.shards[0] * (b // cfg.num_shards)
     self._keep = slice(self.rows[0] - first, self.rows[1] - first)
     states = {s: None if state is None else _shard_state(state, s) for s in self.shards}
-    self._its = {s: iterate(train_dataset(docs_tokens, cfg, weights, shard=s), states[s])
-                 for s in self.shards}
+    self._its = {s: open_shard(s, states[s]) for s in self.shards}
 
   def __iter__(self):
     return self
@@ -303,48 +322,3 @@ def iterate(ds: grain.IterDataset, state: dict | None = None) -> Iterator:
   if state is not None:
     it.set_state(state)
   return it
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainingData:
-  """What a run trains and evaluates on."""
-  train_tokens: list[np.ndarray]
-  train_weights: list[np.ndarray] | None  # chat: 1 on assistant tokens; text: None (all)
-  eval_batches: list[dict[str, np.ndarray]]
-  description: str                        # for the start-up line
-  summary: dict                           # for the run's summary
-
-
-def load_training_data(path: str | None, data_format: str, tokenizer, cfg: PipelineConfig,
-                       max_eval_batches: int, *, skip_bad_rows: bool = False,
-                       out: str | None = ".") -> TrainingData:
-  """`--format text`: documents (a file, a folder, or the stdlib sources when `path` is None),
-  split into pieces; `--format chat`: JSONL conversations (chat_data.py). `out`: the folder
-  for the bad-rows list (None: not written, e.g. on processes other than 0)."""
-  if data_format == "text":
-    docs = stdlib_documents() if path is None else folder_documents(path)
-    train_docs, eval_docs = split_documents(docs)
-    train_tokens = tokenize(train_docs, tokenizer)
-    eval_tokens = tokenize(eval_docs, tokenizer)
-    n_train = sum(map(len, train_tokens))
-    return TrainingData(
-        train_tokens, None, eval_batches(eval_tokens, cfg, max_eval_batches),
-        f"{len(train_docs)} train + {len(eval_docs)} eval documents, {n_train:,} train tokens",
-        {"format": "text", "documents": len(docs), "train_tokens": n_train})
-  if data_format != "chat":
-    raise UserError(f"--format {data_format}: expected text or chat")
-  if path is None:
-    raise UserError("--format chat needs --data FILE.jsonl (rows of {\"messages\": [...]})")
-  corpus = chat_data.read_chat(path, tokenizer, cfg.seq_len)
-  report = chat_data.check_bad_rows(corpus, path, skip=skip_bad_rows, out=out)
-  (train_t, train_w), (eval_t, eval_w), held_out = corpus.split()
-  n_train, n_trained = sum(map(len, train_t)), int(sum(w.sum() for w in train_w))
-  return TrainingData(
-      train_t, train_w, eval_batches(eval_t, cfg, max_eval_batches, eval_w),
-      f"{len(train_t)} train + {len(eval_t) if held_out else 0} eval conversations"
-      f"{'' if held_out else ' (eval on the train rows: too few to hold any out)'}, "
-      f"{n_train:,} train tokens of which {n_trained:,} assistant tokens are trained",
-      {"format": "chat", "rows": len(corpus.tokens), "bad_rows": len(corpus.bad),
-       "bad_rows_file": report, "special_text_rows": len(corpus.special_text),
-       "train_rows": len(train_t), "eval_rows": len(eval_t) if held_out else 0,
-       "train_tokens": n_train, "trained_tokens": n_trained})

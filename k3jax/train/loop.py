@@ -45,7 +45,7 @@ from convert.fingerprint import weight_bytes
 from k3jax.config import ModelConfig
 from k3jax.errors import UserError
 from k3jax.execution import Execution
-from k3jax.folders import MODEL_DIR, model_folder, tokenizer_source
+from k3jax.folders import MODEL_DIR, RUN_FILE, model_folder, tokenizer_source
 from k3jax.model.lora import AdaptSpec
 from k3jax.run.model import model_config
 from k3jax.run.options import adapt_spec, execution
@@ -55,6 +55,7 @@ from k3jax.run.start import start
 from k3jax.tokenizer import load_tokenizer
 from k3jax.train import data as data_lib
 from k3jax.train import flops as flops_lib
+from k3jax.train import inputs as inputs_lib
 from k3jax.train import state as state_lib
 from k3jax.train import step as step_lib
 from k3jax.train.checkpoint import Checkpointer, save_model
@@ -90,7 +91,8 @@ class _Run:
   write_shards: list[int]     # ... and those whose position it checkpoints
   ckpt: Checkpointer
   point: state_lib.ResumePoint
-  data: data_lib.TrainingData | None = None
+  chosen: inputs_lib.DataChoice   # the data named, checked before OUT was written
+  data: inputs_lib.TrainingData | None = None
   data_description: str = ""      # the data and tokenizer, for the start-up line
   eval_batches: list | None = None
   state: dict | None = None
@@ -162,6 +164,9 @@ def _set_up(opts: RunOptions) -> _Run:
   load."""
   started = start(opts, PATHS)
   opts, out, mesh = started.opts, started.out, started.mesh
+  # the data checked before anything is written (a bad manifest or mixture writes no --out)
+  chosen = inputs_lib.choose_data(opts.data, opts.data_mix, opts.data_format,
+                                  os.path.join(out, RUN_FILE))
   os.makedirs(out, exist_ok=True)
   check_base_present(out, opts.init_from)
   cfg, ex = model_config(opts.init_from, opts.config), execution(opts)
@@ -177,7 +182,7 @@ def _set_up(opts: RunOptions) -> _Run:
   ckpt = Checkpointer(os.path.join(out, "checkpoints"), keep=opts.keep)
   point = state_lib.resume_point(ckpt, steps, _init_weights(opts), opts.seed, out)
   return _Run(opts, out, mesh, started.main_process, cfg, ex, spec, steps, pipe, rows,
-              read_shards, write_shards, ckpt, point)
+              read_shards, write_shards, ckpt, point, chosen)
 
 
 def _init_weights(opts: RunOptions) -> str | None:
@@ -210,9 +215,10 @@ def _load_data(run: _Run) -> None:
   if tokenizer.vocab_size > run.cfg.vocab_size:
     raise UserError(f"the {tokenizer.name} tokenizer has {tokenizer.vocab_size} ids but the "
                     f"model only {run.cfg.vocab_size} embeddings")
-  run.data = data_lib.load_training_data(opts.data, opts.data_format, tokenizer, run.pipe,
-                                         opts.eval_batches, skip_bad_rows=opts.skip_bad_rows,
-                                         out=run.out if run.main else None)
+  run.data = inputs_lib.load_training_data(
+      opts.data, opts.data_format, tokenizer, run.pipe, opts.eval_batches,
+      skip_bad_rows=opts.skip_bad_rows, out=run.out if run.main else None, mix=run.chosen.mix,
+      data_version=run.chosen.version, workers=opts.data_workers)
   run.data_description = f"{run.data.description} ({tokenizer.name})"
   run.eval_batches = [run.to_device(b, (0, run.rows_per_micro))
                       for b in run.data.eval_batches]
@@ -238,7 +244,7 @@ def _initial_state(run: _Run) -> None:
     # and a resumed one lower to the same program (one persistent-cache entry, not two)
     run.state = step_lib.place(run.state)
   if run.main:
-    write_run_file(run.out, opts, run.cfg, run.ex)
+    write_run_file(run.out, opts, run.cfg, run.ex, data=run.chosen.identity)
 
 
 def _initial_params(run: _Run, weights: str | None):
@@ -279,8 +285,7 @@ def _train(run: _Run, meter: _Meter, on_step) -> _Tally:
   opts, tally = run.opts, _Tally()
   writer = (MetricsWriter(run.out, resume_step=run.point.step, tensorboard=opts.tensorboard)
             if run.main else _NoWriter())
-  iterator = data_lib.ShardIterator(run.data.train_tokens, run.pipe, run.rows, run.data_state,
-                                    run.data.train_weights)
+  iterator = run.data.iterator(run.pipe, run.rows, run.data_state)
   bar = tqdm(total=opts.steps, initial=run.start, disable=not (opts.progress and run.main),
              unit="step", dynamic_ncols=True)
   qk_threshold = step_lib.NO_QK_CLIP if opts.qk_clip is None else np.float32(opts.qk_clip)

@@ -12,10 +12,11 @@ from k3jax.errors import UserError
 from k3jax.folders import absolute, absolute_tokenizer
 from k3jax.train import step as step_lib
 
-RESUME_KEYS = ("data", "data_format", "tokenizer", "seq_len", "batch_size", "seed",
-               "init_from", "data_shards", "lora_rank", "lora_alpha", "lora_targets",
+RESUME_KEYS = ("data", "data_mix", "data_format", "tokenizer", "seq_len", "batch_size",
+               "seed", "init_from", "data_shards", "lora_rank", "lora_alpha", "lora_targets",
                "base_experts", "experts_qat")
-PATHS = {"data": absolute, "init_from": absolute, "tokenizer": absolute_tokenizer}
+PATHS = {"data": absolute, "data_mix": absolute, "init_from": absolute,
+         "tokenizer": absolute_tokenizer}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,7 +25,9 @@ class RunOptions:
   config: str | None = None          # preset or config file (default "tiny"); not with init_from
   init_from: str | None = None       # converted Orbax checkpoint or official-layout HF folder
   steps: int = 300
-  data: str | None = None            # text file / folder; None: the stdlib sources
+  data: str | None = None            # text file / folder, or a prepared dataset; None: stdlib
+  data_mix: str | None = None        # mix.json: a mixture of prepared datasets (not with data)
+  data_workers: int = 0              # Grain worker processes packing prepared data (0: a thread)
   data_format: str = "text"          # text | chat (JSONL conversations, assistant tokens only)
   skip_bad_rows: bool = False        # chat: train on the good rows (else bad rows refuse the run)
   tokenizer: str = "auto"            # auto | byte | tiktoken | a folder holding tiktoken.model

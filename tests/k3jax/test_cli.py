@@ -23,9 +23,10 @@ def test_help_lists_the_readme_commands():
   with open(README) as f:
     text = f.read()
   section = text[text.index("## Commands"):text.index("\n## ", text.index("## Commands") + 1)]
-  documented = set(re.findall(r"^- `k3jax (\w+)", section, flags=re.M))
-  assert commands() == documented == {"info", "train", "rl", "generate", "serve", "eval",
-                                      "convert", "export", "parity", "tokenize", "plan"}
+  documented = set(re.findall(r"^- `k3jax ([\w-]+)", section, flags=re.M))
+  assert commands() == documented == {"info", "prepare-data", "train", "rl", "generate",
+                                      "serve", "eval", "convert", "export", "parity",
+                                      "tokenize", "plan"}
 
 
 @pytest.mark.parametrize("command", sorted(commands()))

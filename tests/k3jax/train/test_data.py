@@ -219,8 +219,9 @@ def test_global_batch_and_data_position_do_not_depend_on_the_process_count(shard
   want = _global_batches(pipes, 5, close=False)
   for it in pipes:
     it.close()
+  opener = data.in_memory_shards(docs, cfg)
   for n in (1, 2, 4):
-    its = [data.ShardIterator(docs, cfg, rows) for rows in _process_rows(b, n).values()]
+    its = [data.ShardIterator(opener, cfg, rows) for rows in _process_rows(b, n).values()]
     got = _global_batches(its, 5)
     for g, w in zip(got, want):
       for k in w:
@@ -229,7 +230,7 @@ def test_global_batch_and_data_position_do_not_depend_on_the_process_count(shard
   # resumes under m with the same next batches
   for n, m in ((2, 1), (1, 4), (4, 2)):
     by_process = _process_rows(b, n)
-    its = [data.ShardIterator(docs, cfg, rows) for rows in by_process.values()]
+    its = [data.ShardIterator(opener, cfg, rows) for rows in by_process.values()]
     _global_batches(its, 2, close=False)
     writers = data.shard_writers(cfg, by_process)
     saved = {}
@@ -237,7 +238,7 @@ def test_global_batch_and_data_position_do_not_depend_on_the_process_count(shard
       saved.update({k: v for k, v in it.get_state().items() if writers[int(k)] == p})
       it.close()
     assert sorted(saved) == [str(s) for s in range(shards)]
-    resumed = [data.ShardIterator(docs, cfg, rows, state=saved)
+    resumed = [data.ShardIterator(opener, cfg, rows, state=saved)
                for rows in _process_rows(b, m).values()]
     for g, w in zip(_global_batches(resumed, 3), want[2:5]):
       for k in w:
@@ -248,4 +249,4 @@ def test_a_data_position_of_other_shards_is_refused():
   docs = docs_tokens([40, 33, 60, 25], seed=2)
   cfg = data.PipelineConfig(seq_len=T, batch_rows=4, micro_batches=1, seed=0, num_shards=2)
   with pytest.raises(UserError, match="no data position for data shard 1"):
-    data.ShardIterator(docs, cfg, state={"0": {}})
+    data.ShardIterator(data.in_memory_shards(docs, cfg), cfg, state={"0": {}})
