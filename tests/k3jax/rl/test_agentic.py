@@ -14,7 +14,10 @@ byte-level float64 model of test_run.py:
 import json
 import math
 import os
+import socket
 
+import jax
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -28,6 +31,7 @@ from k3jax.rl.loop import METRICS
 from tests.k3jax.model.helpers import randomize, tiny_cfg
 from tests.k3jax.rl.test_run import flags, records
 from tests.k3jax.server import helpers
+from tests.k3jax.tokenizer import release
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +148,21 @@ def test_teacher_refusals(files, tmp_path, capsys, monkeypatch):
   assert os.listdir(out / "checkpoints") == ["1"] and len(records(out)) == 1
 
 
+def test_a_teacher_server_that_does_not_answer_is_asked_again_then_refused(monkeypatch):
+  """Nothing listens on the port: the request is sent RETRIES more times, 1, 2 and 4 s apart,
+  then TeacherUnavailable (a UserError: one line, exit 2) names the teacher."""
+  with socket.socket() as s:  # a port that was free a moment ago: connections are refused
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  waits = []
+  monkeypatch.setattr(teacher_lib.time, "sleep", waits.append)
+  with pytest.raises(teacher_lib.TeacherUnavailable) as e:
+    teacher_lib.ServerTeacher("t", f"http://127.0.0.1:{port}", 256)
+  assert waits == [1, 2, 4] and teacher_lib.RETRIES == 3
+  assert str(e.value).startswith(f"--teacher t=http://127.0.0.1:{port} did not answer after 4 "
+                                 "tries") and "\n" not in str(e.value)
+
+
 ENV = """
 class Chat:
   def __init__(self, turns=3, long=0):
@@ -168,10 +187,6 @@ class Chat:
 def chat_model(tmp_path_factory):
   """A float64-ready random model over the K2-shaped BPE vocabulary whose <|im_end|> is likely
   (turns end), saved as a run folder with that tokenizer; and the environment's file."""
-  import jax
-  import numpy as np
-
-  from tests.k3jax.tokenizer import release
   root = tmp_path_factory.mktemp("chat_rl")
   added = release.build(str(root / "tok"))
   cfg = tiny_cfg(vocab_size=max(added.values()) + 1, num_layers=2, mla_layers=(1,),
