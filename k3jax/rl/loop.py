@@ -167,10 +167,11 @@ def _run(opts: RLOptions, on_step) -> dict[str, Any]:
     engine = Engine(_policy(run.steps, run.state),
                     options_lib.engine_config(opts, max(run.fitting) if run.env.one_turn else 256,
                                               run.max_len), mesh=run.mesh)
+    teachers = _teachers(run)  # a teacher or a row's `teacher` refuses before the run starts
     _announce(run)
     writer = (MetricsWriter(run.out, resume_step=run.point.step, tensorboard=opts.tensorboard)
               if run.main else None)
-    step = _iteration(run, engine, reward, envs)
+    step = _iteration(run, engine, reward, envs, teachers)
     first, last = _steps(run, step, writer, on_step)
   finally:
     closing.close()
@@ -270,13 +271,20 @@ def _announce(run: _Run) -> None:
         file=sys.stderr, flush=True)
 
 
-def _iteration(run: _Run, engine: Engine, reward: Reward | None, envs) -> Iteration:
+def _teachers(run: _Run) -> tuple[dict, teacher_lib.Assignment | None]:
+  """The --teacher models by name, and which one scores each row (every row checked)."""
   opts = run.opts
   teachers = teacher_lib.load(opts.teacher, run.ex.dtype, run.mesh, run.cfg.vocab_size)
   assign = teacher_lib.Assignment(tuple(teachers)) if teachers else None
   if assign is not None:
     for p in run.prompts:
       assign.of(p.row, f"--data {opts.data} row {p.index + 1}")
+  return teachers, assign
+
+
+def _iteration(run: _Run, engine: Engine, reward: Reward | None, envs,
+               teachers: tuple[dict, teacher_lib.Assignment | None]) -> Iteration:
+  opts = run.opts
   driver = Driver(engine, DriverConfig(max_new_tokens=opts.max_new_tokens,
                                        temperature=opts.temperature,
                                        stop_ids=_stop_ids(run.cfg, run.tokenizer),
@@ -290,7 +298,7 @@ def _iteration(run: _Run, engine: Engine, reward: Reward | None, envs) -> Iterat
                       max_staleness=opts.max_staleness, one_turn=run.env.one_turn)
   learner = Learner(opts, run.objective, run.steps, run.ref_params, run.lora, run.seq_len,
                     np.float64 if run.ex.dtype == "float64" else np.float32, run.mesh,
-                    teachers, assign)
+                    *teachers)
   logs = (ErrorLog(run.out, "reward"), ErrorLog(run.out, "env")) if run.main else None
   return Iteration(rollouts, learner, engine, lambda state: _policy(run.steps, state), reward,
                    logs, opts.group_size)

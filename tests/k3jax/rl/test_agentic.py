@@ -103,7 +103,7 @@ def distill_flags(files, out, steps, teacher, *extra):
 def test_a_student_learns_its_teachers_behaviour(files, tmp_path):
   out = tmp_path / "distill"
   assert cli.main(distill_flags(files, out, 10, files["teacher"], "--learning-rate",
-                                "2e-3")) == 0
+                                "1e-4", "--distill-baseline")) == 0
   rs = records(out)
   finite(rs)
   kls = [r["distill_kl"] for r in rs]
@@ -122,6 +122,35 @@ def test_a_served_teacher_scores_as_the_model_folder(files, tmp_path, monkeypatc
   (a,), (b,) = records(folder), records(served)
   for k in ("distill_kl", "loss", "grad_norm", "kl", "reward_mean"):
     assert a[k] == pytest.approx(b[k], rel=1e-9, abs=1e-12), k
+
+
+def _named_teachers_run(files, tmp_path, name, teacher_of) -> int:
+  """One step under two teachers, `t` (the flatter one) and `self` (the student's own copy),
+  on the 4 prompts with the teacher each row names."""
+  data = tmp_path / f"{name}.jsonl"
+  data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "teacher": teacher_of(i)}) + "\n"
+                          for i, (a, b) in enumerate(((1, 2), (3, 4), (2, 5), (4, 4)))))
+  args = distill_flags(files, tmp_path / name, 1, files["teacher"], "--teacher",
+                       f"self={files['model']}")
+  args[args.index("--data") + 1] = str(data)
+  return cli.main(args)
+
+
+@pytest.mark.long
+def test_rows_name_their_teacher(files, tmp_path):
+  """Rows that all name the student's own copy distil nothing (float64: the engine's logprobs
+  are the teacher's to 1e-9; the flatter teacher, given first, sees a KL > 0.1 on these
+  samples, test_a_student_learns_its_teachers_behaviour)."""
+  assert _named_teachers_run(files, tmp_path, "self", lambda i: "self") == 0
+  (same,) = records(tmp_path / "self")
+  assert abs(same["distill_kl"]) < 1e-9, same
+
+
+def test_a_row_naming_no_given_teacher_refuses_the_run(files, tmp_path, capsys):
+  assert _named_teachers_run(files, tmp_path, "unknown",
+                             lambda i: "t" if i < 2 else "other") == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "row 3: `teacher` must name one of t, self" in err[0], err
 
 
 def test_teacher_refusals(files, tmp_path, capsys, monkeypatch):
@@ -143,8 +172,9 @@ def test_teacher_refusals(files, tmp_path, capsys, monkeypatch):
   out = tmp_path / "gone"
   assert cli.main(distill_flags(files, out, 3, "http://127.0.0.1:9", "--save-every",
                                 "10")) == 2
-  err = capsys.readouterr().err.strip().splitlines()
-  assert len(err) == 1 and "did not answer" in err[0], err
+  err = capsys.readouterr().err.strip().splitlines()  # the run had started: its announcement
+  assert len(err) == 2 and err[0].startswith("k3jax rl: ") and "error" not in err[0], err
+  assert err[1].startswith("k3jax rl: error: ") and "did not answer" in err[1], err
   assert os.listdir(out / "checkpoints") == ["1"] and len(records(out)) == 1
 
 
