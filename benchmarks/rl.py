@@ -36,7 +36,7 @@ small K3-shaped model, and the memory plan of LoRA RL on the full K3.
 
       train      the analytic LoRA plan (`k3jax plan --mode lora --analytic`) of the train
                  step on B x G rows of --seq positions, rank --plan-rank, full remat, flash MLA,
-                 loss chunk 2048, experts' capacity factor 1.25 (as docs/plan.md's LoRA plan),
+                 loss chunk 2048, dropless experts (`k3jax rl` refuses a capacity factor),
                  micro-batches (`grad_accum`) so that a tensor=8 mesh's batch axes hold one row
                  each: its peak (state + batch + temporaries);
       cache      the engine's cache (`k3jax plan --mode decode --serving engine --analytic`'s
@@ -163,7 +163,7 @@ def rl_memory(topology: str, slots: int, seq: int, rank: int) -> dict:
   plans = plan.run(plan.PlanRequest(
       config="k3", topology=topology, batch=slots, seq=seq, analytic=True, mode=plan.Mode.RL,
       grad_accum=accum, lora_rank=rank, base_experts="mxfp4", remat="full", attention="flash",
-      loss_chunk=2048, capacity_factor=1.25))
+      loss_chunk=2048))
   p = plans[0]  # sorted: fits first, then the smallest total
   gib = lambda b: b / GIB
   return {

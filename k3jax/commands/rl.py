@@ -45,7 +45,7 @@ from k3jax.rl.loop import run as run_rl
 def options_from_args(args: argparse.Namespace) -> RLOptions:
   cache = None if args.compile_cache.lower() == "none" else args.compile_cache
   return RLOptions(
-      init_from=args.init_from, data=args.data, reward=tuple(args.reward),
+      init_from=args.init_from, data=args.data, reward=tuple(args.reward or ()),
       group_size=args.group_size, steps=args.steps, out=args.out,
       prompts_per_step=args.prompts_per_step, max_new_tokens=args.max_new_tokens,
       temperature=args.temperature, updates_per_step=args.updates_per_step,
@@ -57,10 +57,17 @@ def options_from_args(args: argparse.Namespace) -> RLOptions:
       weight_decay=args.weight_decay, clip_norm=args.clip_norm, grad_accum=args.grad_accum,
       lora_rank=args.lora, lora_alpha=args.lora_alpha,
       lora_targets=tuple(args.lora_targets) if args.lora_targets else None,
-      base_experts=args.base_experts, dtype=args.dtype, remat=args.remat, mesh=args.mesh,
+      base_experts=args.base_experts, experts_qat=args.experts_qat, dtype=args.dtype,
+      remat=args.remat, mesh=args.mesh,
       coordinator=args.coordinator, num_processes=args.num_processes,
       process_id=args.process_id, startup_timeout=args.startup_timeout,
       max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, seed=args.seed,
+      is_correction=args.is_correction, is_cap=args.is_cap, env=args.env,
+      env_args=tuple(args.env_arg), env_timeout=args.env_timeout, max_turns=args.max_turns,
+      max_trajectory_tokens=args.max_trajectory_tokens, rollout_budget=args.rollout_budget,
+      partial_rollout=args.partial_rollout, max_staleness=args.max_staleness,
+      teacher=tuple(args.teacher), distill_weight=args.distill_weight,
+      distill_baseline=args.distill_baseline,
       save_every=args.save_every, keep=args.keep, tensorboard=not args.no_tensorboard,
       plots=not args.no_plots, progress=not (args.no_progress or args.json),
       compile_cache=cache)
@@ -96,9 +103,11 @@ def register(sub) -> None:
   g.add_argument("--data", required=True, metavar="PROMPTS.jsonl",
                  help="rows {\"prompt\": ...} or {\"messages\": [...]} plus the reward's "
                       "fields (`answer` for numeric / exact)")
-  g.add_argument("--reward", required=True, action="append", metavar="NAME_OR_FN",
+  g.add_argument("--reward", action="append", metavar="NAME_OR_FN",
                  help="numeric | exact | regex:PATTERN | length:CACHE | module:fn | "
-                      "file.py:fn, optionally WEIGHT*...; repeatable (the terms are summed)")
+                      "file.py:fn, optionally WEIGHT*...; repeatable (the terms are summed; "
+                      "scored on a trajectory's last turn). Required without --env / "
+                      "--teacher")
   g.add_argument("--group-size", required=True, type=int, metavar="G",
                  help="completions per prompt (>= 2)")
   g.add_argument("--steps", required=True, type=int, metavar="N",
@@ -118,6 +127,45 @@ def register(sub) -> None:
                       "skipped and counted")
   g.add_argument("--max-num-seqs", type=int, default=None,
                  help="engine slots (default: every rollout of a step at once)")
+  g = p.add_argument_group("environments and trajectories (multi-turn)")
+  g.add_argument("--env", default=None, metavar="ENV",
+                 help="tools | python | module:Class | path/file.py:Class: each trajectory "
+                      "runs in it, turn by turn (none given: one turn scored by --reward)")
+  g.add_argument("--env-arg", action="append", default=[], metavar="KEY=VALUE",
+                 help="a keyword argument of the environment's class (JSON, else text); "
+                      "repeatable")
+  g.add_argument("--env-timeout", type=float, default=60.0, metavar="SECONDS",
+                 help="an environment call's time (past it: that trajectory's error)")
+  g.add_argument("--max-turns", type=int, default=None,
+                 help="assistant turns per trajectory (default: 1 without --env, 32 with)")
+  g.add_argument("--max-trajectory-tokens", type=int, default=None, metavar="N",
+                 help="a trajectory's tokens at most, prompt and observations included "
+                      "(default: the context); past it the trajectory ends, counted")
+  g = p.add_argument_group("partial rollouts")
+  g.add_argument("--rollout-budget", type=int, default=None, metavar="TOKENS",
+                 help="tokens generated a step; trajectories still running are paused and "
+                      "continue in the next step, under the new weights")
+  g.add_argument("--partial-rollout", choices=("keep", "recompute"), default="keep",
+                 help="a paused trajectory continues the state the engine kept (keep) or is "
+                      "read again under the new weights (recompute)")
+  g.add_argument("--max-staleness", type=int, default=2, metavar="K",
+                 help="trajectories started more than K policy versions ago are dropped and "
+                      "counted")
+  g.add_argument("--is-correction", choices=("none", "tis", "mis"), default="none",
+                 help="rollout importance sampling between the engine's logprobs and the "
+                      "trainer's old policy: truncated (tis) or masked (mis)")
+  g.add_argument("--is-cap", type=float, default=2.0, metavar="C",
+                 help="the importance weight's cap (tis) or range [1/C, C] (mis)")
+  g = p.add_argument_group("on-policy distillation")
+  g.add_argument("--teacher", action="append", default=[], metavar="NAME=MODEL",
+                 help="a teacher: a model folder (on the run's mesh) or a `k3jax serve` URL; "
+                      "repeatable (rows then name theirs in a `teacher` field)")
+  g.add_argument("--distill-weight", type=float, default=1.0, metavar="LAMBDA",
+                 help="advantage = LAMBDA (teacher - student logprob) + (1 - LAMBDA) x the "
+                      "group reward advantage")
+  g.add_argument("--distill-baseline", action="store_true",
+                 help="take teacher - student less its mean over the group's sampled tokens "
+                      "(a baseline: lower variance, the same expected gradient)")
   g = p.add_argument_group("objective")
   g.add_argument("--algorithm", choices=[a.value for a in objectives.Algorithm],
                  default="grpo")
@@ -152,6 +200,10 @@ def register(sub) -> None:
   add_lora(g, rank=None, base_experts="float")
   g.add_argument("--lora-alpha", type=float, default=None, metavar="A",
                  help="scale the adapter update by A / RANK (default: A = RANK)")
+  g.add_argument("--experts-qat", action="store_true",
+                 help="routed experts forward with their MXFP4-rounded weights (straight-"
+                      "through gradients); the engine samples from them packed: the rollouts "
+                      "come from the model `k3jax export --merge-lora` ships")
   g = p.add_argument_group("numerics, devices")
   g.add_argument("--dtype", choices=DTYPES, default="auto",
                  help="compute dtype (auto: fp32 on CPU, bf16 on TPU/GPU); float64 for "

@@ -5,7 +5,9 @@ running request owns the pages of its positions, in order (its page table row).
 
 Prefix cache: a full block of a prompt (page_size tokens at a page-aligned position) is keyed by
 a hash chain, digest(block i) = sha256(digest(block i-1) + its token ids), so a key names the
-whole prefix up to that block, not just the block's own tokens. A cached block holds the page
+whole prefix up to that block, not just the block's own tokens. The chain starts from the
+weights epoch (`root(epoch)`; the engine counts `set_params`), so a block computed under other
+weights never matches, whoever registers it. A cached block holds the page
 with those tokens' latents and, at some blocks, a snapshot of the KDA state (recurrent state
 and conv tails) after its last token: KDA is recurrent, so a latent page alone cannot resume a
 request; it restarts from the nearest snapshot at or before the match and recomputes the rest.
@@ -68,8 +70,13 @@ class Block:
   detached: bool = False      # dropped from the cache (set_params) while requests held it
 
 
-def chain_digest(parent: bytes | None, tokens: Sequence[int]) -> bytes:
-  h = hashlib.sha256(parent or b"root")
+def root(epoch: int) -> bytes:
+  """The digest a chain of the weights epoch `epoch` starts from."""
+  return hashlib.sha256(b"root:%d" % epoch).digest()
+
+
+def chain_digest(parent: bytes, tokens: Sequence[int]) -> bytes:
+  h = hashlib.sha256(parent)
   h.update(np.asarray(tokens, np.int64).tobytes())
   return h.digest()
 
@@ -85,11 +92,12 @@ class PrefixCache:
     self._clock = 0
     self.queried_tokens = 0
     self.hit_tokens = 0
+    self.epoch, self.root = 0, root(0)
 
   # ---- lookup --------------------------------------------------------------------------------
   def match(self, tokens: Sequence[int], limit: int) -> list[Block]:
     """The cached chain of full blocks of tokens[:limit], longest first match."""
-    chain, parent = [], None
+    chain, parent = [], self.root
     size = self.block_size
     for i in range(limit // size):
       block = self.blocks.get(chain_digest(parent, tokens[i * size:(i + 1) * size]))
@@ -124,7 +132,7 @@ class PrefixCache:
                page: int) -> Block | None:
     """Cache the block of `tokens` after `parent` on `page` (held by its caller: refs 1).
     None when the same prefix is cached already (the caller keeps its page)."""
-    digest = chain_digest(parent.digest if parent else None, tokens)
+    digest = chain_digest(parent.digest if parent else self.root, tokens)
     if digest in self.blocks:
       return None
     block = Block(digest, page, parent, index, refs=1, last_used=self._clock)
@@ -134,7 +142,7 @@ class PrefixCache:
     return block
 
   def lookup(self, parent: Block | None, tokens: Sequence[int]) -> Block | None:
-    return self.blocks.get(chain_digest(parent.digest if parent else None, tokens))
+    return self.blocks.get(chain_digest(parent.digest if parent else self.root, tokens))
 
   def alloc_snapshot(self) -> int | None:
     """A free snapshot, taking one from the least recently used block no request holds."""
@@ -170,8 +178,10 @@ class PrefixCache:
       block.parent.children -= 1
 
   def clear(self) -> None:
-    """Forget every block (new weights): idle ones free their pages now, held ones when their
-    last request lets go of them."""
+    """Forget every block and start the next weights epoch (new weights): idle blocks free
+    their pages now, held ones when their last request lets go of them."""
+    self.epoch += 1
+    self.root = root(self.epoch)
     blocks = list(self.blocks.values())
     self.blocks.clear()
     for block in blocks:

@@ -6,13 +6,29 @@
         for out in engine.step():       # RequestOutput per request that advanced
             ...
     engine.abort("b"); engine.set_params(new_state)
+    engine.pause("c"); ...; engine.resume("c")             # a partial rollout, continued
+    engine.add("t", ids, params, hold=True)                 # a multi-turn trajectory:
+    ...; engine.resume("t", tokens=observation_ids)         #   its next turn, prefilling
+                                                            #   only the new tokens
 
 Requests join and leave between steps; each step is one jitted call (k3jax/engine/runner.py)
 over the decode tokens of every running request and a chunk of the oldest prompts still being
 read (k3jax/engine/scheduler.py). The engine does not own the weights: `set_params` takes a new
 parameter state of the same model graph (LoRA adapters included: they apply unmerged, as the
 model computes them) and empties the prefix cache, whose entries were computed with the old
-ones. docs/serving.md describes the design and its guarantees.
+ones, and starts the next weights epoch (`weights_epoch`): a request running across the switch
+never lets a later one reuse a block it computed. docs/serving.md describes the design and its
+guarantees.
+
+Pausing: `pause(id)` takes a request out of the schedule between steps, keeping its slot,
+latent pages and KDA state; `resume(id)` continues it where it stopped (the same tokens and
+logprobs as if never paused, when the weights did not change; its draws are keyed by seed and
+position), or `resume(id, recompute=True)` reads it again from its first token under the
+current weights. A request added with `hold=True` pauses instead of ending when it finishes
+(its finish is reported as usual), so `resume(id, tokens=...)` can append tokens (a tool's
+result) and continue generating: each turn computes only its new tokens. `release(id)` frees a
+paused request. When a slot or page is needed and none is free, a paused request gives its own
+up first (preempted: it is read again on resume, under the weights of that time).
 """
 
 from __future__ import annotations
@@ -26,8 +42,8 @@ import numpy as np
 from flax import nnx
 
 from k3jax.engine.config import EngineConfig, bucket
-from k3jax.engine.request import FinishReason, RequestOutput, SamplingParams
-from k3jax.engine.runner import Runner, SampleRows
+from k3jax.engine.request import FinishReason, LogprobsMode, RequestOutput, SamplingParams
+from k3jax.engine.runner import HELD_STOPS, Runner, SampleRows
 from k3jax.engine.scheduler import Chunk, Request, Scheduler
 from k3jax.generate.sampling import Sampling
 from k3jax.model import paged
@@ -54,6 +70,7 @@ class Engine:
     self.eos = frozenset(int(t) for t in eos_token_ids)
     self.detokenize = detokenize
     self._requests: dict[str, Request] = {}
+    self._paused: dict[str, Request] = {}
     self._aborted: list[RequestOutput] = []
     self._seq = itertools.count()
     self._rng = random.Random(seed)
@@ -61,19 +78,25 @@ class Engine:
     self.block_calls = 0  # steps that ran a decode block of more than one token
     self.generated_tokens = 0
     self.prompt_tokens = 0
+    self.computed_tokens = 0  # tokens run through the model (prefill and decode rows)
 
   # ---- requests ------------------------------------------------------------------------------
-  def add(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams | None = None
-          ) -> None:
+  def add(self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams | None = None,
+          *, hold: bool = False) -> None:
     """Queue a request. Raises ValueError (naming the problem) for a duplicate id, an empty or
-    too long prompt, out-of-range token ids or sampling values; nothing else is affected."""
+    too long prompt, out-of-range token ids or sampling values; nothing else is affected.
+    `hold`: when it finishes, pause it with its state kept (module docstring) until
+    `resume` or `release`."""
     sampling = sampling or SamplingParams()
-    if request_id in self._requests:
+    if request_id in self._requests or request_id in self._paused:
       raise ValueError(f"request id {request_id!r} is already in use")
     prompt = self.check(prompt_ids, sampling)
     seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(32)
-    stops = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self.eos)
-    r = Request(request_id, prompt, sampling, next(self._seq), seed32(seed), stops)
+    stops = self._stops(sampling)
+    if hold and len(stops) > HELD_STOPS:
+      raise ValueError(f"a held request takes at most {HELD_STOPS} stop token ids, got "
+                       f"{len(stops)}")
+    r = Request(request_id, prompt, sampling, next(self._seq), seed32(seed), stops, hold=hold)
     self._requests[request_id] = r
     self.scheduler.waiting.append(r)
     self.prompt_tokens += len(prompt)
@@ -99,10 +122,13 @@ class Engine:
       raise ValueError("stop strings need an engine with a detokenizer")
     return prompt
 
+  def _stops(self, sampling: SamplingParams) -> frozenset[int]:
+    return frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self.eos)
+
   def abort(self, request_id: str) -> None:
-    """End a request now (its pages and slot are freed); an unknown id is a no-op. The next
-    `step()` reports it with finish reason "abort"."""
-    r = self._requests.pop(request_id, None)
+    """End a request now, running or paused (its pages and slot are freed); an unknown id is a
+    no-op. The next `step()` reports it with finish reason "abort"."""
+    r = self._requests.pop(request_id, None) or self._paused.pop(request_id, None)
     if r is None:
       return
     if r in self.scheduler.waiting:
@@ -114,10 +140,61 @@ class Engine:
     r.pending = None
 
   def has_work(self) -> bool:
+    """Whether a step has anything to run or report (paused requests wait for resume)."""
     return bool(self._requests or self._aborted)
 
+  # ---- pausing -------------------------------------------------------------------------------
+  def pause(self, request_id: str) -> None:
+    """Take a running or waiting request out of the schedule, its state kept (between steps);
+    KeyError for an id that is not running."""
+    r = self._requests.pop(request_id, None)
+    if r is None:
+      raise KeyError(f"no running request {request_id!r}")
+    self.scheduler.pause(r)
+    self._paused[request_id] = r
+
+  def resume(self, request_id: str, tokens: Sequence[int] = (),
+             sampling: SamplingParams | None = None, *, recompute: bool = False) -> None:
+    """Put a paused request back. `tokens`: appended after everything it has so far (a held
+    request's next turn: they and its last drawn token are read, then it generates anew;
+    `max_tokens` then counts this turn's output alone); `sampling`: how it samples from now on
+    (default: as before); `recompute`: read it again from its first token under the current
+    weights instead of continuing the state it kept. ValueError (nothing changed) for tokens
+    outside the vocabulary, a result past max_model_len, or bad sampling values."""
+    r = self._paused.get(request_id)
+    if r is None:
+      raise KeyError(f"no paused request {request_id!r}")
+    sampling = sampling or r.params
+    if r.hold and len(self._stops(sampling)) > HELD_STOPS:
+      raise ValueError(f"a held request takes at most {HELD_STOPS} stop token ids")
+    if tokens:
+      prompt = self.check(r.tokens + [int(t) for t in tokens], sampling)
+    else:
+      sampling.check(self.cfg.vocab_size, self.config.max_top_logprobs)
+      prompt = None
+    del self._paused[request_id]
+    if prompt is not None:
+      r.prompt, r.output = prompt, []
+      r.prompt_logprobs = None
+    r.params, r.stop_ids, r.finish, r.text = sampling, self._stops(sampling), None, ""
+    self.scheduler.resume(r, recompute)
+    self._requests[request_id] = r
+
+  def release(self, request_id: str) -> None:
+    """Free a paused request (nothing is reported); an unknown id is a no-op."""
+    r = self._paused.pop(request_id, None)
+    if r is not None:
+      self.scheduler.release(r)
+
+  @property
+  def weights_epoch(self) -> int:
+    """How many times the weights were replaced (`set_params`)."""
+    return self.scheduler.epoch
+
   def set_params(self, state) -> None:
-    """New weights for the same model graph (an nnx.State); empties the prefix cache."""
+    """New weights for the same model graph (an nnx.State); empties the prefix cache and
+    starts the next weights epoch (module docstring). Requests running or paused keep the
+    state they computed so far."""
     self.runner.set_params(state)
     self.scheduler.clear_prefix()
 
@@ -142,6 +219,8 @@ class Engine:
         r.pending = None
       if r.finish is not None:
         del self._requests[r.id]
+        if r.paused:  # held: it waits for its next turn
+          self._paused[r.id] = r
     return outputs
 
   def _layout(self, chunks: list[Chunk], least: int, cap: int) -> list[Chunk | None]:
@@ -189,6 +268,7 @@ class Engine:
         continue
       r = c.request
       self.scheduler.advance(c)
+      self.computed_tokens += c.end - c.start
       if r.params.prompt_logprobs and r.prompt_logprobs is None and len(r.prompt) == 1:
         r.prompt_logprobs = r.out().prompt_logprobs = [None]  # one token: nothing to score
       if c.samples and r.finish is None and r.params.max_tokens > 0:
@@ -229,8 +309,13 @@ class Engine:
     part = self._rows(rows, 1, decode=True)
     ctx_pages, table = self._pages(decode, steps - 1)
     sample_rows = self._sample_rows(rows, list(range(len(rows))))
-    out = self.runner.decode_block(part, table, sample_rows, steps, config.decode_steps,
-                                   ctx_pages)
+    held_stops = np.full((len(rows), HELD_STOPS), -1, np.int32)
+    for i, c in enumerate(rows):
+      if c is not None and c.request.hold:
+        stops = sorted(c.request.stop_ids)
+        held_stops[i, :len(stops)] = stops
+    out = self.runner.decode_block(part, table, sample_rows, held_stops, steps,
+                                   config.decode_steps, ctx_pages)
     for j in range(steps):
       out_j = jax.tree.map(lambda a, j=j: a[j], out)
       for i, c in enumerate(rows):
@@ -238,7 +323,12 @@ class Engine:
           continue
         r = c.request
         self.scheduler.advance(Chunk(r, c.start + j, c.end + j))
+        self.computed_tokens += 1
         self._accept(r, out_j, i)
+        if r.paused and j < steps - 1 and out_j.tokens[i] not in r.stop_ids:
+          # held, ended by a stop string inside the block: its slot has run past its tokens
+          # (only stop tokens end a row on the device), so it is read again on resume
+          self.scheduler.preempt(r)
 
   def _rows(self, chunks: list[Chunk | None], width: int, decode: bool = False) -> paged.Rows:
     """A part's arrays for its laid-out rows (`_layout`), with ids local to each row's shard:
@@ -278,7 +368,7 @@ class Engine:
                              np.zeros(m, np.int32))
     # float64 on the host: the device rounds it to the logits' wide dtype, as a trainer
     # dividing its own logits by the same temperature does
-    logprob_temp = np.ones(m, np.float64)
+    logprob_temp, processed = np.ones(m, np.float64), np.zeros(m, bool)
     for i, c in enumerate(rows):
       if c is None:
         continue
@@ -286,10 +376,10 @@ class Engine:
       temp[i], top_p[i], min_p[i] = p.temperature, p.top_p, p.min_p
       top_k[i] = max(p.top_k, 0)
       seed[i], position[i] = c.request.seed, c.end
-      if p.tempered_logprobs and p.temperature > 0:
-        logprob_temp[i] = p.temperature
+      if p.logprobs_mode == LogprobsMode.PROCESSED and p.temperature > 0:
+        logprob_temp[i], processed[i] = p.temperature, True
     return SampleRows(np.asarray(index, np.int32), Sampling(temp, top_k, top_p, min_p), seed,
-                      position, logprob_temp)
+                      position, logprob_temp, processed)
 
   def _targets(self, prefill: list[Chunk | None], width: int) -> np.ndarray:
     """The next prompt token of every prefill position (0 where there is none)."""
@@ -303,9 +393,11 @@ class Engine:
 
   # ---- results -------------------------------------------------------------------------------
   def _top(self, ids, lps, n: int | None) -> dict[int, float]:
+    """The n most likely ids and their logprobs (those a processed row's filters removed, at
+    -inf, are left out)."""
     if not n:
       return {}
-    return {int(t): float(v) for t, v in zip(ids[:n], lps[:n])}
+    return {int(t): float(v) for t, v in zip(ids[:n], lps[:n]) if np.isfinite(v)}
 
   def _accept(self, r: Request, out, i: int) -> None:
     tok = int(out.tokens[i])
@@ -357,7 +449,10 @@ class Engine:
   def _finish(self, r: Request, reason: FinishReason) -> None:
     r.finish = reason
     r.out().finish_reason = reason
-    self.scheduler.release(r)
+    if r.hold:
+      self.scheduler.pause(r)
+    else:
+      self.scheduler.release(r)
 
   # ---- state for metrics and tests --------------------------------------------------------------
   @property
@@ -374,5 +469,6 @@ class Engine:
             "pages_used": s.pages_used, "pages_total": s.pages_total,
             "cached_blocks": len(s.cached_blocks), "prefix_hit_rate": s.hit_rate,
             "preemptions": s.preemptions, "generated_tokens": self.generated_tokens,
-            "prompt_tokens": self.prompt_tokens, "steps": self.steps,
+            "prompt_tokens": self.prompt_tokens, "computed_tokens": self.computed_tokens,
+            "paused": len(self._paused), "weights_epoch": self.weights_epoch, "steps": self.steps,
             "decode_blocks": self.block_calls}

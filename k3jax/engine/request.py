@@ -14,6 +14,11 @@ class FinishReason(enum.StrEnum):
   ERROR = "error"    # the request could not be served (the message says why)
 
 
+class LogprobsMode(enum.StrEnum):
+  RAW = "raw"              # the model's own log_softmax(logits)
+  PROCESSED = "processed"  # the distribution the token was drawn from (temperature, filters)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
   """How to sample one request's tokens.
@@ -34,10 +39,12 @@ class SamplingParams:
       alternatives (with theirs) at every generated position.
     prompt_logprobs: report every prompt token's logprob (and `logprobs` alternatives) given
       the tokens before it; the prompt is then computed, never taken from the prefix cache.
-    tempered_logprobs: report the generated tokens' logprobs (and alternatives) under
-      softmax(logits / temperature), the distribution they are drawn from before top-k /
-      top-p / min-p filtering (RL's behaviour policy); False: the model's own log_softmax(logits).
-      A temperature of 0 reports the model's own either way.
+    logprobs_mode: which distribution the reported logprobs (and alternatives) of generated
+      tokens are taken under. "raw": the model's own, log_softmax(logits). "processed": the
+      distribution each token was actually drawn from: softmax(logits / temperature) over the
+      tokens top-k / top-p / min-p keep, renormalised (others have no alternative entry);
+      what an RL trainer takes as its behaviour policy. A temperature of 0 (greedy) reports
+      the model's own either way. Prompt logprobs are always the model's own.
   """
 
   max_tokens: int = 16
@@ -51,12 +58,14 @@ class SamplingParams:
   ignore_eos: bool = False
   logprobs: int | None = None
   prompt_logprobs: bool = False
-  tempered_logprobs: bool = False
+  logprobs_mode: LogprobsMode = LogprobsMode.RAW
 
   def __post_init__(self):
     object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
     stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
     object.__setattr__(self, "stop", stop)
+    if self.logprobs_mode in tuple(LogprobsMode):  # a bad value is check()'s to name
+      object.__setattr__(self, "logprobs_mode", LogprobsMode(self.logprobs_mode))
 
   def check(self, vocab_size: int, max_top_logprobs: int) -> None:
     """Raises ValueError naming the first out-of-range value."""
@@ -74,6 +83,9 @@ class SamplingParams:
       raise ValueError(f"seed must be an integer, got {self.seed!r}")
     if self.logprobs is not None and not 0 <= self.logprobs <= max_top_logprobs:
       raise ValueError(f"logprobs must be in [0, {max_top_logprobs}], got {self.logprobs!r}")
+    if self.logprobs_mode not in tuple(LogprobsMode):
+      raise ValueError(f"logprobs_mode must be one of {', '.join(LogprobsMode)}, got "
+                       f"{self.logprobs_mode!r}")
     bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
     if bad:
       raise ValueError(f"stop_token_ids {bad} outside the vocabulary [0, {vocab_size})")

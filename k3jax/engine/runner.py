@@ -26,10 +26,12 @@ import numpy as np
 from flax import nnx
 
 from k3jax.engine.config import EngineConfig, check_shards
-from k3jax.generate.sampling import Sampling, sample
-from k3jax.model import paged
+from k3jax.generate.sampling import Sampling, filtered_logits, sample
+from k3jax.model import lora, paged
 from k3jax.model.decode import unstack_model
 from k3jax.model.layers import wide_dtype
+
+HELD_STOPS = 8  # the most stop token ids of a held request (Engine.add(hold=True))
 
 
 class SampleRows(NamedTuple):
@@ -40,6 +42,8 @@ class SampleRows(NamedTuple):
   position: jax.Array  # [M] int32 position of the token being drawn
   logprob_temperature: jax.Array  # [M] the logprobs reported are log_softmax(logits / this)
                                   #   (1: the model's own; in the logits' wide dtype)
+  processed: jax.Array  # [M] bool: ... over the tokens the row's filters keep (the
+                        #   distribution its token is drawn from)
 
 
 class StepOut(NamedTuple):
@@ -86,11 +90,16 @@ def _step(static, params, cache: paged.PagedCache, page_table, parts, rows: Samp
 
 
 def _draw(defs, per_layer, features, rows: SampleRows, position, top_n: int):
-  """(tokens, their logprobs, top-n ids and logprobs) of the rows at `features`."""
+  """(tokens, their logprobs, top-n ids and logprobs) of the rows at `features`. A processed
+  row's logprobs are those of the distribution its token is drawn from: the wide logits over
+  the temperature, renormalised over the tokens its filters keep (the float32 filter decides
+  which, as it does for the draw)."""
   logits = paged.logits(defs, per_layer, features)
-  logp = _log_softmax(logits, rows.logprob_temperature)
+  filtered = filtered_logits(logits, rows.sampling)
+  keep = jnp.isfinite(filtered) | ~rows.processed[:, None]
+  logp = _log_softmax(jnp.where(keep, logits, -jnp.inf), rows.logprob_temperature)
   keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(rows.seed, position)
-  tokens = sample(logits, keys, rows.sampling)
+  tokens = sample(logits, keys, rows.sampling, filtered)
   token_lp = jnp.take_along_axis(logp, tokens[:, None], axis=1)[:, 0]
   top_lp, top_ids = jax.lax.top_k(logp, top_n)
   return tokens, token_lp, top_ids, top_lp
@@ -100,29 +109,48 @@ def _draw(defs, per_layer, features, rows: SampleRows, position, top_n: int):
                                              "pools"),
                    donate_argnames=("cache",))
 def _decode_block(static, params, cache: paged.PagedCache, page_table, part: paged.Rows,
-                  rows: SampleRows, steps, *, ctx_pages: int, top_n: int, max_steps: int,
-                  pools=(1, (), 1)):
+                  rows: SampleRows, held_stops, steps, *, ctx_pages: int, top_n: int,
+                  max_steps: int, pools=(1, (), 1)):
   """`steps` (<= max_steps) decode steps of the rows of `part` ([R, 1], every row continuing
   its slot: no source, restore or save) in one loop: step i feeds the token step i - 1 drew,
-  at the next position, exactly as a one-step call would."""
+  at the next position, exactly as a one-step call would. held_stops [R, HELD_STOPS]: a held
+  request's stop ids (-1: none); once its row draws one, the row's later steps are padding,
+  so its slot keeps the state of exactly its tokens before the stop (what it resumes from)."""
   defs, per_layer = _per_layer(static, params)
   r, wide = part.ids.shape[0], wide_dtype(defs.ex.jnp_dtype)  # the logprobs' dtype
   out = (jnp.zeros((max_steps, r), jnp.int32), jnp.zeros((max_steps, r), wide),
          jnp.zeros((max_steps, r, top_n), jnp.int32), jnp.zeros((max_steps, r, top_n), wide))
 
   def body(carry):
-    i, ids, cache, out = carry
-    rows_i = part._replace(ids=ids, positions=part.positions + i)
+    i, ids, cache, out, done = carry
+    rows_i = part._replace(ids=ids, positions=part.positions + i,
+                           valid=part.valid & ~done[:, None])
     features, cache = paged.forward(defs, per_layer, (rows_i,), cache, page_table,
                                     ctx_pages=ctx_pages, shards=pools[0], axes=pools[1],
                                     stripes=pools[2])
     drawn = _draw(defs, per_layer, features, rows, rows.position + i, top_n)
     out = tuple(o.at[i].set(d) for o, d in zip(out, drawn))
-    return i + 1, drawn[0][:, None], cache, out
+    done = done | jnp.any(drawn[0][:, None] == held_stops, axis=1)
+    return i + 1, drawn[0][:, None], cache, out, done
 
-  _, _, cache, out = jax.lax.while_loop(lambda c: c[0] < steps, body,
-                                        (jnp.int32(0), part.ids, cache, out))
+  _, _, cache, out, _ = jax.lax.while_loop(
+      lambda c: c[0] < steps, body, (jnp.int32(0), part.ids, cache, out, jnp.zeros(r, bool)))
   return StepOut(*out, None, None, None), cache
+
+
+def _serving_form(model: nnx.Module):
+  """(the graph the engine runs, None or the jitted map from the model's state to its state
+  in that graph). A model whose routed experts train under QAT (their forward rounds W +
+  scale A B to MXFP4 at every call) is served as that rounded model, packed: each
+  `set_params` quantises the experts once into codes and scales (lora.pack_qat_experts), and
+  every step multiplies by them as by a released MXFP4 checkpoint's. Its tokens and logprobs
+  are the trainer's forward's (the same values, dequantised exactly)."""
+  graphdef = nnx.graphdef(model)
+  if not lora.has_qat(model):
+    return graphdef, None
+  packed = lambda state: lora.pack_qat_experts(nnx.merge(graphdef, state))
+  served = nnx.graphdef(nnx.eval_shape(lambda: packed(nnx.state(model))))
+  return served, jax.jit(lambda state: nnx.state(packed(state)))
 
 
 def _device_rows(part: paged.Rows) -> paged.Rows:
@@ -138,7 +166,7 @@ class Runner:
     self.cfg, self.ex, self.config = model.cfg, model.ex, config
     layout = config.layout or ("unstacked" if jax.default_backend() == "cpu" else "stacked")
     self.layout = layout
-    self.graphdef = nnx.graphdef(model)
+    self.graphdef, self._serving = _serving_form(model)
     self.set_params(nnx.state(model))
     shards, stripes = config.data_shards, config.context_shards
     self.cache = paged.init_cache(self.cfg, self.ex, slots=config.max_num_seqs,
@@ -155,8 +183,11 @@ class Runner:
       self.cache = jax.device_put(self.cache, jax.devices()[0])
 
   def set_params(self, state) -> None:
-    """New weights (an nnx.State of the engine's model graph): stacked, used as they are;
-    unstacked, split once per layer here."""
+    """New weights (an nnx.State of the model graph the engine was built with): stacked, used
+    as they are; unstacked, split once per layer here. Routed experts under QAT are packed
+    here, once (`_serving_form`)."""
+    if self._serving is not None:
+      state = self._serving(state)
     if self.layout == "stacked":
       self.static, self.params = ("stacked", self.graphdef), state
     else:
@@ -171,12 +202,13 @@ class Runner:
       return self._step(parts, page_table, rows, targets, ctx_pages)
 
   def decode_block(self, part: paged.Rows, page_table: np.ndarray, rows: SampleRows,
-                   steps: int, max_steps: int, ctx_pages: int) -> StepOut:
+                   held_stops: np.ndarray, steps: int, max_steps: int, ctx_pages: int
+                   ) -> StepOut:
     """`steps` decode steps in one call (compiled once per `max_steps`): fields [steps, R]."""
     def run():
       out, self.cache = _decode_block(
           self.static, self.params, self.cache, jnp.asarray(page_table),
-          _device_rows(part), jax.tree.map(jnp.asarray, rows),
+          _device_rows(part), jax.tree.map(jnp.asarray, rows), jnp.asarray(held_stops),
           jnp.int32(steps), ctx_pages=ctx_pages,
           top_n=min(self.config.max_top_logprobs, self.cfg.vocab_size), max_steps=max_steps,
           pools=self.pools)

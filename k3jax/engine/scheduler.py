@@ -55,6 +55,9 @@ class Request:
   finish: FinishReason | None = None
   text: str = ""
   preemptions: int = 0
+  epoch: int = 0                 # the weights epoch its cached state was computed in
+  hold: bool = False             # on finishing, pause (keep its state) instead of releasing
+  paused: bool = False           # out of the schedule (Engine.pause / hold), its state kept
 
   @property
   def tokens(self) -> list[int]:
@@ -107,7 +110,9 @@ class Scheduler:
     self.shards = [Shard(config, i) for i in range(config.data_shards)]
     self.waiting: deque[Request] = deque()
     self.running: list[Request] = []   # admission order
+    self.paused: list[Request] = []    # paused requests holding a slot, oldest pause first
     self.preemptions = 0
+    self.epoch = 0                     # the weights epoch (clear_prefix starts the next)
 
   def prefix(self, r: Request) -> PrefixCache:
     return self.shards[r.shard].prefix
@@ -139,27 +144,43 @@ class Scheduler:
     return self.hit_tokens / queried if queried else 0.0
 
   def clear_prefix(self) -> None:
+    """New weights: forget the prefix cache and start the next weights epoch. A request
+    running (or paused) across the switch computed its state so far under the old weights:
+    it registers no block and saves no snapshot from now on (`stale`), and the chains of the
+    new epoch start from another root (blocks.root), so nothing it computes is ever reused."""
+    self.epoch += 1
     for sh in self.shards:
       sh.prefix.clear()
+
+  def stale(self, r: Request) -> bool:
+    """Whether `r`'s cached state was (partly) computed under weights before the current."""
+    return r.epoch != self.epoch
 
   # ---- admission -----------------------------------------------------------------------------
   def admit(self) -> None:
     deferred = []
-    while self.waiting and any(sh.free_slots for sh in self.shards):
+    while self.waiting and (self.paused or any(sh.free_slots for sh in self.shards)):
       r = self.waiting.popleft()
       if self._prefix_in_flight(r):
         deferred.append(r)
         continue
+      self._free_a_slot()
       hits = [self._hit(sh, r) if sh.free_slots else None for sh in self.shards]
       r.shard = max((i for i, h in enumerate(hits) if h is not None), key=lambda i: (
           len(hits[i]), len(self.shards[i].free_slots), self.shards[i].pages.free, -i))
       r.slot = self.shards[r.shard].free_slots.pop()
-      r.computed, r.source, r.restore = 0, FRESH, 0
+      r.computed, r.source, r.restore, r.epoch = 0, FRESH, 0, self.epoch
       if self._caches(r):
         self._restore_prefix(r, hits[r.shard])
       self.running.append(r)
 
     self.waiting.extendleft(reversed(deferred))
+
+  def _free_a_slot(self) -> None:
+    """A free slot, preempting the longest-paused request for one when only paused requests
+    hold them (a paused request never blocks a waiting one)."""
+    if not any(sh.free_slots for sh in self.shards):
+      self.preempt(self.paused[0])
 
   def _caches(self, r: Request) -> bool:
     """Whether `r` may take (and need not recompute) cached prompt blocks."""
@@ -187,7 +208,8 @@ class Scheduler:
     size = self.config.page_size
     limit = min(len(r.prompt), len(r.tokens) - 1)
     for q in self.running:
-      if q.computed >= len(q.prompt) or q.prompt[:size] != r.tokens[:size]:
+      if (q.computed >= len(q.prompt) or self.stale(q)
+          or q.prompt[:size] != r.tokens[:size]):
         continue
       have = len(self.prefix(q).match(r.tokens, limit)) * size  # where r would restore it
       common = 0
@@ -250,7 +272,7 @@ class Scheduler:
 
   def _snapshot_for(self, c: Chunk) -> int | None:
     r = c.request
-    if c.end not in self._snapshot_positions(r) or c.end > len(r.prompt):
+    if c.end not in self._snapshot_positions(r) or c.end > len(r.prompt) or self.stale(r):
       return None
     block = self._cached_block(r, c.end // self.config.page_size - 1)
     if block is not None and block.snapshot is not None:
@@ -270,8 +292,11 @@ class Scheduler:
     (the newest on the shard that ran out)."""
     for c in chunks:
       if not self._grow(c.request, c.end):
-        return max((q for q in self.running if q.shard == c.request.shard),
-                   key=lambda q: q.seq)
+        shard = c.request.shard
+        paused = [q for q in self.paused if q.shard == shard]
+        if paused:  # what a paused request holds goes first (it recomputes on resume)
+          return paused[0]
+        return max((q for q in self.running if q.shard == shard), key=lambda q: q.seq)
     return None
 
   def reserve(self, decode: list[Chunk], steps: int) -> bool:
@@ -307,13 +332,43 @@ class Scheduler:
       r.slot = None
     if r in self.running:
       self.running.remove(r)
+    if r in self.paused:
+      self.paused.remove(r)
 
   def preempt(self, r: Request) -> None:
+    """Free what `r` holds; it recomputes its tokens when admitted again. A running request is
+    first in line again (it was admitted before everything still waiting); a paused one
+    waits for its resume."""
+    paused = r.paused
     self.release(r)
     r.computed, r.source, r.preemptions = 0, FRESH, r.preemptions + 1
     self.preemptions += 1
-    # first in line again: it was admitted before everything still waiting
-    self.waiting.appendleft(r)
+    if not paused:
+      self.waiting.appendleft(r)
+
+  # ---- pausing ---------------------------------------------------------------------------------
+  def pause(self, r: Request) -> None:
+    """Take `r` out of the schedule; a running request keeps its slot, pages and KDA state."""
+    r.paused = True
+    if r in self.waiting:
+      self.waiting.remove(r)
+    if r in self.running:
+      self.running.remove(r)
+      self.paused.append(r)
+
+  def resume(self, r: Request, recompute: bool = False) -> None:
+    """Put a paused `r` back: continuing from the state it kept, or (`recompute`, or when its
+    state was given up) read again from its first token under the current weights."""
+    if recompute and r.slot is not None:
+      self.release(r)
+      r.computed, r.source = 0, FRESH
+    r.paused = False
+    if r in self.paused:
+      self.paused.remove(r)
+      self.running.append(r)
+    else:  # in arrival order among the waiting
+      at = next((i for i, q in enumerate(self.waiting) if q.seq > r.seq), len(self.waiting))
+      self.waiting.insert(at, r)
 
   # ---- after a step ----------------------------------------------------------------------------
   def advance(self, c: Chunk) -> None:
@@ -324,6 +379,8 @@ class Scheduler:
       self._register(r, c)
 
   def _register(self, r: Request, c: Chunk) -> None:
+    if self.stale(r):  # computed partly under other weights: never reused (clear_prefix)
+      return
     size = self.config.page_size
     full = min(r.computed, len(r.prompt)) // size
     parent = r.blocks[-1] if r.blocks else None

@@ -64,18 +64,23 @@ def _filter(x: jax.Array, s: Sampling) -> jax.Array:
   return jnp.where(keep, x, -jnp.inf)
 
 
-def sample(logits_bv: jax.Array, key: jax.Array, s: Sampling) -> jax.Array:
+def sample(logits_bv: jax.Array, key: jax.Array, s: Sampling,
+           filtered: jax.Array | None = None) -> jax.Array:
   """[B, V] logits -> [B] int32 tokens. `key`: one key for the batch, or [B] keys (one per
-  row, so a row's draw does not depend on the other rows)."""
+  row, so a row's draw does not depend on the other rows). `filtered`: filtered_logits(
+  logits_bv, s) when the caller has it already (the engine reports logprobs under it)."""
   greedy = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
   hot = jnp.asarray(s.temperature) > 0
 
   def draw(logits_bv):
-    filtered = filtered_logits(logits_bv, s)
-    if key.shape:  # one key per row
-      drawn = jax.vmap(lambda k, x: jax.random.categorical(k, x))(key, filtered)
-    else:
-      drawn = jax.random.categorical(key, filtered, axis=-1)
-    return jnp.where(hot, drawn.astype(jnp.int32), greedy)
+    kept = filtered if filtered is not None else filtered_logits(logits_bv, s)
+    return jnp.where(hot, _categorical(key, kept), greedy)
 
   return jax.lax.cond(jnp.any(hot), draw, lambda _: greedy, logits_bv)
+
+
+def _categorical(key: jax.Array, filtered: jax.Array) -> jax.Array:
+  if key.shape:  # one key per row
+    return jax.vmap(jax.random.categorical)(key, filtered).astype(jnp.int32)
+  return jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
+

@@ -83,7 +83,8 @@ class Projection(nnx.Module):
     return w + (self.lora_scale * delta).reshape(w.shape).astype(w.dtype)
 
 
-def flat_einsum(eq: str, x: jax.Array, kernel: jax.Array, precision=None) -> jax.Array:
+def flat_einsum(eq: str, x: jax.Array, kernel: jax.Array, precision=None,
+                preferred_element_type=None) -> jax.Array:
   """einsum(eq, x, kernel) for a projection (x's trailing dims contracted with the kernel's
   leading ones, the kernel's trailing dims appended to x's leading ones), computed as one
   [tokens, in] @ [in, out] matmul and reshaped back.
@@ -94,18 +95,32 @@ def flat_einsum(eq: str, x: jax.Array, kernel: jax.Array, precision=None) -> jax
   a strided write far slower than a plain copy. With one contracted dim and one kernel output
   dim no copy is needed (benchmarks/train.py measures the difference:
   docs/benchmarks.md#train-step). The reshapes only merge adjacent dims, so a sharded leading
-  dim (batch) or kernel dim (heads) stays the major factor of its merged dim."""
+  dim (batch) or kernel dim (heads) stays the major factor of its merged dim.
+  `preferred_element_type`: the product's dtype (the LM head's float32 logits over bf16
+  operands: `head_logits`)."""
   lhs, rest = eq.split(",")
   rhs, out = rest.split("->")
   n_in = len([c for c in lhs if c in rhs])
   batch, k_in, k_out = x.shape[:x.ndim - n_in], kernel.shape[:n_in], kernel.shape[n_in:]
   projection = lhs.endswith(rhs[:n_in]) and out == lhs[:len(lhs) - n_in] + rhs[n_in:]
   if not projection or len(batch) == len(k_in) == len(k_out) == 1:  # einsum as written
-    return jnp.einsum(eq, x, kernel, precision=precision)
+    return jnp.einsum(eq, x, kernel, precision=precision,
+                      preferred_element_type=preferred_element_type)
   with jax.named_scope(eq):  # profiles and HLO op names still show the projection's own eq
     y = jnp.einsum("ni,io->no", x.reshape(-1, math.prod(k_in)),
-                   kernel.reshape(math.prod(k_in), -1), precision=precision)
+                   kernel.reshape(math.prod(k_in), -1), precision=precision,
+                   preferred_element_type=preferred_element_type)
   return y.reshape(batch + k_out)
+
+
+def head_logits(eq: str, features: jax.Array, head: jax.Array, precision=None) -> jax.Array:
+  """The LM head's logits, features @ head with both in the features' (compute) dtype, produced
+  in the wide dtype (float32; float64 for a float64 model): the product is accumulated and
+  returned wide, never rounded to the compute dtype first. In bf16 a logit of magnitude >= 16
+  would otherwise be rounded to a multiple of 0.125, differently wherever a program fuses the
+  head differently (the engine and the trainer: RL's behaviour / target mismatch)."""
+  return flat_einsum(eq, features, head.astype(features.dtype), precision,
+                     preferred_element_type=wide_dtype(features.dtype))
 
 
 def rms_normalize(x: jax.Array, eps: float) -> jax.Array:

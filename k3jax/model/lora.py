@@ -229,12 +229,36 @@ def merge(model: nnx.Module) -> nnx.Module:
       proj.kernel[...] = proj.kernel[...] + projection_delta(proj)
       proj.lora = nnx.data(None)
   for ex in expert_paths(model).values():
-    for weight in EXPERT_WEIGHTS:
-      names = dense_names(ex, weight)
-      w = ex.weight(weight).astype(dtype)
-      for suffix in ("", "_packed", "_scale", "_lora_a", "_lora_b"):
-        if hasattr(ex, weight + suffix):
-          delattr(ex, weight + suffix)
-      setattr(ex, weight, annotated(w, names))
-    ex.qat, ex.lora_scale = False, None
+    _fold_experts(ex, dtype)
+  return model
+
+
+def _fold_experts(ex, dtype) -> dict[str, tuple]:
+  """Replace a RoutedExperts' weights (dense or packed, adapters, QAT) by the dense weights its
+  forward multiplies by; returns their logical names."""
+  names = {}
+  for weight in EXPERT_WEIGHTS:
+    names[weight] = dense_names(ex, weight)
+    w = ex.weight(weight).astype(dtype)
+    for suffix in ("", "_packed", "_scale", "_lora_a", "_lora_b"):
+      if hasattr(ex, weight + suffix):
+        delattr(ex, weight + suffix)
+    setattr(ex, weight, annotated(w, names[weight]))
+  ex.qat, ex.lora_scale = False, None
+  return names
+
+
+def has_qat(model: nnx.Module) -> bool:
+  return any(ex.qat for ex in expert_paths(model).values())
+
+
+def pack_qat_experts(model: nnx.Module) -> nnx.Module:
+  """`model` (in place; returned) with every routed expert under QAT held as what its forward
+  multiplies by, round_mxfp4(W + scale A B), in MXFP4 codes and scales (exact: the values are
+  MXFP4's, and quantising them again gives the same codes), with no QAT and no expert adapters:
+  the experts `k3jax export --merge-lora` writes. Everything else (other adapters included)
+  stays as it is. What the serving engine runs for a QAT policy: the trained model, packed."""
+  for ex in expert_paths(model).values():
+    if ex.qat:
+      pack_experts(ex, _fold_experts(ex, model.ex.jnp_param_dtype))
   return model

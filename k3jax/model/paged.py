@@ -44,6 +44,7 @@ from k3jax.model.cache import MLACache
 from k3jax.model.decode import Unstacked, UnstackedDefs
 from k3jax.model.kda import KDA, KDAState
 from k3jax.model.kda import initial_state as kda_initial_state
+from k3jax.model.layers import head_logits
 from k3jax.model.transformer import _valid, initial_carry, layer_step
 from sharding.activations import activation_spec
 from sharding.rules import CONTEXT_AXIS
@@ -336,7 +337,8 @@ def token_index(widths: tuple[tuple[int, int], ...], shards: int, part: int, row
 
 
 def logits(defs: UnstackedDefs, params: Unstacked, features_md: jax.Array) -> jax.Array:
-  """[M, V] logits of M tokens' final-norm features."""
+  """[M, V] logits of M tokens' final-norm features, in the wide dtype (`head_logits`: what
+  the trainer's head produces from the same operands)."""
   cfg, ex = defs.cfg, defs.ex
   head = params.embed.T if cfg.tie_word_embeddings else params.lm_head
-  return jnp.einsum("md,dv->mv", features_md, head.astype(ex.jnp_dtype), precision=ex.precision)
+  return head_logits("md,dv->mv", features_md.astype(ex.jnp_dtype), head, ex.precision)

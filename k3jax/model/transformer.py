@@ -36,7 +36,7 @@ from k3jax.execution import Execution, Remat
 from k3jax.model import block_scan, context_parallel, expert_parallel, schedule
 from k3jax.model.attn_res import AttnResQuery
 from k3jax.model.kda import KDA
-from k3jax.model.layers import RMSNorm, fan_in_normal, flat_einsum, make_param
+from k3jax.model.layers import RMSNorm, fan_in_normal, head_logits, make_param
 from k3jax.model.mla import MLA
 from k3jax.model.mlp import MLP
 from k3jax.model.moe import MoE, Routing
@@ -78,7 +78,7 @@ class Carry(NamedTuple):
 
 
 class ModelOutput(NamedTuple):
-  logits: jax.Array                      # [B, T, V] compute dtype
+  logits: jax.Array                      # [B, T, V] wide dtype (float32; float64)
   routing: tuple[Routing, ...]           # one per MoE layer (router scores, choices, weights)
   mla_max_logits: jax.Array | None       # [n_mla, H] max pre-softmax logit (for QK-clip)
   layer_out: tuple[jax.Array, ...] = ()  # `partial` after each layer (return_layer_out=True)
@@ -149,7 +149,7 @@ class K3Model(nnx.Module):
     features = self.final_norm(h)
     out = None
     if logits:
-      out = flat_einsum("btd,dv->btv", features, self.head().astype(ex.jnp_dtype),
+      out = head_logits("btd,dv->btv", features.astype(ex.jnp_dtype), self.head(),
                         ex.precision)
       out = constrain(out, ("batch", "length", "vocab"))
     return ModelOutput(out, tuple(routings), jnp.stack(max_logits) if max_logits else None,

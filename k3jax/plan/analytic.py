@@ -159,8 +159,9 @@ def engine_temp(cfg, mesh, *, decode_rows: int, prefill_rows: int, chunk: int, c
   and the mixers' rows over `row_ways` devices (each runs its shards' tokens; the mixers under
   shard_map), and with the pages in `stripes` over `context` each device's share of a row's
   context, ctx / stripes. n = the step's tokens, m = the rows that draw; compute width c = 2:
-    logits          the head at the m drawing tokens [m, V / tensor] in c, the log-softmax
-                    and the sampler's [m, V] fp32 x 5;
+    logits          the head's fp32 logits at the m drawing tokens [m, V / tensor]
+                    (layers.head_logits), the log-softmax, the filtered logits the reported
+                    logprobs are taken under and the sampler's [m, V] fp32 x 6;
     the carry       AttnRes's sealed blocks and partial sum [n_seals + 1, n, d] x 2;
     one layer       ~12 [n, d] fp32 tensors, and the widest mixer's:
                       MLA  each row's context gathered from its pages [rows, ctx, kv_lora +
@@ -175,7 +176,7 @@ def engine_temp(cfg, mesh, *, decode_rows: int, prefill_rows: int, chunk: int, c
   tensor = dict(mesh.shape).get("tensor", 1)
   n = decode_rows + prefill_rows * chunk
   m = decode_rows + prefill_rows
-  logits = m * math.ceil(cfg.vocab_size / tensor) * c + m * cfg.vocab_size * 4 * 5
+  logits = m * math.ceil(cfg.vocab_size / tensor) * 4 + m * cfg.vocab_size * 4 * 6
   seals = schedule.num_seals(cfg) if cfg.attn_res_block_size is not None else 0
   carry = (seals + 1) * n * d * c * 2 / row_ways
   mla = 0

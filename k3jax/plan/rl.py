@@ -6,7 +6,8 @@ runs the rollouts on the same arrays the optimizer updates (no weight copy), and
 slots, latent pages, prefix snapshots) stays allocated between steps. So a step needs the most
 of two phases:
   train    the LoRA train step's peak (`--mode lora --analytic`, `--batch` rows of `--seq`
-           positions, the request's remat / attention / loss chunk / capacity) + the cache;
+           positions, the request's remat / attention / loss chunk; dropless experts, as
+           `k3jax rl` runs them) + the cache;
   rollout  the train state + the cache + the engine step's temporaries (`--mode decode
            --serving engine --analytic` with `--batch` slots at `--seq`).
 The engine's weights are the train state's (the frozen base and the adapters), not counted
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from k3jax.errors import UserError
 from k3jax.plan import decode, report, settings, train
 from k3jax.plan.request import Mode, PlanRequest, Serving
 from sharding.mesh import make_mesh
@@ -70,7 +72,11 @@ class RlPlan:
 
 
 def run(request: PlanRequest, cfg, devices) -> list[RlPlan]:
-  lora_request = settings.with_defaults(request.replace(mode=Mode.LORA, analytic=True))
+  if request.capacity_factor:
+    raise UserError(f"--capacity-factor {request.capacity_factor}: RL runs its experts "
+                    "dropless (k3jax rl refuses a capacity factor)")
+  lora_request = settings.with_defaults(request.replace(mode=Mode.LORA, analytic=True,
+                                                        capacity_factor=0.0))
   engine_request = request.replace(mode=Mode.DECODE, analytic=True, serving=Serving.ENGINE)
   ex = decode.serve_execution(engine_request)
   plans = []

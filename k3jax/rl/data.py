@@ -2,7 +2,8 @@
 
 A row is a JSON object with `prompt` (text, encoded as it is) or `messages` (chat messages,
 rendered with the model folder's chat template, ready for the assistant's turn), plus whatever
-fields the reward reads (`answer` for the built-in verifiers). Any other row (not JSON, not an
+fields the reward reads (`answer` for the built-in verifiers). Under `--env` a row is whatever
+the environment's reset reads. Any other row (not JSON, not an
 object, neither field, a prompt with no tokens) refuses the run at start, naming its line.
 
 Order: epoch e visits every row once in the permutation of default_rng([seed, e]); the data
@@ -41,7 +42,9 @@ def _render(tokenizer, row: dict, where: str) -> tuple[str, list[int]]:
   return text, [int(i) for i in tokenizer.encode(text)]
 
 
-def load_prompts(path: str, tokenizer) -> list[Prompt]:
+def load_prompts(path: str, tokenizer, rendered: bool = True) -> list[Prompt]:
+  """The rows of `path`. `rendered` False (an environment makes the prompt from the row):
+  any JSON object is a row, its prompt left empty."""
   try:
     with open(path, encoding="utf-8") as f:
       lines = f.readlines()
@@ -58,8 +61,8 @@ def load_prompts(path: str, tokenizer) -> list[Prompt]:
       raise UserError(f"{where}: not JSON ({e.msg})") from None
     if not isinstance(row, dict):
       raise UserError(f"{where}: a row must be a JSON object")
-    text, ids = _render(tokenizer, row, where)
-    if not ids:
+    text, ids = _render(tokenizer, row, where) if rendered else ("", [])
+    if rendered and not ids:
       raise UserError(f"{where}: the prompt has no tokens")
     out.append(Prompt(len(out), tuple(ids), text, row))
   if not out:

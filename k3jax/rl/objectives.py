@@ -30,6 +30,27 @@ Aggregation over tokens (`LossAgg`), as the weights w_it of `token_weights`:
                                                 length normalisation (Dr. GRPO)
     loss = sum_it w_it l_it ; for GSPO sum_i W_i l_i + beta sum_it w_it k3_it, W_i = sum_t w_it
 
+Rollout importance sampling (`--is-correction`; decoupled PPO, three policies). The tokens were
+drawn by a behaviour policy mu (the engine's logprobs at sampling: an older policy version
+for a partial rollout continued across updates, and the engine's numerics); pi_old is the
+trainer's policy recomputed at the update's start, and the ratio rho_it = pi_theta / pi_old.
+Each token's term is weighted by w_it, from v_it = pi_old / mu of that token (no gradient):
+    none   w = 1, and pi_old is mu itself (no recomputation): the plain objective above
+    tis    w = min(v, C)                            truncated importance sampling
+    mis    w = v if 1/C <= v <= C, else 0           masked importance sampling
+with C = `--is-cap`. GSPO weights its sequence term by the sequence's v_i = exp(1/|o_i| sum_t
+log v_it), truncated or masked the same way.
+
+On-policy distillation (`distill_advantages`): the per-token advantage
+    A_it = lam (log pi_teacher(o_it) - log mu(o_it)) + (1 - lam) A_i
+(reverse KL to the teacher on the student's own samples, mixed with the group reward
+advantage by lam = `--distill-weight`). With `--distill-baseline` the teacher - mu term is
+taken less its mean b_g over the sampled tokens of the trajectory's group: a baseline (the
+expected gradient is unchanged, since E[b grad log mu] = 0). Without it, a token the policy
+rarely samples is pushed by the advantages of the tokens sampled instead (the normaliser's
+term), which in expectation its own rare samples cancel but which, with few samples a step
+and Adam's per-parameter normalisation, drifts the policy away from the teacher.
+
 The weights are computed on the host over the whole update batch, so a loss summed over
 micro-batches is the loss of the batch. Log-ratios are clamped to [-20, 20] before exp: a
 ratio of e^20 is far outside any clip range, and the clamp keeps float32 from overflowing
@@ -60,6 +81,12 @@ class LossAgg(enum.StrEnum):
   FIXED_LENGTH_SUM = "fixed-length-sum"
 
 
+class ISCorrection(enum.StrEnum):
+  NONE = "none"
+  TIS = "tis"
+  MIS = "mis"
+
+
 # what each algorithm's paper uses when --loss-agg / --clip-eps are not given
 DEFAULT_AGG = {Algorithm.GRPO: LossAgg.SEQUENCE_MEAN, Algorithm.DR_GRPO: LossAgg.FIXED_LENGTH_SUM,
                Algorithm.GSPO: LossAgg.SEQUENCE_MEAN}
@@ -79,6 +106,8 @@ class ObjectiveConfig:
     clip_eps_high: eps_high (None: clip_eps, the symmetric clip; DAPO's clip-higher: 0.28).
     kl_coef: beta of the k3 KL term to the reference policy (0: no KL term).
     std_eps: eps of GRPO's std normalisation.
+    is_correction: none | tis | mis, the rollout importance weights (module docstring).
+    is_cap: C of tis / mis.
   """
   algorithm: Algorithm = Algorithm.GRPO
   loss_agg: LossAgg | None = None
@@ -86,9 +115,14 @@ class ObjectiveConfig:
   clip_eps_high: float | None = None
   kl_coef: float = 0.0
   std_eps: float = 1e-6
+  is_correction: ISCorrection = ISCorrection.NONE
+  is_cap: float = 2.0
 
   def __post_init__(self):
     object.__setattr__(self, "algorithm", Algorithm(self.algorithm))
+    object.__setattr__(self, "is_correction", ISCorrection(self.is_correction))
+    if not self.is_cap > 1:
+      raise ValueError(f"the importance-weight cap must be > 1, got {self.is_cap}")
     if self.loss_agg is None:
       object.__setattr__(self, "loss_agg", DEFAULT_AGG[self.algorithm])
     object.__setattr__(self, "loss_agg", LossAgg(self.loss_agg))
@@ -138,6 +172,15 @@ def token_weights(mask_nt: np.ndarray, agg: LossAgg, max_len: int) -> np.ndarray
   raise ValueError(f"unknown loss aggregation {agg!r}")
 
 
+def distill_advantages(teacher_logp: np.ndarray, student_logp: np.ndarray,
+                       group_adv: np.ndarray, weight: float, baseline=0.0) -> np.ndarray:
+  """Per-token advantages of on-policy distillation (module docstring): lam (teacher -
+  student - baseline) + (1 - lam) A_i, arrays [..., T] (group_adv and baseline broadcast)."""
+  t, s = np.asarray(teacher_logp, np.float64), np.asarray(student_logp, np.float64)
+  return (weight * (t - s - np.asarray(baseline, np.float64))
+          + (1.0 - weight) * np.asarray(group_adv, np.float64))
+
+
 def k3(log_p: np.ndarray | jax.Array, log_q: np.ndarray | jax.Array, xp=jnp):
   """Schulman's k3 estimate of KL(q || p) per token from samples of q: exp(d) - d - 1 with
   d = log p - log q, clamped to +-LOG_RATIO_CLAMP. Computed as expm1(d) - d: in exp(d) - d - 1
@@ -148,18 +191,33 @@ def k3(log_p: np.ndarray | jax.Array, log_q: np.ndarray | jax.Array, xp=jnp):
 
 # ---- device side: the loss ---------------------------------------------------------------
 
+def is_weights(cfg: ObjectiveConfig, log_v: jax.Array) -> jax.Array:
+  """w of the log importance ratios log v = log pi_old - log mu (module docstring)."""
+  v = jnp.exp(jnp.clip(log_v, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+  if cfg.is_correction == ISCorrection.TIS:
+    return jnp.minimum(v, cfg.is_cap)
+  inside = (v <= cfg.is_cap) & (v >= 1.0 / cfg.is_cap)
+  return jnp.where(inside, v, jnp.zeros((), v.dtype))
+
+
 def policy_loss(cfg: ObjectiveConfig, logp: jax.Array, old_logp: jax.Array,
                 ref_logp: jax.Array, advantages: jax.Array, mask: jax.Array,
-                weights: jax.Array) -> tuple[jax.Array, dict]:
+                weights: jax.Array, behav_logp: jax.Array | None = None
+                ) -> tuple[jax.Array, dict]:
   """(loss, metric sums) of [..., T] per-token arrays (leading dims: rows). `logp` is
-  log pi_theta of the sampled tokens (what is differentiated), `advantages` the row's A_i at
-  each of its tokens, `mask` the completion tokens, `weights` token_weights'. Metric sums over
-  the masked tokens: clipped (tokens, or GSPO's sequences, whose clip was active), kl_ref (k3
-  to the reference), mismatch_k3 (k3 of pi_theta against pi_old: the rollout / trainer
-  mismatch when theta is the rollout's), max_abs_log_ratio, tokens, sequences."""
+  log pi_theta of the sampled tokens (what is differentiated), `advantages` A at each token
+  (the row's A_i, or per-token advantages), `mask` the completion tokens, `weights`
+  token_weights'; `behav_logp` mu's logprobs, read under tis / mis (old_logp then being the
+  trainer's pi_old). Metric sums over the masked tokens: clipped (tokens, or GSPO's
+  sequences, whose clip was active), kl_ref (k3 to the reference), mismatch_k3 (k3 of
+  pi_theta against pi_old: the rollout / trainer mismatch when theta is the rollout's),
+  max_abs_log_ratio, is_weight (w per token), is_masked (tokens MIS left out), tokens,
+  sequences."""
   mask = mask.astype(bool)
   zero = jnp.zeros((), logp.dtype)
   log_ratio = jnp.where(mask, jnp.clip(logp - old_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), zero)
+  correct = cfg.is_correction != ISCorrection.NONE
+  log_v = jnp.where(mask, old_logp - behav_logp, zero) if correct else None
   low, high = 1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps_high
   kl = jnp.where(mask, k3(ref_logp, logp), zero)
   lengths = jnp.sum(mask, axis=-1)
@@ -170,14 +228,18 @@ def policy_loss(cfg: ObjectiveConfig, logp: jax.Array, old_logp: jax.Array,
     adv = jnp.sum(jnp.where(mask, advantages, zero), axis=-1) / n  # the row's A_i
     unclipped, clipped = s * adv, jnp.clip(s, low, high) * adv
     seq_loss = -jnp.minimum(unclipped, clipped)
+    w = is_weights(cfg, jnp.sum(log_v, axis=-1) / n) if correct else jnp.ones_like(s)
     row_w = jnp.sum(weights, axis=-1)
-    pg = jnp.sum(row_w * seq_loss)
+    pg = jnp.sum(row_w * jax.lax.stop_gradient(w) * seq_loss)
     n_clipped = jnp.sum((clipped < unclipped) & has)
+    w_tok = jnp.where(mask, w[..., None], zero)
   else:
     ratio = jnp.exp(log_ratio)
     unclipped, clipped = ratio * advantages, jnp.clip(ratio, low, high) * advantages
-    pg = jnp.sum(weights * -jnp.minimum(unclipped, clipped))
+    w = is_weights(cfg, log_v) if correct else jnp.ones_like(logp)
+    pg = jnp.sum(weights * jax.lax.stop_gradient(w) * -jnp.minimum(unclipped, clipped))
     n_clipped = jnp.sum((clipped < unclipped) & mask)
+    w_tok = jnp.where(mask, w, zero)
   loss = pg + cfg.kl_coef * jnp.sum(weights * kl) if cfg.kl_coef else pg
   raw = jnp.where(mask, logp - old_logp, zero)
   metrics = {
@@ -188,5 +250,7 @@ def policy_loss(cfg: ObjectiveConfig, logp: jax.Array, old_logp: jax.Array,
       "tokens": jnp.sum(mask).astype(logp.dtype),
       "sequences": jnp.sum(has).astype(logp.dtype),
       "pg_loss": pg,
+      "is_weight": jnp.sum(w_tok),
+      "is_masked": jnp.sum(mask & (w_tok == 0)).astype(logp.dtype) if correct else zero,
   }
   return loss, metrics

@@ -1,44 +1,54 @@
-"""Rollouts on the serving engine, and the train batch they become.
+"""A step's rollouts: groups of trajectories drawn from the prompts and advanced by the driver
+(driver.py), those still running carried to the next step (partial rollouts), and the groups
+whose every trajectory ended, ready to score and learn from.
 
-Every prompt of a step is sampled `group_size` times by the engine over the policy's current
-weights (the optimizer's own arrays: `EngineConfig(layout="stacked")` slices them inside its
-step, and `set_params` hands it each update's). A completion keeps what the engine reports:
-its tokens, each token's logprob under the tempered policy (pi_old of the objective) and why
-it ended:
+Each step draws new prompts so that `prompts_per_step` groups are in flight, `group_size`
+trajectories each (a draw's seed is a function of (run seed, step, prompt slot, sample), so a
+resumed run draws the same ones), and runs the driver over every trajectory in flight, up to
+`--rollout-budget` generated tokens when given. A group completes when all its trajectories
+ended; groups still running are carried (their trajectories paused in the engine) unless
+their oldest token is more than `--max-staleness` policy versions old at the start of a step:
+then the group is dropped (its trajectories counted in `stale_dropped`). A prompt with at
+least the context's tokens is skipped and counted (one-turn rollouts; an environment's first
+render past `--max-trajectory-tokens` ends its trajectory as `overlong`).
 
-    stop    the policy drew a stop token (EOS / end of turn). The stop token is part of the
-            completion: the policy chose to end, so that token is trained like any other
-            (its text is not shown to the reward)
-    length  max_new_tokens (or the context) ran out first: the completion is truncated. It
-            is trained with the reward it got, unless --mask-truncated leaves it out of the
-            loss (DAPO's overlong filtering)
+A trajectory ends `stop` (the policy drew a stop token: part of the trajectory, trained like any
+other), `length` (max_new_tokens or the context ran out: truncated, trained unless
+--mask-truncated), `overlong` or `env_error` (reward 0).
 
-A draw's seed is a function of (run seed, step, prompt slot, sample), so a resumed run draws
-the same completions (the engine keys each draw by the request's seed and the position).
+In-flight groups live in the engine and the environments' processes: a checkpoint does not
+hold them, and a resumed run starts with none.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from k3jax.engine import Engine, FinishReason, SamplingParams
-from k3jax.rl.data import Prompt
+from k3jax.rl.data import Prompt, PromptStream
+from k3jax.rl.driver import Driver, Trajectory
 
 
 @dataclasses.dataclass
-class Completion:
+class Group:
+  step: int                   # the step that drew it
+  version: int                # the policy version then
   prompt: Prompt
-  tokens: list[int]
-  logprobs: list[float]
-  finish: str
-  text: str = ""
+  members: list[Trajectory]
 
   @property
-  def truncated(self) -> bool:
-    return self.finish != FinishReason.STOP
+  def done(self) -> bool:
+    return all(t.done for t in self.members)
+
+
+@dataclasses.dataclass
+class StepRollouts:
+  complete: list[Group]       # groups whose trajectories all ended, in the order drawn
+  prompts_too_long: int = 0
+  stale_dropped: int = 0      # trajectories dropped with their too stale groups
+  carried: int = 0            # trajectories left running for the next step
+  generated: int = 0          # tokens the policy sampled in this step
 
 
 def draw_seeds(seed: int, step: int, prompts: int, group_size: int) -> np.ndarray:
@@ -46,63 +56,56 @@ def draw_seeds(seed: int, step: int, prompts: int, group_size: int) -> np.ndarra
   return np.random.default_rng([seed, step]).integers(0, 2**32, size=(prompts, group_size))
 
 
-def rollout(engine: Engine, prompts: Sequence[Prompt], group_size: int, *, max_new_tokens: int,
-            temperature: float, stop_ids: Sequence[int], seeds: Sequence[Sequence[int]],
-            decode: Callable[[list[int]], str]) -> list[list[Completion]]:
-  """[prompt][sample] completions of every prompt (the caller leaves out prompts too long for
-  the engine)."""
-  for p, prompt in enumerate(prompts):
-    for g in range(group_size):
-      engine.add(f"{p}:{g}", prompt.ids, SamplingParams(
-          max_tokens=max_new_tokens, temperature=temperature, seed=int(seeds[p][g]),
-          logprobs=0, tempered_logprobs=True, stop_token_ids=tuple(stop_ids), ignore_eos=True))
-  out = [[Completion(prompt, [], [], "") for _ in range(group_size)] for prompt in prompts]
-  while engine.has_work():
-    for o in engine.step():
-      p, g = map(int, o.request_id.split(":"))
-      c = out[p][g]
-      c.tokens += o.token_ids
-      c.logprobs += o.logprobs
-      if o.finish_reason is not None:
-        c.finish = str(o.finish_reason)
-  stops = set(stop_ids)
-  for group in out:
-    for c in group:
-      body = c.tokens[:-1] if c.tokens and c.tokens[-1] in stops and not c.truncated else c.tokens
-      c.text = decode(body)
-  return out
+class Rollouts:
+  """The groups in flight across steps (module docstring)."""
 
+  def __init__(self, driver: Driver, stream: PromptStream, *, prompts_per_step: int,
+               group_size: int, seed: int, context: int, budget: int | None = None,
+               recompute: bool = False, max_staleness: int = 0, one_turn: bool = True):
+    self.driver, self.stream = driver, stream
+    self.B, self.G, self.seed, self.context = prompts_per_step, group_size, seed, context
+    self.budget, self.recompute, self.max_staleness = budget, recompute, max_staleness
+    self.one_turn = one_turn
+    self.flight: list[Group] = []
+    self.free_slots = list(range(prompts_per_step * group_size - 1, -1, -1))
 
-@dataclasses.dataclass
-class Batch:
-  """Host arrays of a step's train batch, [rows, T] (reshaped to [A, b, T] on the way in),
-  and the mask of every completion token (`rollout_mask`: what the step's metrics cover,
-  trained or not)."""
-  arrays: dict[str, np.ndarray]
-  rollout_mask: np.ndarray
+  def __call__(self, step: int, version: int) -> StepRollouts:
+    out = StepRollouts([])
+    out.stale_dropped = self._drop_stale(version)
+    new = self._draw(step, version, out)
+    self.driver.start([t for g in new for t in g.members])
+    self.flight += new
+    live = [t for g in self.flight for t in g.members if not t.done]
+    before = sum(t.generated for t in live)
+    self.driver.run(live, version, self.budget, self.recompute)
+    out.generated = sum(t.generated for t in live) - before
+    out.complete = [g for g in self.flight if g.done]
+    self.flight = [g for g in self.flight if not g.done]
+    for g in out.complete:
+      self.free_slots += [t.slot for t in g.members]
+    out.carried = sum(not t.done for g in self.flight for t in g.members)
+    return out
 
+  def _drop_stale(self, version: int) -> int:
+    stale = [g for g in self.flight if version - g.version > self.max_staleness]
+    for g in stale:
+      self.driver.release([t for t in g.members if not t.done])
+      self.free_slots += [t.slot for t in g.members]
+    self.flight = [g for g in self.flight if g not in stale]
+    return sum(len(g.members) for g in stale)
 
-def build_batch(rows: Sequence[tuple[Completion, float, bool]], n_rows: int, seq_len: int,
-                float_dtype) -> Batch:
-  """rows: (completion, advantage, trains) per completion. Row i holds prompt + completion
-  shifted by one (inputs / targets), segment 1 on its tokens and 0 on padding; loss_mask,
-  old_logp and advantages at the positions whose target is a completion token. Rows past
-  len(rows) are padding."""
-  shape = (n_rows, seq_len)
-  a = {"inputs": np.zeros(shape, np.int32), "targets": np.zeros(shape, np.int32),
-       "segment_ids": np.zeros(shape, np.int32), "loss_mask": np.zeros(shape, bool),
-       "old_logp": np.zeros(shape, float_dtype), "advantages": np.zeros(shape, float_dtype)}
-  rollout_mask = np.zeros(shape, bool)
-  for i, (c, adv, trains) in enumerate(rows):
-    seq = list(c.prompt.ids) + c.tokens
-    n, start = len(seq) - 1, len(c.prompt.ids) - 1
-    a["inputs"][i, :n] = seq[:-1]
-    a["targets"][i, :n] = seq[1:]
-    a["segment_ids"][i, :n] = 1
-    span = slice(start, start + len(c.tokens))
-    rollout_mask[i, span] = True
-    a["old_logp"][i, span] = c.logprobs
-    if trains:
-      a["loss_mask"][i, span] = True
-      a["advantages"][i, span] = adv
-  return Batch(a, rollout_mask)
+  def _draw(self, step: int, version: int, out: StepRollouts) -> list[Group]:
+    n = self.B - len(self.flight)
+    if n <= 0:
+      return []
+    prompts = self.stream.next(n)
+    seeds = draw_seeds(self.seed, step, n, self.G)
+    groups = []
+    for p, prompt in enumerate(prompts):
+      if self.one_turn and len(prompt.ids) >= self.context:
+        out.prompts_too_long += 1
+        continue
+      members = [Trajectory(f"{step}:{p}:{g}", prompt, p, g, int(seeds[p][g]),
+                            slot=self.free_slots.pop()) for g in range(self.G)]
+      groups.append(Group(step, version, prompt, members))
+    return groups

@@ -3,15 +3,17 @@ logprob function the reference policy (and checks) run.
 
 The policy (docs/rl.md#the-policy-and-its-logprobs) is the model's next-token distribution at
 the sampling temperature T, pi(y | x) = softmax(logits / T), the distribution the engine draws
-from (no top-k / top-p filtering in RL). The engine reports the drawn tokens' logprobs under it
-(`SamplingParams.tempered_logprobs`); here the trainer computes the same quantity from the same
-weights: logits in the compute dtype, widened (fp32, fp64 for a float64 model), divided by T,
+from (no top-k / top-p filtering in RL). The engine reports the drawn tokens' logprobs under the
+distribution it drew them from (`SamplingParams(logprobs_mode="processed")`); here the trainer
+computes the same quantity from the same weights: logits produced wide by the head's matmul
+(fp32, fp64 for a float64 model; `layers.head_logits`, as the engine's head), divided by T,
 log-softmax. The reference policy is the same function of the reference weights.
 
 The train step is `k3jax.train.step.build(..., objective=PolicyGradient(...))`: Per-Head Muon
 or AdamW (LoRA), clipping, micro-batches and shardings exactly as `k3jax train`'s step; only
 the loss differs. Its batch [A, b, T] holds inputs, targets, segment_ids, loss_mask (the
-completion tokens that train), old_logp, ref_logp, advantages and weights (objectives.py).
+completion tokens that train), old_logp, ref_logp, advantages and weights (objectives.py), and
+behav_logp under --is-correction tis / mis.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.model.layers import flat_einsum
+from k3jax.model.layers import head_logits
 from k3jax.rl.objectives import ObjectiveConfig, policy_loss
 from k3jax.run.placement import OnMesh
 from k3jax.train.loss import chunked_token_nll
@@ -44,11 +46,11 @@ def _chunked_entropy(x_btd, head_dv, chunk: int, precision, temperature: float) 
   pad = -t % chunk
   x = jnp.pad(x_btd, ((0, 0), (0, pad), (0, 0))) if pad else x_btd
   x_nbcd = jnp.moveaxis(x.reshape(b, -1, chunk, d), 1, 0)
-  wide = jnp.promote_types(x_btd.dtype, jnp.float32)
 
   def one(x_bcd):
-    logits = flat_einsum("bcd,dv->bcv", x_bcd, head_dv, precision).astype(wide)
-    return _entropy(jax.nn.log_softmax(logits / jnp.asarray(temperature, wide), axis=-1))
+    logits = head_logits("bcd,dv->bcv", x_bcd, head_dv, precision)  # produced wide
+    return _entropy(jax.nn.log_softmax(logits / jnp.asarray(temperature, logits.dtype),
+                                       axis=-1))
 
   ent = jax.lax.map(one, jax.lax.stop_gradient(x_nbcd))
   return jnp.moveaxis(ent, 0, 1).reshape(b, -1)[:, :t]
@@ -91,7 +93,7 @@ class PolicyGradient:
                                         self.temperature)
     mask = mb["loss_mask"]
     loss, metrics = policy_loss(self.config, logp, mb["old_logp"], mb["ref_logp"],
-                                mb["advantages"], mask, mb["weights"])
+                                mb["advantages"], mask, mb["weights"], mb.get("behav_logp"))
     metrics["entropy"] = jnp.sum(jnp.where(mask, entropy, 0.0))
     return loss, out, metrics
 

@@ -107,7 +107,7 @@ def build_app(svc: Service) -> FastAPI:
     svc.authorize(request.headers.get("authorization"))
     return {"object": "list", "data": [{
         "id": svc.config.name, "object": "model", "created": svc.created, "owned_by": "k3jax",
-        "max_model_len": svc.config.max_model_len}]}
+        "max_model_len": svc.config.max_model_len, "vocab_size": svc.config.vocab_size}]}
 
   @app.post("/v1/completions")
   async def create_completion(request: Request):

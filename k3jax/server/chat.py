@@ -6,7 +6,8 @@ transformers' `apply_chat_template`), then encoded with special tokens recognise
 ends at the model config's EOS, the tokenizer's end-of-turn tokens (`<|im_end|>`), a stop
 string or `max_tokens` / `max_completion_tokens` (None: the model's maximum length). Its text
 is split into `reasoning_content` (a leading <think> block), `content` and `tool_calls`
-(k3jax/server/parse.py); finish_reason is "tool_calls" when it ended on its own after calls.
+(k3jax/tokenizer/tool_calls.py, shared with RL's environments); finish_reason is "tool_calls"
+when it ended on its own after calls.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from k3jax.errors import UserError
 from k3jax.server.jobs import Choice, Job, events, sse, unless_disconnected
-from k3jax.server.parse import THINK_OPEN, Parsed, parse
 from k3jax.server.protocol import APIError, ChatRequest, read
 from k3jax.server.service import Service
+from k3jax.tokenizer.tool_calls import THINK_OPEN, Parsed, parse
 
 # the roles of OpenAI's chat messages; a template renders any role it is given, so an unknown
 # one (a typo) would become a turn the caller never meant
@@ -105,7 +106,7 @@ def _choice(svc: Service, req: ChatRequest, c: Choice, how: dict) -> dict:
   out = {"index": c.index, "message": message, "finish_reason": _finish(c, parsed),
          "logprobs": _logprobs(svc, c) if req.logprobs else None}
   if req.return_token_ids:
-    out.update(token_ids=c.token_ids, prompt_token_ids=c.prompt)
+    out.update(token_ids=c.token_ids, prompt_token_ids=c.prompt, token_logprobs=c.logprobs)
   return out
 
 
@@ -121,9 +122,9 @@ def _stream(svc: Service, req: ChatRequest, job: Job, choices: list[Choice], hea
   sent = [Parsed(None, "") for _ in choices]
   scored = [0] * len(choices)
 
-  def chunk(index: int, delta: dict, finish=None, logprobs=None) -> str:
+  def chunk(index: int, delta: dict, finish=None, logprobs=None, **extra) -> str:
     return sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                     "finish_reason": finish}]})
+                                     "finish_reason": finish, **extra}]})
 
   def update(c: Choice):
     i, old = c.index, sent[c.index]
@@ -143,7 +144,9 @@ def _stream(svc: Service, req: ChatRequest, job: Job, choices: list[Choice], hea
     if delta or lp is not None:
       yield chunk(i, delta, logprobs=lp)
     if c.finished:
-      yield chunk(i, {}, finish=_finish(c, now))
+      ids = ({"token_ids": c.token_ids, "token_logprobs": c.logprobs} if req.return_token_ids
+             else {})
+      yield chunk(i, {}, finish=_finish(c, now), **ids)
 
   def end():
     if req.include_usage:

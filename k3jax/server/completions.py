@@ -111,7 +111,7 @@ def _choice(svc: Service, req: CompletionRequest, c: Choice, echo: str) -> dict:
   out = {"index": c.index, "text": echo + text, "finish_reason": c.finish_reason,
          "logprobs": None if req.logprobs is None else _logprobs(svc, c, 0, req.echo)}
   if req.return_token_ids:
-    out.update(token_ids=c.token_ids, prompt_token_ids=c.prompt)
+    out.update(token_ids=c.token_ids, prompt_token_ids=c.prompt, token_logprobs=c.logprobs)
   return out
 
 
@@ -142,7 +142,7 @@ def _stream(svc: Service, req: CompletionRequest, job: Job, choices: list[Choice
     sent[i] += len(text)
     body = {"index": i, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
     if req.return_token_ids and c.finished:
-      body["token_ids"] = c.token_ids
+      body.update(token_ids=c.token_ids, token_logprobs=c.logprobs)
     yield sse({**head, "choices": [body]})
 
   def end():

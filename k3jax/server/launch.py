@@ -104,7 +104,7 @@ def build(options: ServeOptions) -> Server:
   name = options.served_model_name or os.path.basename(os.path.normpath(options.model))
   service = Service(ServiceConfig(name=name, max_model_len=limit, eos_token_ids=eos,
                                   chat_stop_ids=tuple(dict.fromkeys(chat_stops)),
-                                  api_key=options.api_key),
+                                  api_key=options.api_key, vocab_size=cfg.vocab_size),
                     EngineLoop(load, x64=dtype == "float64"), tokenizer)
   return Server(service, options.host, options.port, options.log_level)
 

@@ -7,7 +7,7 @@ import dataclasses
 import hmac
 import time
 
-from k3jax.engine import SamplingParams
+from k3jax.engine import LogprobsMode, SamplingParams
 from k3jax.server.loop import EngineLoop, State
 from k3jax.server.protocol import APIError, Sampling
 from k3jax.server.text import TextStream, token_bytes_of, token_string
@@ -18,12 +18,14 @@ class ServiceConfig:
   """name: the model name requests must use; max_model_len: prompt + output, at most;
   eos_token_ids: what ends a completion (the model config's EOS, as `k3jax generate`);
   chat_stop_ids: what ends a chat answer besides them (the tokenizer's end-of-turn tokens);
-  api_key: the Bearer token every /v1 request must carry (None: open)."""
+  api_key: the Bearer token every /v1 request must carry (None: open); vocab_size: the
+  model's (reported in /v1/models: an RL run checks a teacher's against its own)."""
   name: str
   max_model_len: int
   eos_token_ids: tuple[int, ...] = ()
   chat_stop_ids: tuple[int, ...] = ()
   api_key: str | None = None
+  vocab_size: int | None = None
 
 
 class Service:
@@ -96,15 +98,21 @@ class Service:
                prompt_logprobs: bool = False, extra_stops: tuple[int, ...] = ()
                ) -> tuple[list[SamplingParams], frozenset[int]]:
     """The engine's SamplingParams of each of the request's n choices (seeds seed, seed + 1,
-    ...; no seed: the engine draws one each), and the stop ids (which the text leaves out)."""
+    ...; no seed: the engine draws one each), and the stop ids (which the text leaves out).
+    `return_token_ids` (what an RL harness reads) asks the engine for the logprobs of the
+    distribution each token was drawn from (after temperature and top-k / top-p / min-p), for
+    `token_logprobs` and for `logprobs` alike."""
     req.refuse_unsupported()
     stops = tuple(req.stop_token_ids)
     if not req.ignore_eos:
       stops += self.config.eos_token_ids + extra_stops
+    mode = LogprobsMode.PROCESSED if req.return_token_ids else LogprobsMode.RAW
+    if req.return_token_ids and logprobs is None:
+      logprobs = 0
     params = [SamplingParams(max_tokens=max_tokens, temperature=req.temperature,
                              top_p=req.top_p, top_k=max(req.top_k, 0), min_p=req.min_p,
                              seed=None if req.seed is None else req.seed + i,
                              stop_token_ids=stops, ignore_eos=True, logprobs=logprobs,
-                             prompt_logprobs=prompt_logprobs)
+                             prompt_logprobs=prompt_logprobs, logprobs_mode=mode)
               for i in range(req.n)]
     return params, frozenset(stops)

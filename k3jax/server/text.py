@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from k3jax.tokenizer.tool_calls import held_suffix
+
 REPLACEMENT = "\ufffd"
 
 
@@ -31,17 +33,6 @@ def token_string(data: bytes) -> str:
     return data.decode("utf-8")
   except UnicodeDecodeError:
     return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
-
-
-def held_suffix(text: str, markers: Iterable[str]) -> int:
-  """Characters at the end of `text` that are a proper prefix of one of `markers`."""
-  longest = 0
-  for m in markers:
-    for k in range(min(len(m) - 1, len(text)), longest, -1):
-      if text.endswith(m[:k]):
-        longest = k
-        break
-  return longest
 
 
 class TextStream:

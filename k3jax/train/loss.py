@@ -5,7 +5,8 @@ the z-loss squares.
 
 `token_nll` takes the logits; `chunked_token_nll` takes the final-norm output x [B, T, d] and
 the head W [d, V] instead and computes the same numbers over chunks of C positions: a scan over
-T / C chunks whose body forms one chunk's logits [B, C, V] in fp32 (fp64 for a float64 model),
+T / C chunks whose body forms one chunk's logits [B, C, V], produced in fp32 by the head's
+matmul (fp64 for a float64 model; `layers.head_logits`),
 their logsumexp and the target's logit. Only the logsumexp is kept: the backward (its own
 custom VJP, d nll / d logits = softmax - onehot(target)) recomputes a chunk's logits from x
 and W instead of keeping them: the largest live buffer is [B, C, V] fp32 rather than three
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 
 from k3jax.model import context_parallel
 from k3jax.model.expert_parallel import context_mesh
-from k3jax.model.layers import flat_einsum
+from k3jax.model.layers import head_logits
 
 
 def token_nll(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
@@ -92,9 +93,8 @@ def chunked_token_nll_lse(x_btd: jax.Array, head_dv: jax.Array, targets_bt: jax.
 
 
 def _logits(x_bcd, head_dv, precision, temperature=1.0):
-  wide = jnp.promote_types(x_bcd.dtype, jnp.float32)
-  logits = flat_einsum("bcd,dv->bcv", x_bcd, head_dv, precision).astype(wide)
-  return logits if temperature == 1.0 else logits / jnp.asarray(temperature, wide)
+  logits = head_logits("bcd,dv->bcv", x_bcd, head_dv, precision)  # produced wide
+  return logits if temperature == 1.0 else logits / jnp.asarray(temperature, logits.dtype)
 
 
 def _picked(logits_bcv, tgt_bc):

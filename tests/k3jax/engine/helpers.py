@@ -32,6 +32,28 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
   return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
 
 
+def drawn_from(lp_row: np.ndarray, params) -> np.ndarray:
+  """The float64 log-distribution a processed request's token is drawn from, given the model's
+  own log-probabilities at its position: softmax(logits / T) over the tokens top-k / top-p /
+  min-p keep, renormalised (-inf elsewhere). Written from the filters' definitions, sorting
+  the float64 distribution (the engine filters in float32; the tests' draws sit far from a
+  boundary)."""
+  x = lp_row / params.temperature  # logits / T up to a constant
+  p = np.exp(log_softmax(x))
+  order = np.argsort(-p, kind="stable")
+  keep = np.ones(len(p), bool)
+  if 0 < params.top_k < len(p):
+    keep &= x >= x[order[params.top_k - 1]]
+  if params.top_p < 1:
+    before = np.cumsum(p[order]) - p[order]
+    nucleus = np.zeros(len(p), bool)
+    nucleus[order[(before < params.top_p) | (np.arange(len(p)) == 0)]] = True
+    keep &= nucleus
+  if params.min_p > 0:
+    keep &= p >= params.min_p * p.max()
+  return log_softmax(np.where(keep, x, -np.inf))
+
+
 # One jitted forward for every call: a fresh `jax.jit(lambda ...)` per call traced and compiled
 # the whole model again each time.
 _forward = jax.jit(lambda mm, x: mm(x).logits)

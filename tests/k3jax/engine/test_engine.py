@@ -21,7 +21,7 @@ from k3jax.engine.config import EngineConfig
 from k3jax.engine.engine import Engine
 from k3jax.engine.request import SamplingParams
 from k3jax.model import lora
-from tests.k3jax.engine.helpers import CONFIG, drain, log_softmax, model, truth
+from tests.k3jax.engine.helpers import CONFIG, drain, drawn_from, model, truth
 from tests.k3jax.model.helpers import F64
 
 TOL = 1e-12
@@ -46,16 +46,17 @@ def prompts(seed: int, lengths):
 
 def check_against_truth(m, prompt, result, params=GREEDY):
   lp = truth(m, prompt + result.tokens)
-  if params.tempered_logprobs and params.temperature > 0:
-    lp = log_softmax(lp / params.temperature)  # = log_softmax(logits / T): a shift of logits
   n = len(prompt)
   for j, tok in enumerate(result.tokens):
     row = lp[n - 1 + j]
+    if params.logprobs_mode == "processed" and params.temperature > 0:
+      row = drawn_from(row, params)
     if params.temperature == 0:
       assert tok == int(np.argmax(row))
+    assert np.isfinite(row[tok])  # the token is one the filters keep
     if params.logprobs is not None:
       assert abs(result.logprobs[j] - row[tok]) <= TOL
-      best = np.argsort(-row)[:params.logprobs]
+      best = [b for b in np.argsort(-row, kind="stable")[:params.logprobs] if np.isfinite(row[b])]
       assert sorted(result.top[j]) == sorted(int(b) for b in best)
       np.testing.assert_allclose([result.top[j][int(b)] for b in best], row[best], rtol=0,
                                  atol=TOL)
@@ -82,19 +83,37 @@ def test_greedy_tokens_and_logprobs_equal_the_full_forward(m, config):
   assert eng.stats()["pages_used"] == eng.stats()["cached_blocks"]  # only cached blocks stay
 
 
-def test_tempered_logprobs_are_the_sampling_distribution(m):
-  """tempered_logprobs: the drawn tokens' logprobs and alternatives under softmax(logits / T),
-  what they are drawn from (RL's behaviour policy); the same request without it draws the
-  same tokens and reports the model's own log_softmax(logits)."""
+def test_processed_logprobs_are_the_sampling_distribution(m):
+  """logprobs_mode "processed": the drawn tokens' logprobs and alternatives under the
+  distribution they are drawn from, softmax(logits / T) (RL's behaviour policy); the same
+  request in "raw" mode draws the same tokens and reports the model's own log_softmax."""
   p = prompts(12, (9,))[0]
-  tempered = SamplingParams(max_tokens=6, temperature=0.7, seed=5, logprobs=2,
-                            tempered_logprobs=True)
-  plain = dataclasses.replace(tempered, tempered_logprobs=False)
-  out = drain(Engine(m, CONFIG), {0: [("t", p, tempered), ("p", p, plain)]})
+  processed = SamplingParams(max_tokens=6, temperature=0.7, seed=5, logprobs=2,
+                             logprobs_mode="processed")
+  raw = dataclasses.replace(processed, logprobs_mode="raw")
+  out = drain(Engine(m, CONFIG), {0: [("t", p, processed), ("p", p, raw)]})
   assert out["t"].tokens == out["p"].tokens
-  check_against_truth(m, p, out["t"], tempered)
-  check_against_truth(m, p, out["p"], plain)
+  check_against_truth(m, p, out["t"], processed)
+  check_against_truth(m, p, out["p"], raw)
   assert max(abs(a - b) for a, b in zip(out["t"].logprobs, out["p"].logprobs)) > 1e-3
+
+
+@pytest.mark.parametrize("filters", [{"top_k": 3}, {"top_p": 0.5}, {"min_p": 0.5},
+                                     {"top_k": 4, "top_p": 0.8, "min_p": 0.05}],
+                         ids=["top_k", "top_p", "min_p", "all"])
+def test_processed_logprobs_are_those_of_the_filtered_distribution(m, filters):
+  """With top-k / top-p / min-p, "processed" logprobs are those of the renormalised kept set
+  (float64 against the full forward, 1e-12), every drawn token is one the filters keep, and
+  the alternatives are the kept tokens alone; decode blocks report the same."""
+  p = prompts(13, (11,))[0]
+  params = SamplingParams(max_tokens=8, temperature=1.3, seed=9, logprobs=4,
+                          logprobs_mode="processed", **filters)
+  for config in (CONFIG, dataclasses.replace(CONFIG, decode_steps=4)):
+    out = drain(Engine(m, config), {0: [("f", p, params)]})
+    check_against_truth(m, p, out["f"], params)
+  lp = truth(m, p + out["f"].tokens)[len(p) - 1:-1]
+  kept = [int(np.isfinite(drawn_from(row, params)).sum()) for row in lp]
+  assert min(kept) < m.cfg.vocab_size  # the filters removed tokens
 
 
 def test_max_tokens_zero_scores_the_prompt_only(m):
@@ -377,3 +396,41 @@ def test_packed_mxfp4_experts_serve_the_dequantised_model(reference_dir):
   out = drain(Engine(packed, CONFIG), {0: [("a", ps[0], GREEDY), ("b", ps[1], GREEDY)]})
   for rid, p in zip("ab", ps, strict=True):
     check_against_truth(dense, p, out[rid])
+
+
+def test_qat_experts_are_served_packed_as_the_trained_forward_rounds_them(reference_dir):
+  """k3_tiny_a's MXFP4 experts as a frozen base with per-expert adapters trained under QAT
+  (the forward multiplies by round_mxfp4(dequant(W) + scale A B)): the engine holds those
+  experts as codes and scales, quantised once per set_params, and serves the full forward of
+  the merged model (what `k3jax export --merge-lora` writes), float64, 1e-12; after a
+  set_params with other adapters too."""
+  dense, _ = load_model(os.path.join(reference_dir, "k3_tiny_a"), F64)
+  spec = lora.AdaptSpec(rank=2, targets=("moe.experts.*",), base_experts="mxfp4", qat=True)
+
+  def policy(seed):
+    adapted = lora.adapt(nnx.clone(dense), spec, nnx.Rngs(seed))
+    rng = np.random.default_rng(seed)
+    for ex in lora.expert_paths(adapted).values():
+      for w in lora.EXPERT_WEIGHTS:
+        b = getattr(ex, f"{w}_lora_b")
+        b.set_value(jax.numpy.asarray(0.3 * rng.standard_normal(b.shape)))
+    return adapted
+
+  first, second = policy(1), policy(2)
+  eng = Engine(first, CONFIG)
+  served = nnx.merge(eng.runner.graphdef, eng.runner._serving(nnx.state(first)))
+  for ex in lora.expert_paths(served).values():  # codes and scales, no QAT, no adapters
+    assert not ex.qat and ex.operands("w1").packed and not hasattr(ex, "w1_lora_a")
+  rng = np.random.default_rng(8)
+  p = [int(t) for t in rng.integers(0, dense.cfg.vocab_size, 12)]
+  sampled = SamplingParams(max_tokens=5, temperature=0.9, seed=2, logprobs=2,
+                           logprobs_mode="processed")
+  for adapted in (first, second):
+    if adapted is second:
+      eng.set_params(nnx.state(second))
+    out = drain(eng, {0: [("g", p, GREEDY), ("s", p, sampled)]})
+    merged = lora.merge(adapted)
+    assert np.any(np.asarray(lora.merge(adapted).moe.experts.w1[...])
+                  != np.asarray(dense.moe.experts.w1[...]))  # the adapters moved the experts
+    check_against_truth(merged, p, out["g"])
+    check_against_truth(merged, p, out["s"], sampled)

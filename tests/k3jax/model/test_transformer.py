@@ -172,4 +172,4 @@ def test_bf16_forward_is_finite():
   cfg = tiny_cfg(**SMALL)
   m = K3Model(cfg, Execution(dtype="bfloat16", param_dtype="float32"), rngs=nnx.Rngs(0))
   logits = logits_fn(m, _ids(cfg, (1, 20), 6), None)
-  assert logits.dtype == jnp.bfloat16 and bool(jnp.isfinite(logits).all())
+  assert logits.dtype == jnp.float32 and bool(jnp.isfinite(logits).all())  # the head's, wide

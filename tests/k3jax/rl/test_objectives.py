@@ -12,8 +12,10 @@ import pytest
 
 from k3jax.rl.objectives import (
   Algorithm,
+  ISCorrection,
   LossAgg,
   ObjectiveConfig,
+  distill_advantages,
   group_advantages,
   k3,
   policy_loss,
@@ -35,6 +37,13 @@ def fixed_batch():
   return logp, old, ref, mask
 
 
+def behaviour():
+  """mu's logprobs of the fixed batch: importance ratios pi_old / mu on both sides of the cap
+  2 (and of 1/2), so truncation and masking both act."""
+  _, old, _, _ = fixed_batch()
+  return old + np.random.default_rng(1).normal(0.0, 0.8, old.shape)
+
+
 # ---- the reference: the papers' formulas, one sequence and one token at a time ------------
 
 def ref_advantages(rewards, normalize_std, eps=1e-6):
@@ -49,8 +58,20 @@ def ref_advantages(rewards, normalize_std, eps=1e-6):
   return [a for group in out for a in group] + [0.0]  # the padding row
 
 
-def ref_loss(cfg: ObjectiveConfig, logp, old, ref, mask):
+def ref_is_weight(cfg: ObjectiveConfig, log_v: float) -> float:
+  v = math.exp(log_v)
+  if cfg.is_correction == ISCorrection.NONE:
+    return 1.0
+  if cfg.is_correction == ISCorrection.TIS:
+    return min(v, cfg.is_cap)
+  return v if 1 / cfg.is_cap <= v <= cfg.is_cap else 0.0
+
+
+def ref_loss(cfg: ObjectiveConfig, logp, old, ref, mask, behav=None, token_adv=None):
+  """The loss written token by token; `behav`: mu's logprobs (tis / mis), `token_adv`:
+  per-token advantages (distillation) instead of the group's."""
   adv = ref_advantages(REWARDS, cfg.normalize_std)
+  adv_at = (lambda i, t: token_adv[i][t]) if token_adv is not None else (lambda i, t: adv[i])
   seqs = [i for i, n in enumerate(LENGTHS) if n > 0]
   n_seq, n_tok = len(seqs), sum(LENGTHS)
   low, high = 1 - cfg.clip_eps, 1 + cfg.clip_eps_high
@@ -71,33 +92,41 @@ def ref_loss(cfg: ObjectiveConfig, logp, old, ref, mask):
     if cfg.algorithm == Algorithm.GSPO:  # sequence ratio: geometric mean of token ratios
       s = math.exp(sum(logp[i, t] - old[i, t] for t in tokens) / LENGTHS[i])
       clipped = min(max(s, low), high)
-      total += -min(s * adv[i], clipped * adv[i]) * weight(i) * LENGTHS[i]
+      a = sum(adv_at(i, t) for t in tokens) / LENGTHS[i]
+      w = 1.0 if behav is None else ref_is_weight(
+          cfg, sum(old[i, t] - behav[i, t] for t in tokens) / LENGTHS[i])
+      total += -min(s * a, clipped * a) * weight(i) * LENGTHS[i] * w
     else:
       for t in tokens:
         r = math.exp(logp[i, t] - old[i, t])
         clipped = min(max(r, low), high)
-        total += -min(r * adv[i], clipped * adv[i]) * weight(i)
+        w = 1.0 if behav is None else ref_is_weight(cfg, old[i, t] - behav[i, t])
+        total += -min(r * adv_at(i, t), clipped * adv_at(i, t)) * weight(i) * w
   return total
 
 
-def ref_grad(cfg, logp, old, ref, mask, h=1e-6):
+def ref_grad(cfg, logp, old, ref, mask, h=1e-6, **kw):
   grad = np.zeros_like(logp)
   for i, t in zip(*np.nonzero(mask)):
     up, down = logp.copy(), logp.copy()
     up[i, t] += h
     down[i, t] -= h
-    grad[i, t] = (ref_loss(cfg, up, old, ref, mask) - ref_loss(cfg, down, old, ref, mask)) / (2 * h)
+    grad[i, t] = (ref_loss(cfg, up, old, ref, mask, **kw)
+                  - ref_loss(cfg, down, old, ref, mask, **kw)) / (2 * h)
   return grad
 
 
-def ours(cfg, logp, old, ref, mask):
+def ours(cfg, logp, old, ref, mask, behav=None, token_adv=None):
   adv_rows = group_advantages(np.asarray(REWARDS), cfg.normalize_std, cfg.std_eps).reshape(-1)
   adv = np.where(mask, np.append(adv_rows, 0.0)[:, None], 0.0)
+  if token_adv is not None:
+    adv = np.where(mask, token_adv, 0.0)
   weights = token_weights(mask, cfg.loss_agg, MAX_LEN)
 
   def loss(lp):
     return policy_loss(cfg, lp, jnp.asarray(old), jnp.asarray(ref), jnp.asarray(adv),
-                       jnp.asarray(mask), jnp.asarray(weights))
+                       jnp.asarray(mask), jnp.asarray(weights),
+                       None if behav is None else jnp.asarray(behav))
 
   (value, metrics), grad = jax.value_and_grad(loss, has_aux=True)(jnp.asarray(logp))
   return float(value), np.asarray(grad), jax.device_get(metrics)
@@ -122,6 +151,57 @@ def test_objective_and_gradient_match_the_float64_reference(cfg, x64):
   np.testing.assert_allclose(grad, ref_grad(cfg, logp, old, ref, mask), atol=1e-9, rtol=0)
   assert np.all(grad[~mask] == 0)  # padding and prompt positions get no gradient
   assert metrics["tokens"] == sum(LENGTHS) and metrics["sequences"] == len(LENGTHS) - 1
+
+
+IS_CASES = [ObjectiveConfig(algorithm=a, is_correction=c, loss_agg=agg, kl_coef=0.05)
+            for a, c, agg in itertools.product(
+                [Algorithm.GRPO, Algorithm.GSPO], [ISCorrection.TIS, ISCorrection.MIS],
+                [LossAgg.TOKEN_MEAN, LossAgg.SEQUENCE_MEAN])]
+
+
+@pytest.mark.parametrize("cfg", IS_CASES, ids=lambda c: f"{c.algorithm}-{c.is_correction}-"
+                         f"{c.loss_agg}")
+def test_importance_corrected_objectives_match_the_float64_reference(cfg, x64):
+  """TIS and MIS (decoupled PPO: the ratio against the trainer's pi_old, each term weighted
+  by the truncated or masked pi_old / mu): the loss and its gradient as the reference writes
+  them token by token (GSPO: per sequence), and the weights' metrics."""
+  logp, old, ref, mask = fixed_batch()
+  behav = behaviour()
+  value, grad, metrics = ours(cfg, logp, old, ref, mask, behav)
+  assert value == pytest.approx(ref_loss(cfg, logp, old, ref, mask, behav), abs=1e-12,
+                                rel=1e-12)
+  np.testing.assert_allclose(grad, ref_grad(cfg, logp, old, ref, mask, behav=behav),
+                             atol=1e-9, rtol=0)
+  if cfg.algorithm != Algorithm.GSPO:
+    w = [ref_is_weight(cfg, old[i, t] - behav[i, t]) for i, t in zip(*np.nonzero(mask))]
+    assert float(metrics["is_weight"]) == pytest.approx(sum(w), rel=1e-12)
+    assert float(metrics["is_masked"]) == sum(x == 0 for x in w)
+    v = np.exp((old - behav)[mask])
+    assert (v > 2).sum() >= 5 and (v < 0.5).sum() >= 5 and ((v > 0.5) & (v < 2)).sum() >= 5
+
+
+@pytest.mark.parametrize("lam", [1.0, 0.3])
+@pytest.mark.parametrize("algorithm", [Algorithm.GRPO, Algorithm.GSPO])
+def test_distillation_advantages_and_gradient_match_the_float64_reference(algorithm, lam, x64):
+  """On-policy distillation: A_it = lam (log pi_teacher - log mu) + (1 - lam) A_i per token;
+  the objective with those advantages and its gradient, against the reference written token
+  by token from the definition (mu = pi_old here: the engine's logprobs)."""
+  logp, old, ref, mask = fixed_batch()
+  teacher = old + np.random.default_rng(2).normal(0.0, 0.7, old.shape)
+  cfg = ObjectiveConfig(algorithm=algorithm)
+  group = np.append(group_advantages(np.asarray(REWARDS), cfg.normalize_std).reshape(-1), 0.0)
+  got = distill_advantages(teacher, old, group[:, None], lam)
+  want = [[lam * (teacher[i, t] - old[i, t]) + (1 - lam) * group[i] for t in range(T)]
+          for i in range(len(LENGTHS))]
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-15)
+  base = np.random.default_rng(3).normal(size=(len(LENGTHS), 1))  # --distill-baseline's b_g
+  np.testing.assert_allclose(distill_advantages(teacher, old, group[:, None], lam, base),
+                             np.asarray(want) - lam * base, rtol=0, atol=1e-14)
+  value, grad, _ = ours(cfg, logp, old, ref, mask, token_adv=got)
+  assert value == pytest.approx(ref_loss(cfg, logp, old, ref, mask, token_adv=want),
+                                abs=1e-12, rel=1e-12)
+  np.testing.assert_allclose(grad, ref_grad(cfg, logp, old, ref, mask, token_adv=want),
+                             atol=1e-9, rtol=0)
 
 
 def test_the_fixed_batch_exercises_both_sides_of_the_clip(x64):

@@ -1,6 +1,7 @@
-"""Rollouts on the engine and the trainer's view of them, in float64: the logprobs the engine
-reports for its draws (the behaviour policy, softmax(logits / T)) are what the trainer
-recomputes from the same weights, so a first update sees ratios of exactly 1."""
+"""One-turn rollouts on the engine (rollout.py, driver.py) and the trainer's view of them, in
+float64: the logprobs the engine reports for its draws (the behaviour policy, softmax(logits /
+T)) are what the trainer recomputes from the same weights on the packed batch, so a first
+update sees ratios of exactly 1."""
 
 import jax
 import numpy as np
@@ -8,10 +9,13 @@ import pytest
 from flax import nnx
 
 from k3jax.engine import Engine
-from k3jax.rl.data import Prompt
-from k3jax.rl.objectives import ObjectiveConfig, group_advantages, token_weights
-from k3jax.rl.rollout import build_batch, rollout
+from k3jax.rl import batch as batch_lib
+from k3jax.rl.data import Prompt, PromptStream
+from k3jax.rl.driver import Driver, DriverConfig
+from k3jax.rl.objectives import ObjectiveConfig, group_advantages
+from k3jax.rl.rollout import Rollouts
 from k3jax.rl.step import PolicyGradient, logprob_fn
+from k3jax.tokenizer import ByteTokenizer
 from k3jax.train import step as step_lib
 from tests.k3jax.engine.helpers import CFG, CONFIG, EX, model
 
@@ -35,19 +39,26 @@ def test_rollout_logprobs_are_the_trainers_and_a_first_update_sees_ratio_one():
   prompts = [Prompt(i, tuple(int(t) for t in rng.integers(0, 64, n)), "", {})
              for i, n in enumerate((5, 9))]
   engine = Engine(nnx.merge(steps.graphdef, nnx.State(params), nnx.State(bias)), CONFIG)
-  groups = rollout(engine, prompts, G, max_new_tokens=NEW, temperature=TEMPERATURE,
-                   stop_ids=(), seeds=[[1, 2], [3, 4]], decode=lambda ids: "")
-  assert all(len(c.tokens) == NEW == len(c.logprobs) and c.truncated for g in groups for c in g)
+  driver = Driver(engine, DriverConfig(max_new_tokens=NEW, temperature=TEMPERATURE,
+                                       stop_ids=()), ByteTokenizer())
+  rollouts = Rollouts(driver, PromptStream(prompts, 0), prompts_per_step=2, group_size=G,
+                      seed=0, context=CONFIG.max_model_len)
+  ro = rollouts(1, 0)
+  trajs = [t for g in ro.complete for t in g.members]
+  assert len(ro.complete) == 2 and ro.generated == 2 * G * NEW
+  assert all(t.generated == NEW == len(t.ids) - len(t.prompt.ids) and t.truncated
+             for t in trajs)
 
   adv = group_advantages(np.array([[1.0, 0.0], [0.0, 1.0]]), objective.normalize_std)
-  rows = [(c, adv[p, g], True) for p, group in enumerate(groups) for g, c in enumerate(group)]
-  batch = build_batch(rows, len(rows), SEQ, np.float64)
-  batch.arrays["weights"] = token_weights(batch.arrays["loss_mask"], objective.loss_agg, NEW)
-  dev = {k: v[None] for k, v in batch.arrays.items()}  # one micro-batch
+  per = [adv[p, g] for p in range(2) for g in range(G)]
+  b = batch_lib.build(trajs, [True] * len(trajs), [[a] * len(t.ids) for a, t in
+                                                   zip(per, trajs)],
+                      SEQ, 1, len(trajs), objective.loss_agg, NEW, np.float64)
+  dev = {k: v[None] for k, v in b.arrays.items() if k != "versions"}  # one micro-batch
   trainer = np.asarray(logprob_fn(steps, TEMPERATURE, adapters_off=False)(params, bias, dev))[0]
-  mask = batch.rollout_mask
-  assert mask.sum() == len(rows) * NEW
-  np.testing.assert_allclose(trainer[mask], batch.arrays["old_logp"][mask], rtol=0, atol=TOL)
+  mask = b.rollout_mask
+  assert mask.sum() == len(trajs) * NEW
+  np.testing.assert_allclose(trainer[mask], b.arrays["old_logp"][mask], rtol=0, atol=TOL)
 
   dev["ref_logp"] = trainer[None]
   state = steps.init(params, bias, step_lib.new_rng(0))

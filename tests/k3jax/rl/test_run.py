@@ -22,12 +22,16 @@ from convert import orbax_io
 from convert.fingerprint import fingerprint, weight_bytes
 from convert.lora_export import is_adapter
 from k3jax import cli
+from k3jax.errors import UserError
 from k3jax.folders import model_folder
+from k3jax.rl import batch as batch_lib
+from k3jax.rl import learner as learner_lib
 from k3jax.rl import loop
+from k3jax.rl import rollout as rollout_lib
 from k3jax.rl.loop import METRICS
 from k3jax.tokenizer import ByteTokenizer
 from k3jax.train.checkpoint import Checkpointer
-from tests.k3jax.server.helpers import byte_run
+from tests.k3jax.server.helpers import byte_run, packable_run
 from tests.sharding.test_multiprocess import free_port, process_env
 
 TIMING = ("rollout_s", "reward_s", "reference_s", "train_s", "step_time_s", "tokens_per_s")
@@ -230,30 +234,62 @@ def test_lora_runs_its_reference_is_the_base_and_checkpoints_hold_the_adapters(
   assert strip(records(resumed)) == strip(records(out))
 
 
-def _spy(monkeypatch, name: str, wrap) -> list:
-  """Replace loop.<name> by wrap(original, seen) and return `seen`."""
+def test_experts_qat_rollouts_are_the_trained_policy(files, tmp_path):
+  """--experts-qat over an MXFP4 base with per-expert adapters: the trainer's forward rounds
+  dequant(W) + scale A B to MXFP4, and the engine samples from exactly that (packed once per
+  set_params), so the float64 rollout logprobs are the trainer's at every step, the adapters
+  having moved the experts after the first."""
+  folder = packable_run(str(tmp_path / "model"))
+  args = flags(files, tmp_path / "qat", 2, "--no-plots", "--experts-qat", "--lora", "4",
+               "--base-experts", "mxfp4", "--lora-targets", "moe.experts.*", "mla.*")
+  args[args.index(files["model"])] = folder
+  assert cli.main(args) == 0
+  first, second = records(tmp_path / "qat")
+  assert first["mismatch_max"] <= MISMATCH and second["mismatch_max"] <= MISMATCH
+  assert second["kl"] > 0 and second["trained_tokens"] > 0
+
+
+def test_a_capacity_factor_is_refused(files, tmp_path):
+  """RL scores every rollout dropless: run(RLOptions) refuses a capacity factor in one line."""
+  opts = loop.RLOptions(init_from=files["model"], data=files["data"], reward=("numeric",),
+                        group_size=2, steps=1, out=str(tmp_path / "out"), capacity_factor=1.25)
+  with pytest.raises(UserError, match="capacity factor 1.25: RL scores every rollout dropless"):
+    loop.run(opts)
+  assert not os.path.exists(tmp_path / "out")
+
+
+def _spy_rollouts(monkeypatch) -> list:
+  """Each step's complete groups of trajectories, as Rollouts returns them."""
   seen = []
-  monkeypatch.setattr(loop, name, wrap(getattr(loop, name), seen))
+  original = rollout_lib.Rollouts.__call__
+
+  def call(self, step, version):
+    out = original(self, step, version)
+    seen.append(out.complete)
+    return out
+  monkeypatch.setattr(rollout_lib.Rollouts, "__call__", call)
   return seen
 
 
-def _rollouts(original, seen):
-  def rollout(*args, **kwargs):
-    seen.append(original(*args, **kwargs))
-    return seen[-1]
-  return rollout
+def _spy_reference(monkeypatch) -> list:
+  """The reference policy's logprobs of each step's batch, and the batch's layout."""
+  seen = []
+  original = learner_lib.Learner.learn
 
-
-def _logprob_fns(original, seen):
-  def logprob_fn(*args, **kwargs):
-    fn = original(*args, **kwargs)
+  def learn(self, state, groups, rewards, version):
+    reference = self.reference
 
     def recorded(*a):
-      out = fn(*a)
+      out = reference(*a)
       seen.append(np.asarray(out))
       return out  # the device array: the train step takes it as the run would
-    return recorded
-  return logprob_fn
+    self.reference = recorded
+    try:
+      return original(self, state, groups, rewards, version)
+    finally:
+      self.reference = reference
+  monkeypatch.setattr(learner_lib.Learner, "learn", learn)
+  return seen
 
 
 def test_a_completion_that_is_only_its_stop_token(files, tmp_path, monkeypatch):
@@ -262,41 +298,54 @@ def test_a_completion_that_is_only_its_stop_token(files, tmp_path, monkeypatch):
   from a run without stop ids (the draw depends only on the weights, the prompt and the
   draw's seed, so a second run with that stop id draws it again and stops)."""
   args = flags(files, tmp_path / "probe", 1, "--no-plots")
-  probe = _spy(monkeypatch, "rollout", _rollouts)
+  probe = _spy_rollouts(monkeypatch)
   assert cli.main(args) == 0
   (groups,) = probe
-  first = groups[0][0]
-  stop = first.tokens[0]
+  first = groups[0].members[0]
+  stop = first.ids[len(first.prompt.ids)]
 
   log = tmp_path / "rewards.jsonl"
   reward = _write(tmp_path / "logged.py", LOGGED.replace("LOG_PATH", repr(str(log))))
   args = flags(files, tmp_path / "out", 1, "--no-plots")
   args[args.index(files["score"])] = reward + ":score"
   monkeypatch.setattr(ByteTokenizer, "stop_ids", (stop,))  # as a tokenizer's end of turn
-  seen = _spy(monkeypatch, "rollout", _rollouts)
-  ref = _spy(monkeypatch, "logprob_fn", _logprob_fns)
+  seen, ref = _spy_rollouts(monkeypatch), _spy_reference(monkeypatch)
   assert cli.main(args) == 0
   (groups,), (ref_logp,) = seen, ref
-  c = groups[0][0]
-  assert c.prompt == first.prompt and c.tokens == [stop] and c.finish == "stop"
+  c = groups[0].members[0]
+  n = len(c.prompt.ids)
+  assert c.prompt == first.prompt and c.ids[n:] == [stop] and c.finish == "stop"
   assert not c.truncated and c.text == ""
-  assert c.logprobs[0] == pytest.approx(first.logprobs[0], abs=1e-12)
+  assert c.logprobs[n] == pytest.approx(first.logprobs[n], abs=1e-12)
   # the trainer's logprob of that token: the reference policy's at step 1 is the policy's
-  # (the first batch row, at the position whose target is the completion's first token)
-  trainer = ref_logp.reshape(len(groups) * len(groups[0]), -1)[0, len(c.prompt.ids) - 1]
-  assert abs(trainer - c.logprobs[0]) <= MISMATCH
+  # (at the position whose target is the completion's first token, wherever it was packed)
+  trajs = [t for g in groups for t in g.members]
+  lengths = [len(t.ids) for t in trajs]
+  row, at = batch_where(lengths, ref_logp.shape[-1])[0]
+  trainer = ref_logp.reshape(-1, ref_logp.shape[-1])[row, at + n - 1]
+  assert abs(trainer - c.logprobs[n]) <= MISMATCH
   with open(log) as f:
     scored = [tuple(json.loads(line)) for line in f]
   assert (c.prompt.text, "") in scored  # the reward saw the empty text
 
   (r,) = records(tmp_path / "out")
   assert all(math.isfinite(r[k]) for k in METRICS), r
-  completions = [x for group in groups for x in group]
-  assert r["completion_len"] == pytest.approx(np.mean([len(x.tokens) for x in completions]),
+  assert r["completion_len"] == pytest.approx(np.mean([t.generated for t in trajs]),
                                               rel=1e-12)  # the stop token counts: 1 here
-  assert r["empty_completions"] == sum(not x.text.strip() for x in completions) >= 1
-  assert r["truncated"] == pytest.approx(np.mean([x.truncated for x in completions]))
+  assert r["empty_completions"] == sum(not t.text.strip() for t in trajs) >= 1
+  assert r["truncated"] == pytest.approx(np.mean([t.truncated for t in trajs]))
   assert r["mismatch_max"] <= MISMATCH and r["updates"] == 1 and r["trained_tokens"] > 0
+
+
+def batch_where(lengths, seq_len):
+  """(row, first position) of each trajectory as batch.pack lays them out."""
+  where = [None] * len(lengths)
+  for row, members in enumerate(batch_lib.pack(lengths, seq_len)):
+    at = 0
+    for i in members:
+      where[i] = (row, at)
+      at += lengths[i] - 1
+  return where
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -72,6 +72,13 @@ def byte_run(out: str) -> str:
   return _save(out, randomize(_zeros(cfg), 2, scale=3.0), cfg, "byte")
 
 
+def packable_run(out: str) -> str:
+  """byte_run's model with routed experts of whole MXFP4 groups (latent 32, F 64)."""
+  cfg = tiny_cfg(vocab_size=256, num_layers=2, mla_layers=(1,), latent_size=32,
+                 moe_intermediate_size=64)
+  return _save(out, randomize(_zeros(cfg), 2, scale=3.0), cfg, "byte")
+
+
 def script_ids(tok, script=SCRIPT) -> list[int]:
   """The script as distinct token ids: special-token text as its token, bytes as that one
   token, other text split into the longest tokens not used elsewhere (depth first; a token

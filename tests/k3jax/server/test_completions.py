@@ -13,9 +13,10 @@ import pytest
 
 from convert.load import load_any
 from k3jax import cli
+from k3jax.engine import SamplingParams
 from k3jax.execution import NUMERICS
 from k3jax.folders import model_folder
-from tests.k3jax.engine.helpers import truth
+from tests.k3jax.engine.helpers import drawn_from, truth
 from tests.k3jax.server import helpers
 
 MAX_LEN = 128
@@ -179,6 +180,28 @@ def test_echo_loglikelihoods_equal_the_full_forward(client, reference):
   got = g.logprobs.token_logprobs[1:]
   np.testing.assert_allclose(got, want[np.arange(len(seq) - 1), seq[1:]], rtol=0, atol=1e-9)
   assert out == [int(want[len(ids) - 1 + k].argmax()) for k in range(4)]
+
+
+def test_return_token_ids_reports_the_distribution_each_token_was_drawn_from(client,
+                                                                             reference):
+  """`return_token_ids` (what an RL harness reads): `token_logprobs` of every generated token
+  under the distribution it was drawn from (temperature, then top-k / top-p), float64 against
+  the full forward's, whole and streamed; `logprobs` then report the same."""
+  prompt = "Once upon a time"
+  ask = dict(model="tiny", prompt=prompt, max_tokens=6, temperature=0.8, top_p=0.9, seed=5,
+             logprobs=1, extra_body={"top_k": 5, "return_token_ids": True})
+  c = client.completions.create(**ask).choices[0]
+  ids, got = c.model_extra["token_ids"], c.model_extra["token_logprobs"]
+  assert len(ids) == len(got) == 6 and c.logprobs.token_logprobs == got
+  lp = full_forward(reference, list(prompt.encode()) + ids)[len(prompt.encode()) - 1:-1]
+  want = []
+  for row, t in zip(lp, ids):
+    drawn = drawn_from(row, SamplingParams(temperature=0.8, top_p=0.9, top_k=5))
+    assert np.isfinite(drawn).sum() <= 5
+    want.append(drawn[t])
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-9)
+  last = list(client.completions.create(**ask, stream=True))[-1].choices[0]
+  assert last.model_extra["token_ids"] == ids and last.model_extra["token_logprobs"] == got
 
 
 def test_greedy_text_equals_generate(client, run, capsys):

@@ -1,4 +1,7 @@
-"""A chat answer's text split the way the OpenAI API returns it: reasoning, content, tool calls.
+"""The K3 / Kimi tool-call format: an answer's text split the way the OpenAI API returns it
+(reasoning, content, tool calls). One definition for everything that reads what the model
+writes: the server's chat answers (k3jax/server/chat.py) and RL's environments
+(k3jax/rl/env.py).
 
 Kimi models write
 
@@ -20,8 +23,6 @@ unterminated tool-call section (the answer was cut short) only the finished call
 from __future__ import annotations
 
 import dataclasses
-
-from k3jax.server.text import held_suffix
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
@@ -46,6 +47,18 @@ class Parsed:
   reasoning: str | None
   content: str
   tool_calls: tuple[ToolCall, ...] = ()
+
+
+def held_suffix(text: str, markers) -> int:
+  """Characters at the end of `text` that are a proper prefix of one of `markers` (what a
+  stream holds back until it knows whether a marker follows)."""
+  longest = 0
+  for m in markers:
+    for k in range(min(len(m) - 1, len(text)), longest, -1):
+      if text.endswith(m[:k]):
+        longest = k
+        break
+  return longest
 
 
 def call_name(call_id: str) -> str:
@@ -97,3 +110,14 @@ def _calls(section: str) -> list[ToolCall]:
     calls.append(ToolCall(call_id, call_name(call_id),
                           section[args + len(CALL_ARGS):stop].strip()))
     at = stop + len(CALL_END)
+
+
+def assistant_message(parsed: Parsed) -> dict:
+  """The assistant turn as a chat message (what a chat template renders back): content,
+  reasoning_content when there is reasoning, tool_calls in OpenAI's form."""
+  message = {"role": "assistant", "content": parsed.content}
+  if parsed.reasoning is not None:
+    message["reasoning_content"] = parsed.reasoning
+  if parsed.tool_calls:
+    message["tool_calls"] = [call.to_json() for call in parsed.tool_calls]
+  return message
