@@ -37,6 +37,8 @@ sys.modules.setdefault("fla", None)
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from k3jax import jax_family  # noqa: E402
+
 # No persistent cache in the test processes themselves. Writing an entry serializes the
 # executable, and XLA:CPU once segfaulted there (a worker out of memory mappings, see
 # pytest_runtest_teardown), taking an xdist worker down with it; JAX writes
@@ -179,6 +181,12 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 def pytest_configure(config):
+  # A mismatched JAX family (docs/install.md) stops the run here, in one line, before any test:
+  # otherwise the kernels' and plans' compiles fail one by one far from the cause (a CUDA
+  # plugin jaxlib will not load, a libtpu that cannot read jax's Mosaic kernels).
+  line = jax_family.mismatch_line()
+  if line is not None and not hasattr(config, "workerinput"):  # the controller (or -n 0)
+    pytest.exit(line, returncode=pytest.ExitCode.USAGE_ERROR)
   if (config.pluginmanager.hasplugin("xdist") and config.getoption("numprocesses", None)
       and not hasattr(config, "workerinput")):
     config.pluginmanager.register(_EndOnWorkerCrash(), "k3jax-end-on-worker-crash")

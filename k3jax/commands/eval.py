@@ -1,5 +1,5 @@
 """`k3jax eval`: lm-evaluation-harness against a model, through a server this command starts
-(docs/serving.md#evaluation). Needs the `eval` extra: pip install -e '.[eval]'.
+(docs/serving.md#evaluation). Needs the `eval` extra: pip install -e '.[eval]' -c constraints.txt.
 
   k3jax eval runs/tiny --tasks tests/k3jax/server/tasks/tiny_mc.yaml --out evals/tiny
   k3jax eval K3_DIR --mesh tensor=8 --tasks mmlu,gsm8k --limit 200 --out evals/k3
@@ -94,13 +94,13 @@ def summary(results: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-  try:  # outside the core dependencies: pip install -e '.[eval]'
+  try:  # outside the core dependencies: pip install -e '.[eval]' -c constraints.txt
     import lm_eval  # noqa: PLC0415 - the eval extra, not a core dependency
     from lm_eval.tasks import TaskManager  # noqa: PLC0415 - the eval extra
     from lm_eval.utils import handle_non_serializable  # noqa: PLC0415 - the eval extra
   except ImportError as e:
-    raise UserError(f"k3jax eval needs lm-evaluation-harness ({e}): pip install -e '.[eval]'") \
-        from None
+    raise UserError(f"k3jax eval needs lm-evaluation-harness ({e}): "
+                    "pip install -e '.[eval]' -c constraints.txt") from None
   items = [t for t in ",".join(args.tasks).split(",") if t]
   if not items:
     raise UserError("--tasks: name at least one task")
