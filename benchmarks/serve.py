@@ -29,6 +29,13 @@ request running to its max_tokens (no EOS), one process:
       active weights once (one [batch, 1024] @ [1024, n / 1024] matmul in --dtype, as in
       benchmarks/decode.py).
 
+  (f) speculative decoding: greedy decode tokens/s at batch 1 and at the slot count, without
+      a draft (decode blocks of 8) and verifying 4 drafts per step from: the model's own copy
+      with MXFP4 experts (the named pair: a draft that reads a quarter of the expert bytes and
+      nearly always agrees), the model itself (the upper bound: every draft kept), and prompt
+      lookup on a repetitive workload (prompts of a repeated 16-token phrase); the mean
+      accepted length (tokens emitted per verified row: drafts kept + 1) of each.
+
   (e) HTTP: the same greedy requests (prompts 16-128 tokens, outputs 16-32) from 1, 8 and 32
       closed-loop clients (each sends its next request when its last one is answered), through
       `k3jax serve`'s server (POST /v1/completions with token ids, not streamed, over loopback,
@@ -49,7 +56,10 @@ block's time over its steps).
 Goals: engine >= 2x the static batch's throughput on (a); prefix cache >= 1.5x on (b); (d)
 within 2x; (e) HTTP overhead <= 10% of throughput at each concurrency. The last line with
 --json is one JSON object (engine_vs_static_throughput, prefix_cache_speedup,
-expert_bytes_mxfp4_over_bf16, http_overhead_fraction (the worst concurrency's), ...).
+expert_bytes_mxfp4_over_bf16, http_overhead_fraction (the worst concurrency's),
+spec_decode_speedup_batch1 and mean_accepted_length (the MXFP4 draft's, batch 1), ...).
+`--sections f` runs only the sections named (a-f; (c) and (d) need (a)'s step times and run
+with it).
 """
 
 from __future__ import annotations
@@ -76,6 +86,8 @@ import configs
 from benchmarks.decode import active_weight_params, interleaved
 from k3jax.engine import Engine, EngineConfig, SamplingParams
 from k3jax.engine import runner as engine_runner
+from k3jax.engine.drafts import ModelDrafter, NgramDrafter
+from k3jax.engine.speculative import DraftRunner
 from k3jax.execution import NUMERICS, resolve_dtype
 from k3jax.generate import static_batch
 from k3jax.generate.sampling import Sampling
@@ -443,37 +455,63 @@ def goal(text: str, value: float, met: bool, why: str = "") -> None:
                                                                        not met else ""))
 
 
-def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--quick", action="store_true", help="reduced model and workloads")
-  p.add_argument("--tiny", action="store_true", help="a smoke run of the script (no measurement)")
-  p.add_argument("--json", action="store_true", help="end with one JSON line of the results")
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--load", type=float, default=4.0,
-                 help="(a)'s arrival rate over the engine's estimated capacity")
-  p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                 help="weights and compute (auto: float32 on a CPU, whose XLA backend has no "
-                      "fast bf16 matmul, bfloat16 on an accelerator; as the commands' --dtype)")
-  p.add_argument("--prefill-rows", type=int, default=1,
-                 help="the engine's prompts read per step, at most (as `k3jax serve`'s flag)")
-  p.add_argument("--lengths", choices=("uniform", "loguniform"), default="uniform",
-                 help="(a)'s prompt and output lengths in their ranges: uniform, or "
-                      "log-uniform (heavy-tailed, as serving traces are)")
-  p.add_argument("--reps", type=int, default=7, help="repetitions of the weight-reading matmul")
-  args = p.parse_args(argv)
-  size = TINY if args.tiny else QUICK if args.quick else FULL
-  cfg = model_config(size)
-  vocab = cfg.vocab_size
-  dtype = resolve_dtype(args.dtype)
-  model = random_model(cfg, dtype, args.seed)
-  config = engine_config(size, prefill_rows=args.prefill_rows)
-  print(f"platform {jax.default_backend()}, {os.cpu_count()} CPUs; {dtype}; model "
-        f"d={cfg.hidden_size}, {cfg.num_layers} layers (MLA at {list(cfg.mla_layers)}), "
-        f"{cfg.num_experts} experts top {cfg.num_experts_per_token}; engine: {size.slots} "
-        f"slots, max_model_len {config.max_model_len}, prefill chunk {config.prefill_chunk} (up "
-        f"to {config.prefill_rows} rows), page {config.page_size}",
-        flush=True)
+SPEC_DRAFTS = 4
 
+
+def spec_decode(make, prompts: list[list[int]], out: int) -> dict:
+  """Greedy decode tokens/s of `prompts` served together on `make()`'s engine (the clock runs
+  from the step after every prompt was read to the last token), and its mean accepted
+  length."""
+  engine = make()
+  for i, p in enumerate(prompts):
+    engine.add(str(i), p, SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True))
+  while engine.scheduler.waiting or any(r.to_feed > 1 or not r.output_len
+                                         for r in engine.scheduler.running):
+    engine.step()
+  t0 = time.perf_counter()
+  decoded = 0
+  while engine.has_work():
+    decoded += sum(len(o.token_ids) for o in engine.step())
+  seconds = time.perf_counter() - t0
+  return {"tokens_per_s": decoded / seconds, "mean_accepted_length":
+          engine.stats()["mean_accepted_length"], "seconds": seconds}
+
+
+def spec_section(size: Size, model, config: EngineConfig, vocab: int, seed: int) -> dict:
+  """(f): decode tokens/s and accepted lengths with and without drafts, batch 1 and slots."""
+  spec = dataclasses.replace(config, num_draft_tokens=SPEC_DRAFTS)
+  packed = lora.adapt(nnx.clone(model), lora.AdaptSpec(base_experts="mxfp4"), nnx.Rngs(0))
+  rng = np.random.default_rng(seed)
+  out = size.output[1]
+  random_prompts = [rng.integers(0, vocab, size.prompt[0] * 4).tolist() for _ in range(size.slots)]
+  phrase = rng.integers(0, vocab, 16).tolist()
+  repeated = [(phrase * 8)[:size.prompt[0] * 4] for _ in range(size.slots)]
+  drafters = {"none": (config, lambda: None, random_prompts),
+              "mxfp4 draft": (spec, lambda: ModelDrafter(DraftRunner(packed, spec), SPEC_DRAFTS),
+                              random_prompts),
+              "self draft": (spec, lambda: ModelDrafter(DraftRunner(model, spec), SPEC_DRAFTS),
+                             random_prompts),
+              "none (repetitive)": (config, lambda: None, repeated),
+              "ngram (repetitive)": (spec, lambda: NgramDrafter(SPEC_DRAFTS), repeated)}
+  res = {}
+  for name, (cfg, drafter, prompts) in drafters.items():
+    make = lambda cfg=cfg, drafter=drafter: Engine(model, cfg, drafter=drafter())
+    for batch in (1, size.slots):
+      spec_decode(make, prompts[:batch], 8)  # compile
+      res[f"{name} @{batch}"] = spec_decode(make, prompts[:batch], out)
+  print(f"(f) speculative decoding ({SPEC_DRAFTS} drafts per step; greedy, {out} tokens per "
+        "request; decode tokens/s, mean accepted length):")
+  for name, r in res.items():
+    print(f"  {name:<28} {r['tokens_per_s']:>9.1f} tok/s   accepted "
+          f"{r['mean_accepted_length']:.2f}")
+  speedup = res["mxfp4 draft @1"]["tokens_per_s"] / res["none @1"]["tokens_per_s"]
+  return {"spec_decode_speedup_batch1": speedup,
+          "mean_accepted_length": res["mxfp4 draft @1"]["mean_accepted_length"], "spec": res}
+
+
+def classic_sections(args, size: Size, model, config: EngineConfig, dtype: str) -> dict:
+  """(a) to (e); their JSON keys."""
+  cfg, vocab = model.cfg, model.cfg.vocab_size
   # compile everything first
   engine = lambda m=model, **kw: Engine(m, dataclasses.replace(config, **kw))
   compile_s = {"engine": timed_warmup(lambda: warm_engine(engine(), size)),
@@ -589,8 +627,7 @@ def main(argv=None) -> int:
        f"{size.slots})", worst, worst <= 2)
   goal("HTTP throughput over the engine's in process (worst of 1, 8, 32 clients) >= 0.90x",
        1 - worst_overhead, worst_overhead <= 0.10)
-  if args.json:
-    print(json.dumps({
+  return {
         "engine_vs_static_throughput": ratio, "prefix_cache_speedup": speedup,
         "expert_bytes_mxfp4_over_bf16": held_mx / size_bf16,
         "engine": res["engine"], "static": res["static"],
@@ -603,7 +640,48 @@ def main(argv=None) -> int:
         "http_timed_compiles": http_compiles,
         "arrival_rate_per_s": rate, "lengths": args.lengths, "compile_s": compile_s,
         "timed_compiles": timed_compiles,
-        "quick": args.quick}))
+        "quick": args.quick}
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--quick", action="store_true", help="reduced model and workloads")
+  p.add_argument("--tiny", action="store_true", help="a smoke run of the script (no measurement)")
+  p.add_argument("--json", action="store_true", help="end with one JSON line of the results")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--load", type=float, default=4.0,
+                 help="(a)'s arrival rate over the engine's estimated capacity")
+  p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                 help="weights and compute (auto: float32 on a CPU, whose XLA backend has no "
+                      "fast bf16 matmul, bfloat16 on an accelerator; as the commands' --dtype)")
+  p.add_argument("--prefill-rows", type=int, default=1,
+                 help="the engine's prompts read per step, at most (as `k3jax serve`'s flag)")
+  p.add_argument("--lengths", choices=("uniform", "loguniform"), default="uniform",
+                 help="(a)'s prompt and output lengths in their ranges: uniform, or "
+                      "log-uniform (heavy-tailed, as serving traces are)")
+  p.add_argument("--reps", type=int, default=7, help="repetitions of the weight-reading matmul")
+  p.add_argument("--sections", default="abcdef",
+                 help="the sections to run (a-e run together; f: speculative decoding)")
+  args = p.parse_args(argv)
+  size = TINY if args.tiny else QUICK if args.quick else FULL
+  cfg = model_config(size)
+  vocab = cfg.vocab_size
+  dtype = resolve_dtype(args.dtype)
+  model = random_model(cfg, dtype, args.seed)
+  config = engine_config(size, prefill_rows=args.prefill_rows)
+  print(f"platform {jax.default_backend()}, {os.cpu_count()} CPUs; {dtype}; model "
+        f"d={cfg.hidden_size}, {cfg.num_layers} layers (MLA at {list(cfg.mla_layers)}), "
+        f"{cfg.num_experts} experts top {cfg.num_experts_per_token}; engine: {size.slots} "
+        f"slots, max_model_len {config.max_model_len}, prefill chunk {config.prefill_chunk} (up "
+        f"to {config.prefill_rows} rows), page {config.page_size}",
+        flush=True)
+
+  result = {"dtype": dtype, "quick": args.quick}
+  if set(args.sections) - {"f"}:
+    result.update(classic_sections(args, size, model, config, dtype))
+  if "f" in args.sections:
+    result.update(spec_section(size, model, config, vocab, args.seed))
+  if args.json:
+    print(json.dumps(result))
   return 0
 
 

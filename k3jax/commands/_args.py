@@ -193,6 +193,16 @@ def add_engine_flags(p: argparse.ArgumentParser, *, max_num_seqs: int,
                  help="persistent XLA compilation cache folder (none: off)")
 
 
+def add_draft_flags(p: argparse.ArgumentParser) -> None:
+  """Speculative decoding's flags (`k3jax serve`, `k3jax eval`)."""
+  p.add_argument("--draft", metavar="MODEL_DIR|ngram", default=None,
+                 help="speculative decoding: draft tokens from this model folder (the served "
+                      "model's tokenizer) or from prompt lookup (ngram); greedy output is "
+                      "unchanged, sampled output keeps its distribution")
+  p.add_argument("--num-draft-tokens", type=positive_int, default=4, metavar="K",
+                 help="with --draft: drafts verified per request and step (1 .. page size 64)")
+
+
 def use_compile_cache(folder: str) -> None:
   """--compile-cache: JAX's persistent compilation cache in `folder` (none: off)."""
   if folder.lower() != "none":
@@ -210,4 +220,5 @@ def engine_options(args: argparse.Namespace, **fields):
                       prefill_chunk=args.prefill_chunk, prefill_widths=args.prefill_widths,
                       prefill_rows=args.prefill_rows, decode_steps=args.decode_steps,
                       prefix_state_every=args.prefix_state_every,
-                      data_shards=args.data_shards, **fields)
+                      data_shards=args.data_shards, draft=getattr(args, "draft", None),
+                      num_draft_tokens=getattr(args, "num_draft_tokens", 4), **fields)

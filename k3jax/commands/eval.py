@@ -23,6 +23,7 @@ import time
 
 from k3jax.commands._args import (
   Formatter,
+  add_draft_flags,
   add_engine_flags,
   add_tokenizer_flag,
   engine_options,
@@ -162,4 +163,5 @@ def register(sub) -> None:
                  help="also write every sample (prompt, responses, scores) per task")
   add_tokenizer_flag(p)
   add_engine_flags(p, max_num_seqs=16)
+  add_draft_flags(p)
   p.set_defaults(func=run)

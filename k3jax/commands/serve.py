@@ -20,6 +20,7 @@ import sys
 
 from k3jax.commands._args import (
   Formatter,
+  add_draft_flags,
   add_engine_flags,
   add_tokenizer_flag,
   engine_options,
@@ -56,6 +57,7 @@ def register(sub) -> None:
                  help="the model name requests use (default: the folder's name)")
   add_tokenizer_flag(p)
   add_engine_flags(p, max_num_seqs=16)
+  add_draft_flags(p)
   p.add_argument("--log-level", choices=LOG_LEVELS, default="warning",
                  help="uvicorn's logging (info: one line per request)")
   p.set_defaults(func=run)

@@ -10,8 +10,8 @@ paged MLA latent cache, with an exact prefix cache.
 """
 
 from k3jax.engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, check_shards
-from k3jax.engine.engine import Engine
+from k3jax.engine.engine import Engine, EngineDead
 from k3jax.engine.request import FinishReason, LogprobsMode, RequestOutput, SamplingParams
 
-__all__ = ["DEFAULT_MAX_MODEL_LEN", "Engine", "EngineConfig", "FinishReason", "LogprobsMode",
-           "RequestOutput", "SamplingParams", "check_shards"]
+__all__ = ["DEFAULT_MAX_MODEL_LEN", "Engine", "EngineConfig", "EngineDead", "FinishReason",
+           "LogprobsMode", "RequestOutput", "SamplingParams", "check_shards"]

@@ -14,12 +14,19 @@ request; it restarts from the nearest snapshot at or before the match and recomp
 A block is held (`refs`) by every running request that uses its page; blocks no request holds
 are evicted least recently used first, children before parents (a child is only reachable
 through its parent's key, and a request holding a child holds its parents too).
+
+Host work does not grow with the context: a request's block keys are computed once each
+(`BlockKeys`), the cached blocks of a chain are found by bisection over its keys (the cache is
+closed under parents: a child is only registered under a cached parent and evicted before
+it), and eviction and snapshot reuse pop heaps of idle blocks instead of scanning the cache.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import heapq
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -68,6 +75,12 @@ class Block:
   last_used: int = 0
   children: int = 0
   detached: bool = False      # dropped from the cache (set_params) while requests held it
+  order: int = 0              # creation order: ties of the LRU order go to the older block
+
+  @property
+  def lru(self) -> tuple[int, int, int]:
+    """Eviction order: least recently used first, then deeper blocks (children) first."""
+    return (self.last_used, -self.index, self.order)
 
 
 def root(epoch: int) -> bytes:
@@ -81,6 +94,61 @@ def chain_digest(parent: bytes, tokens: Sequence[int]) -> bytes:
   return h.digest()
 
 
+class BlockKeys:
+  """The chain digests of a token list's full blocks from one root, each computed once and
+  extended as the list grows (tokens are only ever appended to a request)."""
+
+  def __init__(self, block_size: int):
+    self.block_size = block_size
+    self.root: bytes | None = None
+    self.keys: list[bytes] = []
+
+  def upto(self, tokens: Sequence[int], n: int, root_digest: bytes) -> list[bytes]:
+    """The keys of the first `n` blocks of `tokens` (a list of at least n keys)."""
+    if root_digest != self.root:
+      self.root, self.keys = root_digest, []
+    size, keys = self.block_size, self.keys
+    while len(keys) < n:
+      i = len(keys)
+      keys.append(chain_digest(keys[-1] if keys else root_digest, tokens[i * size:(i + 1) * size]))
+    return keys
+
+
+class _IdleHeap:
+  """Blocks by LRU order, pushed whenever one may have become a candidate and checked when
+  popped (a block's order only changes while it is held, so a stale entry shows as an order
+  that differs or a block that no longer qualifies); compacted when stale entries dominate."""
+
+  def __init__(self, qualifies):
+    self._heap: list[tuple[tuple[int, int, int], int, Block]] = []
+    self._qualifies = qualifies
+    self._pushes = itertools.count()  # a block pushed twice: its entries never compare blocks
+
+  def push(self, block: Block) -> None:
+    if self._qualifies(block):
+      heapq.heappush(self._heap, (block.lru, next(self._pushes), block))
+
+  def pop(self) -> Block | None:
+    while self._heap:
+      key, _, block = heapq.heappop(self._heap)
+      if key == block.lru and self._qualifies(block):
+        return block
+    return None
+
+  def compact(self, live: int) -> None:
+    if len(self._heap) > 2 * live + 64:
+      seen, kept = set(), []
+      for key, n, block in self._heap:
+        if key == block.lru and self._qualifies(block) and id(block) not in seen:
+          seen.add(id(block))
+          kept.append((key, n, block))
+      heapq.heapify(kept)
+      self._heap = kept
+
+  def clear(self) -> None:
+    self._heap = []
+
+
 class PrefixCache:
   """Blocks by digest, the snapshot free list, LRU eviction, hit statistics."""
 
@@ -90,22 +158,33 @@ class PrefixCache:
     self.snapshots = snapshots
     self._snap_free = list(range(snapshots - 1, -1, -1))
     self._clock = 0
+    self._order = itertools.count()
     self.queried_tokens = 0
     self.hit_tokens = 0
     self.epoch, self.root = 0, root(0)
+    cached = lambda b: not b.detached and b.refs == 0
+    self._leaves = _IdleHeap(lambda b: cached(b) and b.children == 0)   # evictable
+    self._snapped = _IdleHeap(lambda b: cached(b) and b.snapshot is not None)  # reusable
 
   # ---- lookup --------------------------------------------------------------------------------
-  def match(self, tokens: Sequence[int], limit: int) -> list[Block]:
-    """The cached chain of full blocks of tokens[:limit], longest first match."""
-    chain, parent = [], self.root
-    size = self.block_size
-    for i in range(limit // size):
-      block = self.blocks.get(chain_digest(parent, tokens[i * size:(i + 1) * size]))
-      if block is None:
-        break
-      chain.append(block)
-      parent = block.digest
-    return chain
+  def match(self, keys: Sequence[bytes], n: int) -> int:
+    """How many of the first `n` blocks of a chain with these keys are cached (bisection: the
+    cache holds every parent of a cached block)."""
+    lo, hi = 0, n
+    while lo < hi:
+      mid = (lo + hi + 1) // 2
+      if keys[mid - 1] in self.blocks:
+        lo = mid
+      else:
+        hi = mid - 1
+    return lo
+
+  def restorable(self, keys: Sequence[bytes], n: int) -> list[Block]:
+    """The longest cached chain of the first `n` blocks of `keys` that ends in a snapshot."""
+    m = self.match(keys, n)
+    while m and self.blocks[keys[m - 1]].snapshot is None:
+      m -= 1
+    return [self.blocks[k] for k in keys[:m]]
 
   def acquire(self, blocks: Sequence[Block]) -> None:
     self._clock += 1
@@ -116,8 +195,14 @@ class PrefixCache:
   def release(self, blocks: Sequence[Block]) -> None:
     for b in blocks:
       b.refs -= 1
-      if b.detached and b.refs == 0:
-        self._drop(b)
+      if b.refs == 0:
+        if b.detached:
+          self._drop(b)
+        else:
+          self._leaves.push(b)
+          self._snapped.push(b)
+    self._leaves.compact(len(self.blocks))
+    self._snapped.compact(len(self.blocks))
 
   def record(self, queried: int, hit: int) -> None:
     self.queried_tokens += queried
@@ -128,30 +213,30 @@ class PrefixCache:
     return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
   # ---- insertion -----------------------------------------------------------------------------
-  def register(self, parent: Block | None, tokens: Sequence[int], index: int,
-               page: int) -> Block | None:
-    """Cache the block of `tokens` after `parent` on `page` (held by its caller: refs 1).
-    None when the same prefix is cached already (the caller keeps its page)."""
-    digest = chain_digest(parent.digest if parent else self.root, tokens)
+  def register(self, parent: Block | None, digest: bytes, index: int, page: int) -> Block | None:
+    """Cache the block keyed `digest` (its chain digest after `parent`) on `page`, held by its
+    caller (refs 1). None when the same prefix is cached already (the caller keeps its page)."""
     if digest in self.blocks:
       return None
-    block = Block(digest, page, parent, index, refs=1, last_used=self._clock)
+    block = Block(digest, page, parent, index, refs=1, last_used=self._clock,
+                  order=next(self._order))
     if parent is not None:
       parent.children += 1
     self.blocks[digest] = block
     return block
 
-  def lookup(self, parent: Block | None, tokens: Sequence[int]) -> Block | None:
-    return self.blocks.get(chain_digest(parent.digest if parent else self.root, tokens))
+  def set_snapshot(self, block: Block, snap: int) -> None:
+    """`block` (cached, held or idle) keeps the KDA state after it in snapshot `snap`."""
+    block.snapshot = snap
+    self._snapped.push(block)
 
   def alloc_snapshot(self) -> int | None:
     """A free snapshot, taking one from the least recently used block no request holds."""
     if self._snap_free:
       return self._snap_free.pop()
-    idle = [b for b in self.blocks.values() if b.snapshot is not None and b.refs == 0]
-    if not idle:
+    victim = self._snapped.pop()
+    if victim is None:
       return None
-    victim = min(idle, key=lambda b: (b.last_used, -b.index))
     snap, victim.snapshot = victim.snapshot, None
     return snap
 
@@ -161,11 +246,11 @@ class PrefixCache:
   # ---- eviction ------------------------------------------------------------------------------
   def evict_one(self) -> bool:
     """Free the least recently used block that no request holds and no block continues."""
-    idle = [b for b in self.blocks.values() if b.refs == 0 and b.children == 0]
-    if not idle:
+    victim = self._leaves.pop()
+    if victim is None:
       return False
-    victim = min(idle, key=lambda b: (b.last_used, -b.index))
     del self.blocks[victim.digest]
+    victim.detached = True
     self._drop(victim)
     return True
 
@@ -176,6 +261,7 @@ class PrefixCache:
       block.snapshot = None
     if block.parent is not None:
       block.parent.children -= 1
+      self._leaves.push(block.parent)
 
   def clear(self) -> None:
     """Forget every block and start the next weights epoch (new weights): idle blocks free
@@ -184,6 +270,8 @@ class PrefixCache:
     self.root = root(self.epoch)
     blocks = list(self.blocks.values())
     self.blocks.clear()
+    self._leaves.clear()
+    self._snapped.clear()
     for block in blocks:
       block.detached = True
     for block in sorted(blocks, key=lambda b: -b.index):  # children first

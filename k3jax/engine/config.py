@@ -75,6 +75,8 @@ class EngineConfig:
       by log-sum-exp, so one request may hold more positions than one device's pages
       (docs/serving.md, "Long requests"). num_pages must divide by data_shards x
       context_shards. 1: every page on every device of its shard.
+    num_draft_tokens: speculative decoding (an engine with a drafter): the most draft tokens a
+      request verifies per step (at most page_size).
     layout: "unstacked" holds per-layer weights (a copy of the model's stacks, made once; XLA:CPU
       copies a stacked weight's slice on every read) or "stacked" slices the caller's stacks
       inside the step (no copy: what RL needs, where the optimizer owns the arrays); None picks
@@ -97,6 +99,7 @@ class EngineConfig:
   prefill_widths: int = 1
   data_shards: int = 1
   context_shards: int = 1
+  num_draft_tokens: int = 0
   layout: str | None = None
 
   def __post_init__(self):
@@ -122,6 +125,9 @@ class EngineConfig:
       raise ValueError(f"a shard's {self.pool_pages // d} pages (num_pages {self.pool_pages} / "
                        f"data_shards {d}) cannot hold one request of max_model_len "
                        f"{self.max_model_len}")
+    if not 0 <= self.num_draft_tokens <= self.page_size:
+      raise ValueError(f"num_draft_tokens must be in [0, page_size {self.page_size}], got "
+                       f"{self.num_draft_tokens}")
     if self.layout not in (None, "stacked", "unstacked"):
       raise ValueError(f"unknown layout {self.layout!r}; choose stacked or unstacked")
 

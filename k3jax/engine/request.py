@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from typing import Any
 
 
 class FinishReason(enum.StrEnum):
@@ -45,6 +46,21 @@ class SamplingParams:
       tokens top-k / top-p / min-p keep, renormalised (others have no alternative entry);
       what an RL trainer takes as its behaviour policy. A temperature of 0 (greedy) reports
       the model's own either way. Prompt logprobs are always the model's own.
+    logit_bias: {token id: value in [-100, 100]} added to the logits before sampling.
+    presence_penalty: in [-2, 2], subtracted from the logit of every token already in the
+      output (vLLM's definition, as the penalties below).
+    frequency_penalty: in [-2, 2], times the number of times a token is in the output,
+      subtracted from its logit.
+    repetition_penalty: > 0 (1: off): a token in the prompt or the output has its positive
+      logit divided by it and its negative logit multiplied by it.
+    min_tokens: stop tokens (EOS, stop_token_ids) cannot be drawn, and stop strings do not
+      count, before this many tokens were generated.
+    grammar: None, or a compiled grammar (`k3jax.tokenizer.grammar.Grammar`: `matcher()`
+      gives each request its own state, which masks the tokens it may draw next): the
+      request's output follows it (structured output, enforced tool calls).
+    The processing applies in this order: logit_bias, repetition, frequency and presence
+    penalties, the grammar's mask (and min_tokens'), then temperature and top-k / top-p /
+    min-p. "processed" logprobs are those of the result; "raw" the model's own.
   """
 
   max_tokens: int = 16
@@ -59,6 +75,12 @@ class SamplingParams:
   logprobs: int | None = None
   prompt_logprobs: bool = False
   logprobs_mode: LogprobsMode = LogprobsMode.RAW
+  logit_bias: tuple[tuple[int, float], ...] = ()
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  repetition_penalty: float = 1.0
+  min_tokens: int = 0
+  grammar: Any = None
 
   def __post_init__(self):
     object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
@@ -66,6 +88,8 @@ class SamplingParams:
     object.__setattr__(self, "stop", stop)
     if self.logprobs_mode in tuple(LogprobsMode):  # a bad value is check()'s to name
       object.__setattr__(self, "logprobs_mode", LogprobsMode(self.logprobs_mode))
+    bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+    object.__setattr__(self, "logit_bias", tuple((t, v) for t, v in bias))
 
   def check(self, vocab_size: int, max_top_logprobs: int) -> None:
     """Raises ValueError naming the first out-of-range value."""
@@ -91,6 +115,22 @@ class SamplingParams:
       raise ValueError(f"stop_token_ids {bad} outside the vocabulary [0, {vocab_size})")
     if any(not isinstance(s, str) or not s for s in self.stop):
       raise ValueError(f"stop strings must be non-empty strings, got {list(self.stop)!r}")
+    self._check_processing(vocab_size)
+
+  def _check_processing(self, vocab_size: int) -> None:
+    for t, v in self.logit_bias:
+      if not isinstance(t, int) or not 0 <= t < vocab_size:
+        raise ValueError(f"logit_bias: token id {t!r} outside the vocabulary [0, {vocab_size})")
+      if not (isinstance(v, (int, float)) and -100 <= v <= 100):
+        raise ValueError(f"logit_bias: the value of token {t} must be in [-100, 100], got {v!r}")
+    for name in ("presence_penalty", "frequency_penalty"):
+      if not -2 <= getattr(self, name) <= 2:
+        raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+    if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+      raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+    if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+      raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got "
+                       f"{self.min_tokens!r}")
 
 
 @dataclasses.dataclass

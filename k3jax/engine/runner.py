@@ -26,7 +26,13 @@ import numpy as np
 from flax import nnx
 
 from k3jax.engine.config import EngineConfig, check_shards
-from k3jax.generate.sampling import Sampling, filtered_logits, sample
+from k3jax.generate.sampling import (
+  Processing,
+  Sampling,
+  filtered_logits,
+  processed_logits,
+  sample,
+)
 from k3jax.model import lora, paged
 from k3jax.model.decode import unstack_model
 from k3jax.model.layers import wide_dtype
@@ -44,6 +50,7 @@ class SampleRows(NamedTuple):
                                   #   (1: the model's own; in the logits' wide dtype)
   processed: jax.Array  # [M] bool: ... over the tokens the row's filters keep (the
                         #   distribution its token is drawn from)
+  processing: Processing = Processing()  # token masks and penalties (None: none this step)
 
 
 class StepOut(NamedTuple):
@@ -56,14 +63,15 @@ class StepOut(NamedTuple):
   prompt_top_logprobs: jax.Array | None
 
 
-def _per_layer(static, params):
+def layer_params(static, params):
+  """(the per-layer graph definitions, their weights) of the engine's weights."""
   layout, defs = static
   if layout == "stacked":  # slice the caller's stacks here, inside the step: no copy kept
     return unstack_model(nnx.merge(defs, params))
   return defs, params
 
 
-def _log_softmax(logits: jax.Array, temperature: jax.Array | None = None) -> jax.Array:
+def log_softmax_wide(logits: jax.Array, temperature: jax.Array | None = None) -> jax.Array:
   wide = logits.astype(wide_dtype(logits.dtype))
   if temperature is not None:  # dividing by exactly 1 leaves the model's own logits unchanged
     wide = wide / temperature.astype(wide.dtype)[:, None]
@@ -75,14 +83,14 @@ def _log_softmax(logits: jax.Array, temperature: jax.Array | None = None) -> jax
                    donate_argnames=("cache",))
 def _step(static, params, cache: paged.PagedCache, page_table, parts, rows: SampleRows,
           targets, *, ctx_pages: int, top_n: int, prompt_targets: bool, pools=(1, (), 1)):
-  defs, per_layer = _per_layer(static, params)
+  defs, per_layer = layer_params(static, params)
   features, cache = paged.forward(defs, per_layer, parts, cache, page_table, ctx_pages=ctx_pages,
                                   shards=pools[0], axes=pools[1], stripes=pools[2])
   drawn = _draw(defs, per_layer, features[rows.index], rows, rows.position, top_n)
   prompt = (None, None, None)
   if prompt_targets:  # every token of the prefill rows scores its successor
     target_ids, target_index = targets
-    p_logp = _log_softmax(paged.logits(defs, per_layer, features[target_index]))
+    p_logp = log_softmax_wide(paged.logits(defs, per_layer, features[target_index]))
     p_top_lp, p_top_ids = jax.lax.top_k(p_logp, top_n)
     prompt = (jnp.take_along_axis(p_logp, target_ids[:, None], axis=1)[:, 0], p_top_ids,
               p_top_lp)
@@ -90,19 +98,38 @@ def _step(static, params, cache: paged.PagedCache, page_table, parts, rows: Samp
 
 
 def _draw(defs, per_layer, features, rows: SampleRows, position, top_n: int):
-  """(tokens, their logprobs, top-n ids and logprobs) of the rows at `features`. A processed
-  row's logprobs are those of the distribution its token is drawn from: the wide logits over
-  the temperature, renormalised over the tokens its filters keep (the float32 filter decides
-  which, as it does for the draw)."""
+  """(tokens, their logprobs, top-n ids and logprobs) of the rows at `features`."""
   logits = paged.logits(defs, per_layer, features)
-  filtered = filtered_logits(logits, rows.sampling)
-  keep = jnp.isfinite(filtered) | ~rows.processed[:, None]
-  logp = _log_softmax(jnp.where(keep, logits, -jnp.inf), rows.logprob_temperature)
+  drawn_from, filtered, logp = distribution(logits, rows)
   keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(rows.seed, position)
-  tokens = sample(logits, keys, rows.sampling, filtered)
+  tokens = sample(drawn_from, keys, rows.sampling, filtered)
+  return (tokens, *reported(logp, tokens, top_n))
+
+
+def distribution(logits, rows: SampleRows):
+  """(the logits the rows draw from, after their processing: masks, bias, penalties, in the
+  wide dtype; those over the temperature with top-k / top-p / min-p applied, float32; the
+  log-probabilities reported). A processed row's logprobs are those of the distribution its
+  token is drawn from: the processed wide logits over the temperature, renormalised over the
+  tokens its filters keep (the float32 filter decides which, as it does for the draw); a raw
+  row's, the model's own log_softmax."""
+  proc = rows.processing
+  if proc.mask is not None or proc.penalties is not None:
+    drawn_from = processed_logits(logits, proc)
+  else:
+    drawn_from = logits
+  filtered = filtered_logits(drawn_from, rows.sampling)
+  keep = jnp.isfinite(filtered) | ~rows.processed[:, None]
+  source = jnp.where(rows.processed[:, None], drawn_from, logits)
+  logp = log_softmax_wide(jnp.where(keep, source, -jnp.inf), rows.logprob_temperature)
+  return drawn_from, filtered, logp
+
+
+def reported(logp, tokens, top_n: int):
+  """(the tokens' logprobs, the top-n ids and logprobs) under `logp`."""
   token_lp = jnp.take_along_axis(logp, tokens[:, None], axis=1)[:, 0]
   top_lp, top_ids = jax.lax.top_k(logp, top_n)
-  return tokens, token_lp, top_ids, top_lp
+  return token_lp, top_ids, top_lp
 
 
 @functools.partial(jax.jit, static_argnames=("static", "ctx_pages", "top_n", "max_steps",
@@ -116,7 +143,7 @@ def _decode_block(static, params, cache: paged.PagedCache, page_table, part: pag
   at the next position, exactly as a one-step call would. held_stops [R, HELD_STOPS]: a held
   request's stop ids (-1: none); once its row draws one, the row's later steps are padding,
   so its slot keeps the state of exactly its tokens before the stop (what it resumes from)."""
-  defs, per_layer = _per_layer(static, params)
+  defs, per_layer = layer_params(static, params)
   r, wide = part.ids.shape[0], wide_dtype(defs.ex.jnp_dtype)  # the logprobs' dtype
   out = (jnp.zeros((max_steps, r), jnp.int32), jnp.zeros((max_steps, r), wide),
          jnp.zeros((max_steps, r, top_n), jnp.int32), jnp.zeros((max_steps, r, top_n), wide))
@@ -168,11 +195,16 @@ class Runner:
     self.layout = layout
     self.graphdef, self._serving = _serving_form(model)
     self.set_params(nnx.state(model))
+    self.mesh = mesh
+    self.reset_cache()
+
+  def reset_cache(self) -> None:
+    """An empty cache (every slot, page and snapshot zero), placed as the steps expect it."""
+    config, mesh = self.config, self.mesh
     shards, stripes = config.data_shards, config.context_shards
     self.cache = paged.init_cache(self.cfg, self.ex, slots=config.max_num_seqs,
                                   pages=config.pool_pages, page_size=config.page_size,
                                   snapshots=config.snapshots, shards=shards, stripes=stripes)
-    self.mesh = mesh
     # (shards, the mesh axes they split over, the pages' stripes over `context`): static, one
     # program per engine
     self.pools = (shards, paged.shard_axes(self.cache, mesh, shards) if mesh else (), stripes)
@@ -181,6 +213,19 @@ class Runner:
     else:  # committed, as each step's (donated) output is: an uncommitted first cache made
       # every program compile twice, once for the first step and once for the rest
       self.cache = jax.device_put(self.cache, jax.devices()[0])
+
+  def on_mesh(self, run):
+    """`run()` with the engine's mesh set (the model's constraints and expert parallelism
+    see it), or as it is without one."""
+    if self.mesh is None:
+      return run()
+    with jax.set_mesh(self.mesh):
+      return run()
+
+  def cache_lost(self) -> bool:
+    """Whether the cache's buffers are gone: a step that failed after its call took them
+    (the cache is donated to every step, which updates it in place)."""
+    return any(x.is_deleted() for x in jax.tree.leaves(self.cache))
 
   def set_params(self, state) -> None:
     """New weights (an nnx.State of the model graph the engine was built with): stacked, used

@@ -26,8 +26,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter, deque
+from typing import Any
 
-from k3jax.engine.blocks import Block, PagePool, PrefixCache
+import numpy as np
+
+from k3jax.engine.blocks import Block, BlockKeys, PagePool, PrefixCache
 from k3jax.engine.config import EngineConfig
 from k3jax.engine.request import FinishReason, RequestOutput, SamplingParams
 from k3jax.model.paged import FRESH, FROM_SLOT, FROM_SNAPSHOT
@@ -36,12 +39,12 @@ from k3jax.model.paged import FRESH, FROM_SLOT, FROM_SNAPSHOT
 @dataclasses.dataclass(eq=False)
 class Request:
   id: str
-  prompt: list[int]
+  tokens: list[int]              # the prompt, then the output: appended in place, never copied
+  prompt_len: int
   params: SamplingParams
   seq: int                       # arrival order
   seed: int                      # 32-bit draw seed
   stop_ids: frozenset[int]
-  output: list[int] = dataclasses.field(default_factory=list)
   slot: int | None = None        # in [0, max_num_seqs), within its shard's range
   shard: int = 0
   pages: list[int] = dataclasses.field(default_factory=list)  # page of each block (its shard's)
@@ -58,14 +61,25 @@ class Request:
   epoch: int = 0                 # the weights epoch its cached state was computed in
   hold: bool = False             # on finishing, pause (keep its state) instead of releasing
   paused: bool = False           # out of the schedule (Engine.pause / hold), its state kept
+  keys: BlockKeys | None = None  # its prompt blocks' chain digests (the scheduler's)
+  drafter_state: Any = None      # speculative decoding's per-request state (prompt lookup)
+  state: Any = None              # the engine's per-request sampling state (constraints)
 
   @property
-  def tokens(self) -> list[int]:
-    return self.prompt + self.output
+  def prompt(self) -> list[int]:
+    return self.tokens[:self.prompt_len]
+
+  @property
+  def output(self) -> list[int]:
+    return self.tokens[self.prompt_len:]
+
+  @property
+  def output_len(self) -> int:
+    return len(self.tokens) - self.prompt_len
 
   @property
   def to_feed(self) -> int:
-    return len(self.prompt) + len(self.output) - self.computed
+    return len(self.tokens) - self.computed
 
   @property
   def decodes(self) -> bool:
@@ -113,6 +127,10 @@ class Scheduler:
     self.paused: list[Request] = []    # paused requests holding a slot, oldest pause first
     self.preemptions = 0
     self.epoch = 0                     # the weights epoch (clear_prefix starts the next)
+    # the page table the device reads, kept up to date as pages are taken and given back:
+    # shard by shard, shard_slots rows of its slots' pages (ids in its pool), then its scratch
+    self.table = np.zeros((config.data_shards * (config.shard_slots + 1),
+                           config.pages_per_seq), np.int32)
 
   def prefix(self, r: Request) -> PrefixCache:
     return self.shards[r.shard].prefix
@@ -152,9 +170,33 @@ class Scheduler:
     for sh in self.shards:
       sh.prefix.clear()
 
+  def drop_device_state(self) -> None:
+    """The device cache was rebuilt empty: every request holding state there recomputes it
+    (preempted: running ones first in line again, in their order; paused ones on resume) and
+    the prefix cache forgets its blocks (their pages and snapshots are zeros now)."""
+    for r in reversed(self.running):
+      self.preempt(r)
+    for r in list(self.paused):
+      if r.slot is not None:
+        self.preempt(r)
+    for sh in self.shards:
+      sh.prefix.clear()
+
   def stale(self, r: Request) -> bool:
     """Whether `r`'s cached state was (partly) computed under weights before the current."""
     return r.epoch != self.epoch
+
+  # ---- block keys ------------------------------------------------------------------------------
+  def _limit(self, r: Request) -> int:
+    """The prompt tokens `r` may take from the cache (the last token is always computed)."""
+    return min(r.prompt_len, len(r.tokens) - 1)
+
+  def keys(self, r: Request, n: int) -> list[bytes]:
+    """The chain digests of `r`'s first `n` blocks under the current root (every shard's
+    prefix cache starts the epoch's chains from the same root), each computed once."""
+    if r.keys is None:
+      r.keys = BlockKeys(self.config.page_size)
+    return r.keys.upto(r.tokens, n, self.shards[0].prefix.root)
 
   # ---- admission -----------------------------------------------------------------------------
   def admit(self) -> None:
@@ -191,44 +233,47 @@ class Scheduler:
     (what `r` restores there); the last token is always computed."""
     if not self._caches(r):
       return []
-    limit = min(len(r.prompt), len(r.tokens) - 1)
-    chain = shard.prefix.match(r.tokens, limit)
-    while chain and chain[-1].snapshot is None:
-      chain.pop()
-    return chain
+    n = self._limit(r) // self.config.page_size
+    return shard.prefix.restorable(self.keys(r, n), n)
 
   def _prefix_in_flight(self, r: Request) -> bool:
     """Whether `r` should wait for a prefix another running request is computing: that
     request is still reading a prompt that shares with `r`'s a block where it will save a KDA
     snapshot, past what the prefix cache holds for `r` now. Admitted at once, `r` would
     compute the same blocks again beside it (requests sharing a system prompt, arriving
-    together); waiting a few steps, it restores them."""
+    together); waiting a few steps, it restores them. Prefixes compare by block keys
+    (bisection: equal keys at block i mean equal prompts up to it), not token by token."""
     if not self._caches(r):
       return False
     size = self.config.page_size
-    limit = min(len(r.prompt), len(r.tokens) - 1)
+    n = self._limit(r) // size
+    if n == 0:
+      return False
+    mine = self.keys(r, n)
     for q in self.running:
-      if (q.computed >= len(q.prompt) or self.stale(q)
-          or q.prompt[:size] != r.tokens[:size]):
+      shared = min(n, q.prompt_len // size)
+      if q.computed >= q.prompt_len or self.stale(q) or shared == 0:
         continue
-      have = len(self.prefix(q).match(r.tokens, limit)) * size  # where r would restore it
-      common = 0
-      for a, b in zip(q.prompt[:limit], r.tokens[:limit]):
-        if a != b:
-          break
-        common += 1
-      if any(max(have, q.computed) < p <= common for p in self._snapshot_positions(q)):
+      theirs = self.keys(q, shared)
+      if theirs[0] != mine[0]:
+        continue
+      lo, hi = 1, shared  # the common blocks: in [lo, hi]
+      while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if theirs[mid - 1] == mine[mid - 1] else (lo, mid - 1)
+      have = self.prefix(q).match(mine, n) * size  # where r would restore it
+      if self._snapshot_between(q, max(have, q.computed), lo * size):
         return True
     return False
 
   def _restore_prefix(self, r: Request, chain: list[Block]) -> None:
     size = self.config.page_size
-    limit = min(len(r.prompt), len(r.tokens) - 1)  # the last token is always computed
-    self.prefix(r).record(limit, len(chain) * size)
+    self.prefix(r).record(self._limit(r), len(chain) * size)
     if not chain:
       return
     self.prefix(r).acquire(chain)
     r.blocks, r.pages = list(chain), [b.page for b in chain]
+    self.table[self._table_row(r), :len(r.pages)] = r.pages
     r.computed = len(chain) * size
     r.source, r.restore = FROM_SNAPSHOT, chain[-1].snapshot
 
@@ -254,38 +299,37 @@ class Scheduler:
       c.save = self._snapshot_for(c)
     return decode, prefill
 
-  def _snapshot_positions(self, r: Request) -> set[int]:
+  def _next_snapshot(self, r: Request, after: int) -> int | None:
+    """The first position after `after` where `r`'s prompt saves a KDA snapshot (at a stride
+    of prefix_state_every blocks, and at its last full block), or None."""
     if not self.config.prefix_cache:
-      return set()
-    size, every = self.config.page_size, self.config.prefix_state_every
-    n = len(r.prompt)
-    out = set(range(every * size, n + 1, every * size))
-    if n >= size:
-      out.add(n // size * size)
-    return out
+      return None
+    size, n = self.config.page_size, r.prompt_len
+    every = self.config.prefix_state_every * size
+    found = [p for p in ((after // every + 1) * every, n // size * size)
+             if after < p <= n and p >= size]
+    return min(found, default=None)
+
+  def _snapshot_between(self, r: Request, lo: int, hi: int) -> bool:
+    """Whether `r` saves a snapshot at a position p with lo < p <= hi."""
+    p = self._next_snapshot(r, lo)
+    return p is not None and p <= hi
 
   def _chunk_end(self, r: Request) -> int:
     c = self.config.prefill_chunk
     end = min(len(r.tokens), (r.computed // c + 1) * c)
-    later = [p for p in self._snapshot_positions(r) if r.computed < p < end]
-    return min(later, default=end)
+    later = self._next_snapshot(r, r.computed)
+    return later if later is not None and later < end else end
 
   def _snapshot_for(self, c: Chunk) -> int | None:
     r = c.request
-    if c.end not in self._snapshot_positions(r) or c.end > len(r.prompt) or self.stale(r):
+    if (self._next_snapshot(r, c.end - 1) != c.end or c.end > r.prompt_len or self.stale(r)):
       return None
-    block = self._cached_block(r, c.end // self.config.page_size - 1)
+    index = c.end // self.config.page_size - 1
+    block = self.prefix(r).blocks.get(self.keys(r, index + 1)[index])
     if block is not None and block.snapshot is not None:
       return None
     return self.prefix(r).alloc_snapshot()
-
-  def _cached_block(self, r: Request, index: int) -> Block | None:
-    size, parent = self.config.page_size, None
-    for i in range(index + 1):
-      parent = self.prefix(r).lookup(parent, r.tokens[i * size:(i + 1) * size])
-      if parent is None:
-        return None
-    return parent
 
   def _allocate(self, chunks: list[Chunk]) -> Request | None:
     """Pages for every position of `chunks`; the request to preempt when they cannot be had
@@ -305,6 +349,10 @@ class Scheduler:
     taken stay with their request, which fills them in its next steps."""
     return all(self._grow(c.request, c.end + steps - 1) for c in decode)
 
+  def _table_row(self, r: Request) -> int:
+    n = self.config.shard_slots
+    return r.shard * (n + 1) + r.slot % n
+
   def _grow(self, r: Request, positions: int) -> bool:
     """Pages for `r`'s first `positions` positions, from free pages or idle prefix-cache
     blocks; False when there are none left."""
@@ -315,9 +363,20 @@ class Scheduler:
         page = shard.pages.alloc(len(r.pages))
       if page is None:
         return False
+      self.table[self._table_row(r), len(r.pages)] = page
       r.pages.append(page)
       r.private.add(page)
     return True
+
+  def trim(self, r: Request) -> None:
+    """Give back the pages past `r`'s tokens (a verification took pages for drafts it did not
+    keep); its pages then cover its positions up to the next token's."""
+    size, shard = self.config.page_size, self.shards[r.shard]
+    while len(r.pages) * size >= len(r.tokens) + size and r.pages[-1] in r.private:
+      page = r.pages.pop()
+      r.private.discard(page)
+      shard.pages.release(page)
+      self.table[self._table_row(r), len(r.pages)] = 0
 
   # ---- leaving ---------------------------------------------------------------------------------
   def release(self, r: Request) -> None:
@@ -326,10 +385,11 @@ class Scheduler:
     for page in r.private:
       shard.pages.release(page)
     shard.prefix.release(r.blocks)
-    r.pages, r.blocks, r.private = [], [], set()
     if r.slot is not None:
+      self.table[self._table_row(r), :len(r.pages)] = 0
       shard.free_slots.append(r.slot)
       r.slot = None
+    r.pages, r.blocks, r.private = [], [], set()
     if r in self.running:
       self.running.remove(r)
     if r in self.paused:
@@ -382,21 +442,24 @@ class Scheduler:
     if self.stale(r):  # computed partly under other weights: never reused (clear_prefix)
       return
     size = self.config.page_size
-    full = min(r.computed, len(r.prompt)) // size
+    full = min(r.computed, r.prompt_len) // size
+    prefix = self.prefix(r)
+    keys = self.keys(r, full)
     parent = r.blocks[-1] if r.blocks else None
     for i in range(len(r.blocks), full):
-      tokens = r.tokens[i * size:(i + 1) * size]
-      block = self.prefix(r).register(parent, tokens, i, r.pages[i])
+      block = prefix.register(parent, keys[i], i, r.pages[i])
       if block is None:  # cached already by another request: keep our page, note theirs
-        existing = self.prefix(r).lookup(parent, tokens)
+        existing = prefix.blocks[keys[i]]
         if c.save is not None and i == c.end // size - 1 and existing.snapshot is None:
-          existing.snapshot, c.save = c.save, None
+          prefix.set_snapshot(existing, c.save)
+          c.save = None
         break
       r.private.discard(r.pages[i])
       r.blocks.append(block)
       parent = block
       if c.save is not None and i == c.end // size - 1:
-        block.snapshot, c.save = c.save, None
+        prefix.set_snapshot(block, c.save)
+        c.save = None
     if c.save is not None:  # its block did not end up cached: the snapshot is free again
-      self.prefix(r).release_snapshot(c.save)
+      prefix.release_snapshot(c.save)
       c.save = None

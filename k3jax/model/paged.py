@@ -209,11 +209,15 @@ class _RowsMixer:
 
   def __init__(self, module, parts: tuple[Rows, ...], entry, snaps, page_table, ctx_pages: int,
                page_size: int, heads_major=None, shards: int = 1, axes: tuple[str, ...] = (),
-               stripes: int = 1):
+               stripes: int = 1, deferred: bool = False):
     self.module, self.parts, self.entry, self.snaps = module, parts, entry, snaps
     self.page_table, self.ctx_pages, self.page_size = page_table, ctx_pages, page_size
     self.heads_major, self.shards, self.axes = heads_major, shards, axes
     self.stripes = stripes
+    # KDA: the first part's rows keep their slots' states; the part's input and start states
+    # wait in `pending` for `commit` (speculative verification: which of its tokens stay is
+    # known only once the step has drawn)
+    self.deferred, self.pending = deferred, None
 
   def __call__(self, x_bnd: jax.Array, *, segment_ids=None) -> tuple[jax.Array, None]:
     """x_bnd [shards, N / shards, d]: shard s's tokens, part by part, row-major (`forward`)."""
@@ -248,6 +252,9 @@ class _RowsMixer:
   def _kda(self, x, rows: Rows, entry, snaps):
     state = _start_state(entry, snaps, rows)
     y, new = self.module(x, state=state, token_mask=rows.valid)
+    if self.deferred and rows is self.parts[0]:
+      self.pending = (x, state)
+      return y, (entry, snaps)
     new = KDAState(*(n.astype(a.dtype) for n, a in zip(new, entry)))
     entry = KDAState(*(a.at[rows.slot].set(n) for a, n in zip(entry, new)))
     if rows.save is not None:  # None: the part saves no snapshot (decode rows never do)
@@ -285,7 +292,7 @@ class _RowsMixer:
 
 def forward(defs: UnstackedDefs, params: Unstacked, parts: tuple[Rows, ...], cache: PagedCache,
             page_table: jax.Array, *, ctx_pages: int, shards: int = 1,
-            axes: tuple[str, ...] = (), stripes: int = 1) -> tuple[jax.Array, PagedCache]:
+            axes: tuple[str, ...] = (), stripes: int = 1, deferred: bool = False):
   """The final-norm features [N, d] of every token of `parts` and the cache after them: shard
   by shard, within a shard part by part, within a part row-major (`token_index`; with one
   shard: the parts' tokens in order). page_table [slot entries, max_pages] int32;
@@ -295,20 +302,26 @@ def forward(defs: UnstackedDefs, params: Unstacked, parts: tuple[Rows, ...], cac
   equal blocks with shard-local ids; the per-token work runs on [shards, N / shards, d], its
   rows (the shards) placed as the batch (over the batch axes under a mesh); `axes`: the mesh
   axes the shards are split over (shard_axes), () on one device. `stripes` (static): the
-  pages split by position over the mesh's `context` axis (init_cache)."""
+  pages split by position over the mesh's `context` axis (init_cache).
+
+  `deferred` (static, one shard): the first part's KDA states are not written; a third value,
+  the `Pending` work of each KDA layer, lets `commit` write them for a prefix of each row's
+  tokens once it is known (speculative decoding's verification rolls back rejected tokens by
+  replaying the kept ones from the start state: docs/serving.md)."""
   cfg = defs.cfg
   page_size = cache.pages[0].c.shape[1] if cache.pages else 1
   ids = jnp.concatenate([rows.ids.reshape(shards, -1) for rows in parts], axis=1)
   carry = initial_carry(cfg, params.embed[ids].astype(defs.ex.jnp_dtype))
   graphdefs = dict(defs.kinds)
   kda, snaps, pages = list(cache.kda), list(cache.snapshots), list(cache.pages)
+  pending = []
   for l in range(cfg.num_layers):
     kinds, idx = schedule.layer_kinds(cfg, l), schedule.layer_indices(cfg, l)
     norms, mixer, mlp = (nnx.merge(graphdefs[k], params.layers[k][i]) for k, i in zip(kinds, idx))
     i = idx[1]
     if kinds[1] == "kda":
       rows_mixer = _RowsMixer(mixer, parts, kda[i], snaps[i], page_table, ctx_pages, page_size,
-                              shards=shards, axes=axes, stripes=stripes)
+                              shards=shards, axes=axes, stripes=stripes, deferred=deferred)
     else:
       rows_mixer = _RowsMixer(mixer, parts, pages[i], None, page_table, ctx_pages, page_size,
                               params.mla_heads_major[i], shards=shards, axes=axes,
@@ -316,14 +329,39 @@ def forward(defs: UnstackedDefs, params: Unstacked, parts: tuple[Rows, ...], cac
     carry, _, _ = layer_step(cfg, l, norms, rows_mixer, mlp, carry, None)
     if kinds[1] == "kda":
       kda[i], snaps[i] = rows_mixer.entry, rows_mixer.snaps
+      if deferred:
+        pending.append(Pending(i, mixer, *rows_mixer.pending))
     else:
       pages[i] = rows_mixer.entry
   h = carry.partial
   if cfg.attn_res_block_size is not None:
     h = nnx.merge(defs.output_res, params.output_res)(carry.blocks, carry.partial, _valid(carry))
   features = nnx.merge(defs.final_norm, params.final_norm)(h)
-  return features.reshape(-1, features.shape[-1]), PagedCache(tuple(kda), tuple(snaps),
-                                                              tuple(pages))
+  out = (features.reshape(-1, features.shape[-1]),
+         PagedCache(tuple(kda), tuple(snaps), tuple(pages)))
+  return (*out, pending) if deferred else out
+
+
+class Pending(NamedTuple):
+  """One KDA layer's deferred state update: its module, the part's input and start states."""
+  layer: int
+  module: object
+  x: jax.Array
+  start: KDAState
+
+
+def commit(pending: list[Pending], rows: Rows, keep: jax.Array, cache: PagedCache
+           ) -> PagedCache:
+  """Write each row's KDA state after its first tokens (`keep` [R, T] bool, a prefix of the
+  row's valid tokens) into its slot: the layer run again from its start state with the other
+  tokens masked, which leaves the state exactly as if they had never been read."""
+  kda = list(cache.kda)
+  for p in pending:
+    _, new = p.module(p.x, state=p.start, token_mask=keep)
+    entry = kda[p.layer]
+    kda[p.layer] = KDAState(*(a.at[rows.slot].set(n.astype(a.dtype))
+                              for a, n in zip(entry, new)))
+  return cache._replace(kda=tuple(kda))
 
 
 def token_index(widths: tuple[tuple[int, int], ...], shards: int, part: int, row: int,

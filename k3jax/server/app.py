@@ -3,11 +3,17 @@
     GET  /v1/models                 the served model (one)
     POST /v1/completions            k3jax/server/completions.py
     POST /v1/chat/completions       k3jax/server/chat.py
-    GET  /health                    200 ready, 503 loading (or failed)
+    GET  /health                    200 ready, 503 loading, or failed (the weights did not
+                                    load, or the engine died: the process then exits)
     GET  /metrics                   Prometheus text: requests, tokens, cache pages, prefix hits
     GET  /tokenizer_info, POST /tokenize, /detokenize
                                     the tokenizer as vLLM serves it (lm-evaluation-harness's
                                     remote tokenizer reads these)
+    POST /pause {"mode": "wait" | "abort" | "keep"}, POST /resume,
+    POST /update_weights {"path": CHECKPOINT}
+                                    for RL harnesses: new weights without a restart (only
+                                    while paused; k3jax/server/loop.py says what each mode
+                                    does with the requests in flight)
 
 With an API key, every route but /health and /metrics wants `Authorization: Bearer KEY`.
 Every error is OpenAI's body ({"error": {message, type, param, code}}) with its status; one
@@ -26,8 +32,9 @@ from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, PlainTextResponse
 
+from k3jax.errors import UserError
 from k3jax.server import chat, completions
-from k3jax.server.loop import State
+from k3jax.server.loop import Refused, State
 from k3jax.server.protocol import APIError, ChatRequest, read
 from k3jax.server.service import Service
 
@@ -49,6 +56,10 @@ METRICS = (
     ("k3jax_preemptions_total", "counter", "Requests preempted (recomputed later).",
      "preemptions"),
     ("k3jax_engine_steps_total", "counter", "Engine steps run.", "steps"),
+    ("k3jax_spec_draft_tokens_total", "counter", "Draft tokens verified (speculative decoding).",
+     "spec_drafted_tokens"),
+    ("k3jax_spec_mean_accepted_length", "gauge",
+     "Tokens emitted per verified row with drafts (drafts kept + 1).", "mean_accepted_length"),
 )
 
 
@@ -95,7 +106,7 @@ def build_app(svc: Service) -> FastAPI:
     state = svc.loop.state
     body = {"status": str(state)}
     if state == State.FAILED:
-      body["error"] = str(svc.loop.error)
+      body["error"] = svc.loop.failure
     return JSONResponse(body, status_code=200 if state == State.READY else 503)
 
   @app.get("/metrics")
@@ -116,6 +127,24 @@ def build_app(svc: Service) -> FastAPI:
   @app.post("/v1/chat/completions")
   async def create_chat_completion(request: Request):
     return await chat.create(svc, request)
+
+  @app.post("/pause")
+  async def pause(request: Request):
+    body = await _control_body(svc, request)
+    mode = body.get("mode", "wait")
+    return await _control(svc, "pause", mode if isinstance(mode, str) else repr(mode))
+
+  @app.post("/resume")
+  async def resume(request: Request):
+    await _control_body(svc, request)
+    return await _control(svc, "resume")
+
+  @app.post("/update_weights")
+  async def update_weights(request: Request):
+    path = (await _control_body(svc, request)).get("path")
+    if not isinstance(path, str) or not path:
+      raise APIError(400, "path: the checkpoint folder to load", param="path")
+    return await _control(svc, "update_weights", path)
 
   @app.get("/tokenizer_info")
   async def tokenizer_info(request: Request):
@@ -150,6 +179,21 @@ def build_app(svc: Service) -> FastAPI:
     return {"prompt": svc.decode(tokens)}
 
   return app
+
+
+async def _control_body(svc: Service, request: Request) -> dict:
+  svc.authorize(request.headers.get("authorization"))
+  svc.check_ready()
+  return await _json(request)
+
+
+async def _control(svc: Service, name: str, *args) -> dict:
+  try:
+    return await svc.loop.control(name, *args)
+  except Refused as e:
+    raise APIError(e.status, str(e), param=e.param) from None
+  except UserError as e:  # a checkpoint that cannot be served in place of the model
+    raise APIError(400, f"path: {e}", param="path") from None
 
 
 async def _json(request: Request) -> dict:

@@ -7,7 +7,8 @@ ends at the model config's EOS, the tokenizer's end-of-turn tokens (`<|im_end|>`
 string or `max_tokens` / `max_completion_tokens` (None: the model's maximum length). Its text
 is split into `reasoning_content` (a leading <think> block), `content` and `tool_calls`
 (k3jax/tokenizer/tool_calls.py, shared with RL's environments); finish_reason is "tool_calls"
-when it ended on its own after calls.
+when it ended on its own after calls. `response_format` (JSON) and a `tool_choice` that
+requires a call are enforced by a grammar (k3jax/server/structured.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from starlette.responses import JSONResponse, StreamingResponse
 
 from k3jax.errors import UserError
+from k3jax.server import structured
 from k3jax.server.jobs import Choice, Job, events, sse, unless_disconnected
 from k3jax.server.protocol import APIError, ChatRequest, read
 from k3jax.server.service import Service
@@ -64,19 +66,17 @@ async def create(svc: Service, request) -> object:
   req = read(ChatRequest, await request.body())
   svc.check_model(req.model)
   svc.check_ready()
-  if isinstance(req.tool_choice, dict):
-    raise APIError(400, "tool_choice: naming a function is not supported (use auto or none)",
-                   param="tool_choice")
   ids, text = render(svc, req)
+  in_reasoning = text.rstrip().endswith(THINK_OPEN)
+  grammar = await structured.grammar(svc, req, in_reasoning)
   limit = svc.config.max_model_len
   max_tokens = next((m for m in (req.max_completion_tokens, req.max_tokens) if m is not None),
                     max(limit - len(ids), 0))
   logprobs = (req.top_logprobs or 0) if req.logprobs else None
   params, stop_ids = svc.sampling(req, max_tokens=max_tokens, logprobs=logprobs,
-                                  extra_stops=svc.config.chat_stop_ids)
+                                  extra_stops=svc.config.chat_stop_ids, grammar=grammar)
   svc.check(ids, params[0])
-  how = {"in_reasoning": text.rstrip().endswith(THINK_OPEN),
-         "tools": bool(req.tools) and req.tool_choice != "none"}
+  how = {"in_reasoning": in_reasoning, "tools": bool(req.tools) and req.tool_choice != "none"}
   choices = [Choice(i, ids, svc.text_stream(stop_ids, req.stops())) for i in range(req.n)]
   job = Job(svc.loop, "chatcmpl")
   for c, p in zip(choices, params):

@@ -74,6 +74,9 @@ async def create(svc: Service, request) -> object:
   svc.check_ready()
   if req.suffix:
     raise APIError(400, "suffix is not supported", param="suffix")
+  if (req.model_extra or {}).get("response_format") not in (None, {"type": "text"}):
+    raise APIError(400, "response_format: structured output is served on /v1/chat/completions",
+                   param="response_format")
   if req.best_of not in (None, req.n):
     raise APIError(400, "best_of is not supported (it must equal n)", param="best_of")
   prompts = _prompts(svc, req.prompt)

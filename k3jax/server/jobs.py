@@ -14,7 +14,7 @@ import functools
 import json
 import uuid
 
-from k3jax.engine import RequestOutput, SamplingParams
+from k3jax.engine import FinishReason, RequestOutput, SamplingParams
 from k3jax.server.loop import EngineFailure, EngineLoop
 from k3jax.server.protocol import APIError
 from k3jax.server.text import TextStream
@@ -85,6 +85,10 @@ class Job:
       if isinstance(item, EngineFailure):
         self.abort_open()
         raise APIError(500, str(item))
+      if item.finish_reason == FinishReason.ERROR:  # a step that ran it failed
+        self.open.discard(index)
+        self.abort_open()
+        raise APIError(500, item.error or "the engine could not serve this request")
       choice = choices[index]
       n = choice.add(item)
       if choice.finished:

@@ -19,17 +19,20 @@ import threading
 import time
 
 import uvicorn
+from flax import nnx
 
 import configs
 from k3jax.engine import DEFAULT_MAX_MODEL_LEN, Engine, EngineConfig, check_shards
 from k3jax.errors import UserError
 from k3jax.execution import resolve_dtype
-from k3jax.folders import max_model_len
+from k3jax.folders import max_model_len, model_folder
 from k3jax.model.context_parallel import size as context_size
 from k3jax.run.model import Experts, existing_folder, load_for_serving
 from k3jax.server.app import build_app
+from k3jax.server.draft import check_draft, make_drafter
 from k3jax.server.loop import EngineLoop, State
 from k3jax.server.service import Service, ServiceConfig
+from k3jax.server.structured import Grammars
 from k3jax.tokenizer import load_tokenizer, text_tokenizer
 from sharding.mesh import make_mesh
 
@@ -56,6 +59,8 @@ class ServeOptions:
   decode_steps: int = 1
   prefix_state_every: int = 4
   data_shards: int = 1
+  draft: str | None = None  # "ngram" or a model folder (k3jax/server/draft.py)
+  num_draft_tokens: int = 4
   log_level: str = "warning"
 
 
@@ -83,6 +88,10 @@ def build(options: ServeOptions) -> Server:
                                  context_shards=context_size(mesh))
   except ValueError as e:
     raise UserError(str(e)) from None
+  if options.draft:  # its flags named in the error, then the engine's field
+    check_draft(options.draft, options.num_draft_tokens, cfg, tokenizer,
+                engine_config.page_size, options.data_shards, engine_config.context_shards)
+    engine_config = dataclasses.replace(engine_config, num_draft_tokens=options.num_draft_tokens)
   if mesh is not None:
     try:
       check_shards(engine_config.data_shards, mesh, engine_config.context_shards)
@@ -92,20 +101,42 @@ def build(options: ServeOptions) -> Server:
   def load() -> Engine:
     t0 = time.perf_counter()
     model, _ = load_for_serving(folder, dtype, mesh, options.experts)
-    engine = Engine(model, engine_config, mesh=mesh)
+    drafter = make_drafter(options.draft, options.num_draft_tokens, engine_config, dtype, mesh,
+                           options.experts)
+    engine = Engine(model, engine_config, mesh=mesh, drafter=drafter)
     print(f"k3jax serve: {cfg.num_layers} layers, {dtype}, loaded in "
           f"{time.perf_counter() - t0:.1f}s: ready", file=sys.stderr, flush=True)
+    if grammars is not None:  # the grammar library reads the vocabulary once, meanwhile
+      threading.Thread(target=grammars.prepare, name="k3jax-grammar", daemon=True).start()
     return engine
+
+  def reload(path: str):
+    """The state of checkpoint `path` for the served model (POST /update_weights): loaded as
+    the served weights were, on the same mesh; UserError when it is not that model."""
+    if not os.path.exists(path):
+      raise UserError(f"{path}: no such model folder")
+    new = model_folder(path)
+    other = configs.resolve(new.weights)
+    if other != cfg:
+      diff = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(
+          other, f.name)]
+      raise UserError(f"{path}: not the served model's config (differs in "
+                      f"{', '.join(diff[:5])})")
+    model, _ = load_for_serving(new, dtype, mesh, options.experts)
+    return nnx.state(model)
 
   eos = () if cfg.eos_token_id is None else (int(cfg.eos_token_id),)
   specials = getattr(tokenizer, "special_tokens", {})
   chat_stops = tuple(getattr(tokenizer, "stop_ids", ())) + tuple(
       specials[t] for t in END_OF_TURN if t in specials)
   name = options.served_model_name or os.path.basename(os.path.normpath(options.model))
+  chat_stops = tuple(dict.fromkeys(chat_stops))
+  grammars = (Grammars(tokenizer, cfg.vocab_size, tuple(dict.fromkeys(eos + chat_stops)))
+              if tokenizer is not None and eos + chat_stops else None)
   service = Service(ServiceConfig(name=name, max_model_len=limit, eos_token_ids=eos,
-                                  chat_stop_ids=tuple(dict.fromkeys(chat_stops)),
-                                  api_key=options.api_key, vocab_size=cfg.vocab_size),
-                    EngineLoop(load, x64=dtype == "float64"), tokenizer)
+                                  chat_stop_ids=chat_stops, api_key=options.api_key,
+                                  vocab_size=cfg.vocab_size),
+                    EngineLoop(load, x64=dtype == "float64", reload=reload), tokenizer, grammars)
   return Server(service, options.host, options.port, options.log_level)
 
 
@@ -128,11 +159,12 @@ class Server:
       self.uvicorn.should_exit = True  # `k3jax serve` reports the error and exits
 
   def run(self) -> None:
-    """Serve until interrupted; UserError if the model failed to load."""
+    """Serve until interrupted; UserError if the model failed to load or the engine died
+    (`k3jax serve` then exits non-zero, for a supervisor to restart it)."""
     self.uvicorn.run(sockets=[self.socket])
     loop = self.service.loop
     if loop.state == State.FAILED:
-      raise UserError(f"loading the model failed: {loop.error}")
+      raise UserError(loop.failure)
 
   def start(self, timeout: float = 60.0) -> Server:
     """Serve from a thread; returns once the server accepts connections."""
@@ -152,7 +184,7 @@ class Server:
     if not loop.ready.wait(timeout):
       raise TimeoutError("the model did not finish loading in time")
     if loop.state == State.FAILED:
-      raise UserError(f"loading the model failed: {loop.error}")
+      raise UserError(loop.failure)
 
   def stop(self) -> None:
     self.uvicorn.should_exit = True

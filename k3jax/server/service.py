@@ -13,6 +13,12 @@ from k3jax.server.protocol import APIError, Sampling
 from k3jax.server.text import TextStream, token_bytes_of, token_string
 
 
+def _param(message: str) -> str | None:
+  """The request field an engine's message names first ("logit_bias: ...", "top_p must ...")."""
+  head = message.split(":")[0].split(" ")[0]
+  return head if head in SamplingParams.__dataclass_fields__ else None
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServiceConfig:
   """name: the model name requests must use; max_model_len: prompt + output, at most;
@@ -30,10 +36,11 @@ class ServiceConfig:
 
 class Service:
 
-  def __init__(self, config: ServiceConfig, loop: EngineLoop, tokenizer=None):
+  def __init__(self, config: ServiceConfig, loop: EngineLoop, tokenizer=None, grammars=None):
     self.config = config
     self.loop = loop
     self.tokenizer = tokenizer
+    self.grammars = grammars  # structured.Grammars (None: structured output unavailable)
     self.token_bytes = token_bytes_of(tokenizer) if tokenizer is not None else None
     self.created = int(time.time())
 
@@ -58,13 +65,13 @@ class Service:
     if self.loop.state == State.LOADING:
       raise APIError(503, "the model is still loading; try again shortly")
     if self.loop.state == State.FAILED:
-      raise APIError(503, f"the model failed to load: {self.loop.error}")
+      raise APIError(503, self.loop.failure)
 
   def check(self, prompt: list[int], sampling: SamplingParams) -> None:
     try:
       self.loop.engine.check(prompt, sampling)
     except ValueError as e:
-      raise APIError(400, str(e)) from None
+      raise APIError(400, str(e), param=_param(str(e))) from None
 
   # ---- text -----------------------------------------------------------------------------------
   def need_tokenizer(self, what: str):
@@ -95,13 +102,14 @@ class Service:
 
   # ---- sampling -------------------------------------------------------------------------------
   def sampling(self, req: Sampling, *, max_tokens: int, logprobs: int | None,
-               prompt_logprobs: bool = False, extra_stops: tuple[int, ...] = ()
-               ) -> tuple[list[SamplingParams], frozenset[int]]:
+               prompt_logprobs: bool = False, extra_stops: tuple[int, ...] = (),
+               grammar=None) -> tuple[list[SamplingParams], frozenset[int]]:
     """The engine's SamplingParams of each of the request's n choices (seeds seed, seed + 1,
     ...; no seed: the engine draws one each), and the stop ids (which the text leaves out).
     `return_token_ids` (what an RL harness reads) asks the engine for the logprobs of the
     distribution each token was drawn from (after temperature and top-k / top-p / min-p), for
-    `token_logprobs` and for `logprobs` alike."""
+    `token_logprobs` and for `logprobs` alike. `grammar`: what every choice's output follows
+    (structured output); logit_bias, the penalties and min_tokens as vLLM defines them."""
     req.refuse_unsupported()
     stops = tuple(req.stop_token_ids)
     if not req.ignore_eos:
@@ -113,6 +121,11 @@ class Service:
                              top_p=req.top_p, top_k=max(req.top_k, 0), min_p=req.min_p,
                              seed=None if req.seed is None else req.seed + i,
                              stop_token_ids=stops, ignore_eos=True, logprobs=logprobs,
-                             prompt_logprobs=prompt_logprobs, logprobs_mode=mode)
+                             prompt_logprobs=prompt_logprobs, logprobs_mode=mode,
+                             logit_bias=tuple(req.token_bias().items()),
+                             presence_penalty=req.presence_penalty,
+                             frequency_penalty=req.frequency_penalty,
+                             repetition_penalty=req.repetition_penalty,
+                             min_tokens=req.min_tokens, grammar=grammar)
               for i in range(req.n)]
     return params, frozenset(stops)

@@ -13,6 +13,7 @@ the start of a stop string (it may yet be cut), so the pieces streamed join to t
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Callable, Iterable
 
 from k3jax.tokenizer.tool_calls import held_suffix
@@ -38,16 +39,24 @@ def token_string(data: bytes) -> str:
 class TextStream:
   """One choice's output text. `add(ids)` appends tokens and returns how many of them count:
   all of them, or up to the one completing a stop string (the text ends there; later tokens
-  are ignored)."""
+  are ignored). Each token costs the same however long the text: its bytes go through an
+  incremental UTF-8 decoder, and only the text a stop string could end in is searched."""
 
   def __init__(self, token_bytes: Callable[[int], bytes], *, skip_ids: Iterable[int] = (),
                stop: Iterable[str] = ()):
-    self._bytes = bytearray()
     self._token_bytes = token_bytes
     self._skip = frozenset(skip_ids)
     self._stop = tuple(stop)
-    self.text = ""
+    self._longest = max(map(len, self._stop), default=0)
+    self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    self._decoded = ""  # the text of the complete characters so far
     self.stopped = False
+
+  @property
+  def text(self) -> str:
+    """The bytes so far decoded as a whole (a trailing incomplete character as U+FFFD)."""
+    pending = self._decoder.getstate()[0]
+    return self._decoded + (REPLACEMENT if pending and not self.stopped else "")
 
   def add(self, ids: Iterable[int]) -> int:
     taken = 0
@@ -57,12 +66,16 @@ class TextStream:
       taken += 1
       if t in self._skip:
         continue
-      self._bytes += self._token_bytes(int(t))
-      self.text = self._bytes.decode("utf-8", errors="replace")
-      hits = [i for i in (self.text.find(s) for s in self._stop) if i >= 0]
-      if hits:
-        self.text, self.stopped = self.text[:min(hits)], True
+      before = len(self._decoded)
+      self._decoded += self._decoder.decode(self._token_bytes(int(t)))
+      if self._stop:
+        self._find_stop(max(0, before - self._longest + 1))
     return taken
+
+  def _find_stop(self, start: int) -> None:
+    hits = [i for i in (self._decoded.find(s, start) for s in self._stop) if i >= 0]
+    if hits:
+      self._decoded, self.stopped = self._decoded[:min(hits)], True
 
   def stable(self, final: bool = False) -> str:
     """The part of the text no later token can change (all of it once `final`)."""

@@ -14,6 +14,10 @@ when the prompt itself ends inside an open `<think>`). A call's id is the text b
 markers (`functions.get_weather:0`), its name the part between `functions.` and the last `:`,
 its arguments the JSON text as written.
 
+`grammar(tools, ...)` writes the same format as a grammar (llguidance's Lark dialect) that a
+constrained answer follows (`tool_choice` "required" or a named function; the server compiles
+it with k3jax/tokenizer/grammar.py): what `parse` reads back, by construction.
+
 `parse(text, final=False)` reads a prefix of an answer still being generated: a marker not yet
 complete is held back, and only finished calls are returned, so each field of a prefix's parse
 is a prefix of the final one's (what a stream sends joins to the whole response). In an
@@ -23,6 +27,8 @@ unterminated tool-call section (the answer was cut short) only the finished call
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections.abc import Sequence
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
@@ -59,6 +65,11 @@ def held_suffix(text: str, markers) -> int:
         longest = k
         break
   return longest
+
+
+def call_id(name: str, index: int) -> str:
+  """The id a call of function `name` is written with (its `index`-th call of the answer)."""
+  return f"functions.{name}:{index}"
 
 
 def call_name(call_id: str) -> str:
@@ -110,6 +121,27 @@ def _calls(section: str) -> list[ToolCall]:
     calls.append(ToolCall(call_id, call_name(call_id),
                           section[args + len(CALL_ARGS):stop].strip()))
     at = stop + len(CALL_END)
+
+
+def grammar(tools: Sequence[tuple[str, str]], *, only: str | None = None,
+            parallel: bool = True) -> str:
+  """Lark text of an answer that calls tools: any text first (reasoning, content; special
+  tokens cannot occur in it), then a tool-call section of one call, or several when
+  `parallel`, each of a function of `tools` ((name, `%json {...}` rule of its arguments)),
+  or of `only` alone (exactly one call). The section ends the answer."""
+  names = [name for name, _ in tools]
+  if only is not None:
+    names, parallel = [only], False
+  rules = ["start: TEXT? section", "TEXT: /(.|\\n)+/",
+           f"section: {SECTION_BEGIN} {'call+' if parallel else 'call'} {SECTION_END}",
+           "call: " + " | ".join(f"call_{i}" for i in range(len(names))),
+           "INDEX: /[0-9]{1,3}/"]
+  args = dict(tools)
+  for i, name in enumerate(names):
+    head = json.dumps(call_id(name, 0)[:-1])  # "functions.NAME:" then the index
+    rules += [f"call_{i}: {CALL_BEGIN} {head} INDEX {CALL_ARGS} args_{i} {CALL_END}",
+              f"args_{i}: {args[name]}"]
+  return "\n".join(rules)
 
 
 def assistant_message(parsed: Parsed) -> dict:

@@ -33,6 +33,7 @@ from k3jax.commands._args import engine_options
 from k3jax.model.transformer import K3Model
 from k3jax.server import build
 from k3jax.tokenizer import load_tokenizer
+from k3jax.tokenizer.tool_calls import THINK_CLOSE
 from k3jax.train.checkpoint import save_model
 from k3jax.train.step import split_model
 from tests.k3jax.model.helpers import randomize, tiny_cfg
@@ -67,9 +68,9 @@ def _zeros(cfg):
   return model
 
 
-def byte_run(out: str) -> str:
+def byte_run(out: str, seed: int = 2, tokenizer: str = "byte") -> str:
   cfg = tiny_cfg(vocab_size=256, num_layers=2, mla_layers=(1,))
-  return _save(out, randomize(_zeros(cfg), 2, scale=3.0), cfg, "byte")
+  return _save(out, randomize(_zeros(cfg), seed, scale=3.0), cfg, tokenizer)
 
 
 def packable_run(out: str) -> str:
@@ -82,17 +83,20 @@ def packable_run(out: str) -> str:
 def script_ids(tok, script=SCRIPT) -> list[int]:
   """The script as distinct token ids: special-token text as its token, bytes as that one
   token, other text split into the longest tokens not used elsewhere (depth first; a token
-  may span consecutive text pieces)."""
+  may span consecutive text pieces, but not the end of `</think>`)."""
   ranks = load_tiktoken_bpe(tok.spec.ranks_file)
   longest = max(map(len, ranks))
-  pieces = []
-  for p in script:  # text runs between special tokens may share tokens across pieces
+  pieces, alone = [], False
+  for p in script:  # text runs between special tokens may share tokens across pieces, but
+    # no token spans the end of "</think>" (a grammar enforcing the answer after reasoning
+    # needs the reasoning to end where a token does)
     if isinstance(p, bytes) or p in tok.special_tokens:
       pieces.append([ranks[p]] if isinstance(p, bytes) else [tok.token_id(p)])
-    elif pieces and isinstance(pieces[-1], bytes):
+    elif pieces and isinstance(pieces[-1], bytes) and not alone:
       pieces[-1] += p.encode()
     else:
       pieces.append(p.encode())
+    alone = p == THINK_CLOSE
 
   def spell(i: int, data: bytes, used: frozenset) -> list[int] | None:
     if not data:

@@ -1,7 +1,8 @@
 """`k3jax serve`'s chat API against a live server, through the official `openai` client, with
 Moonshot's real K2-Thinking tokenizer files (read in place from the shared reference folder)
 and a tiny float64 model crafted to answer with reasoning, content and a tool call
-(tests/k3jax/server/helpers.py: SCRIPT). One server for the whole file."""
+(tests/k3jax/server/helpers.py: SCRIPT). One server (conftest.py's, shared with
+test_structured.py)."""
 
 import json
 import threading
@@ -23,14 +24,13 @@ MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory, reference_dir):
-  return helpers.chat_run(str(tmp_path_factory.mktemp("chat")), reference_dir)
+def folders(chat_folders):
+  return chat_folders
 
 
 @pytest.fixture(scope="module")
-def server(folders):
-  with helpers.serving(folders[0], "--max-model-len", "256") as server:
-    yield server
+def server(chat_server):
+  return chat_server
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +139,7 @@ def test_chat_errors_while_a_chat_completes(server, client):
       (post({"model": "tiny", "messages": [{"role": "user", "content": "word " * 400}]}), 400,
        None),  # 400 tokens and more: past --max-model-len 256
       (post({"model": "tiny", "messages": MESSAGES, "tools": TOOLS,
-             "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}), 400,
+             "tool_choice": {"type": "function", "function": {"name": "get_time"}}}), 400,
        "tool_choice"),
       (post({"model": "tiny", "messages": MESSAGES}, key=None), 401, None),
       (post({"model": "tiny", "messages": MESSAGES}, key="wrong-key"), 401, None),

@@ -232,7 +232,7 @@ def test_errors_while_a_request_completes(server, client):
       (post(cmpl, {"model": "tiny", "prompt": "x", "temperature": "hot"}), 400, "temperature"),
       (post(cmpl, {"model": "tiny", "prompt": "x", "max_tokens": -1}), 400, "max_tokens"),
       (post(cmpl, {"model": "tiny", "prompt": [1] * (MAX_LEN + 1)}), 400, None),
-      (post(cmpl, {"model": "tiny", "prompt": "x", "logit_bias": {"1": 2}}), 400, "logit_bias"),
+      (post(cmpl, {"model": "tiny", "prompt": "x", "logit_bias": {"256": 2}}), 400, "logit_bias"),
       (post("/v1/chat/completions", {"model": "tiny", "messages": [  # bytes: no chat template
           {"role": "user", "content": "hi"}]}), 400, "messages"),
       (helpers.request(server.url, "GET", "/v1/models", key=None), 401, None),
