@@ -133,9 +133,10 @@ def register(sub) -> None:
   g.add_argument("--steps", type=positive_int, default=300, help="train until this step")
   g.add_argument("--seed", type=int, default=0, help="init and data-order seed")
   g.add_argument("--new-stage", action="store_true",
-                 help="resume OUT as a new stage: --seq-len, --batch-size, --data and the "
-                      "schedule may change; parameters, optimizer state and step continue, "
-                      "and the data continues where it was for a source in both stages")
+                 help="resume OUT as a new stage: --seq-len, --batch-size, --data, "
+                      "--data-mix and the schedule may change; parameters, optimizer state "
+                      "and step continue, and the data continues where it was for a source "
+                      "(a prepared component: by fingerprint) in both stages")
   g = p.add_argument_group("data")
   g.add_argument("--data", default=None,
                  help="a prepared dataset (k3jax prepare-data's folder), a text file or folder "

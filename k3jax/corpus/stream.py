@@ -4,7 +4,8 @@ processes and of worker processes.
 Documents. Component c (a prepared dataset with n_c trained documents) supplies data shard s
 of S its trained documents in the order: stream position p is the (s + p S)-th document of the
 repeated, per-epoch shuffled order (epoch e = (s + p S) // n_c, a permutation seeded by
-seed + c 2^20 + e: Grain's index shuffle, or a numpy table for small components, `shuffled`).
+seed + l 2^20 + e, l the component's stream slot, c unless a stage carried it over
+from an earlier mixture: Grain's index shuffle, or a numpy table for small components, `shuffled`).
 The S shards thus split every epoch between them, disjoint. The mixture (mixture.py)
 interleaves the components: draw k of the shard is component c's stream position
 offsets[c] + (its draw number), `offsets` being where an earlier stage left each component
@@ -55,6 +56,7 @@ class StreamSpec:
   group_documents: int            # G
   proportions: tuple[int, ...]    # the mixture's integer proportions (one component: (1,))
   offsets: tuple[int, ...]        # stream positions consumed by earlier stages, per component
+  streams: tuple[int, ...] = ()   # each component's seed slot (empty: its index)
 
 
 def group_documents(components: Sequence[PreparedDataset], props: Sequence[int],
@@ -82,7 +84,8 @@ def component_position(c: int, dataset: PreparedDataset, p: int, spec: StreamSpe
   """The document number of component c's stream position p in shard spec.shard."""
   n = dataset.train_documents
   epoch, q = divmod(spec.shard + p * spec.num_shards, n)
-  seed = (spec.seed + c * COMPONENT_SEED_STRIDE + epoch) % 2**32
+  slot = spec.streams[c] if spec.streams else c
+  seed = (spec.seed + slot * COMPONENT_SEED_STRIDE + epoch) % 2**32
   return dataset.train_index(shuffled(q, n, seed))
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -52,13 +54,19 @@ class TrainingData:
   # stage's pipelines (stages.py) re-open at an offset into their streams
   train_tokens: list[np.ndarray] | None = None
   train_weights: list[np.ndarray] | None = None
+  # prepared data: (starts, streams) -> the shard opener of a stage (prepared_data.load)
+  open_stage: Callable[[dict, dict | None], ShardOpener] | None = None
 
   def iterator(self, cfg: PipelineConfig, rows: tuple[int, int] | None = None,
-               state: dict | None = None,
-               offsets: dict[int, int] | None = None) -> ShardIterator:
-    """`offsets` {data shard: pieces}: a stage's start into in-memory documents' streams."""
+               state: dict | None = None, offsets: dict[int, Any] | None = None,
+               streams: dict[str, int] | None = None) -> ShardIterator:
+    """`offsets`: a stage's start into its streams, {data shard: pieces} of in-memory
+    documents or {data shard: {fingerprint: documents}} of prepared components; `streams`
+    {fingerprint: slot}: a stage's prepared components' stream slots (stages.py)."""
     opener = self.open_shard
-    if offsets:
+    if self.open_stage is not None and (offsets or streams):
+      opener = self.open_stage(offsets or {}, streams)
+    elif offsets:
       opener = in_memory_shards(self.train_tokens, cfg, self.train_weights, offsets)
     return ShardIterator(opener, cfg, rows, state)
 
@@ -84,41 +92,49 @@ class DataChoice:
   mix: mixture_lib.Mixture | None
   version: int
   identity: dict
+  changed: bool = False  # the prepared data differs from the run's (a new stage's)
 
 
 def choose_data(path: str | None, mix_file: str | None, data_format: str,
-                run_file: str) -> DataChoice:
+                run_file: str, new_stage: bool = False) -> DataChoice:
   """The run's data, checked: manifests and the mixture file read (one line for any fault),
   and, when `run_file` exists (a resume), the same data it records: the same manifest
   fingerprints and mixture content hash (a dataset prepared again or an edited mixture is
-  refused), and the data format version it trained with."""
+  refused unless `new_stage`), and the data format version it trained with."""
   mix = data_mixture(path, mix_file, data_format)
-  saved = {}
+  saved, saved_mix = {}, None
   if os.path.exists(run_file):
     with open(run_file) as f:
-      saved = json.load(f).get("data") or {}
+      recorded = json.load(f)
+    saved, saved_mix = recorded.get("data") or {}, recorded.get("options", {}).get("data_mix")
   version = saved.get("data_version", FIRST_DATA_VERSION) if os.path.exists(run_file) \
       else DATA_VERSION
   identity = {"data_version": version}
   if mix is not None:
     identity["manifests"] = {p: manifest_lib.read_complete(p)["fingerprint"] for p in mix.paths}
     identity["mix_hash"] = mix.content_hash if mix.file else None
-  _check_same_data(os.path.dirname(run_file), saved, identity)
-  return DataChoice(mix, version, identity)
+  changed = bool(saved) and (saved.get("manifests"), saved.get("mix_hash")) != (
+      identity.get("manifests"), identity.get("mix_hash"))
+  if not new_stage:  # another --data-mix file: check_stage names it
+    _check_same_data(os.path.dirname(run_file), saved, identity,
+                     saved_mix == (mix.file if mix else None))
+  return DataChoice(mix, version, identity, changed)
 
 
-def _check_same_data(out: str, saved: dict, now: dict) -> None:
+def _check_same_data(out: str, saved: dict, now: dict, same_mix_file: bool) -> None:
   if not saved:
     return
   for folder, fp in (saved.get("manifests") or {}).items():
     if (now.get("manifests") or {}).get(folder, fp) != fp:
       raise UserError(f"{out} holds a run on {folder} as prepared then (manifest fingerprint "
                       f"{fp}); it now has {now['manifests'][folder]} (prepared again?): "
-                      "resuming needs the same data, or use a new --out")
-  if saved.get("mix_hash") != now.get("mix_hash"):
+                      "resuming needs the same data: start a new stage with --new-stage, or "
+                      "use a new --out")
+  if same_mix_file and saved.get("mix_hash") != now.get("mix_hash"):
     raise UserError(f"{out} holds a run of a mixture with content hash {saved.get('mix_hash')}"
                     f", now {now.get('mix_hash')} (the mixture file was edited): resuming "
-                    "needs the same mixture, or use a new --out")
+                    "needs the same mixture: start a new stage with --new-stage, or use a "
+                    "new --out")
 
 
 def load_training_data(path: str | None, data_format: str, tokenizer, cfg: PipelineConfig,
@@ -130,8 +146,9 @@ def load_training_data(path: str | None, data_format: str, tokenizer, cfg: Pipel
   folder for chat's bad-rows list (None: not written, e.g. on processes other than 0);
   `workers`: Grain worker processes packing prepared data."""
   if mix is not None:
-    return TrainingData(*prepared_data.load(mix, tokenizer, cfg, max_eval_batches,
-                                             workers=workers))
+    *loaded, open_stage = prepared_data.load(mix, tokenizer, cfg, max_eval_batches,
+                                             workers=workers)
+    return TrainingData(*loaded, open_stage=open_stage)
   identity = {"data_version": data_version}
   if data_format == "text":
     return _text(path, tokenizer, cfg, max_eval_batches, data_version, identity)

@@ -120,6 +120,7 @@ class _Run:
   goodput: Goodput | None = None
   stages: list = dataclasses.field(default_factory=list)  # the run's stages (stages.py)
   data_offsets: dict = dataclasses.field(default_factory=dict)  # shard -> pieces skipped
+  data_streams: dict | None = None  # prepared data: a stage's {fingerprint: stream slot}
 
   @property
   def rows_per_micro(self) -> int:
@@ -224,14 +225,13 @@ def _set_up(opts: RunOptions) -> _Run:
   opts, out, mesh = started.opts, started.out, started.mesh
   # the data checked before anything is written (a bad manifest or mixture writes no --out)
   chosen = inputs_lib.choose_data(opts.data, opts.data_mix, opts.data_format,
-                                  os.path.join(out, RUN_FILE))
+                                  os.path.join(out, RUN_FILE), opts.new_stage)
   os.makedirs(out, exist_ok=True)
   check_base_present(out, opts.init_from)
   cfg, ex = model_config(opts.init_from, opts.config), execution(opts)
   saved = read_run_file(out)
   check_resume(out, opts, cfg, ex, tuple(k for k in RESUME_KEYS if k not in STAGE_KEYS), PATHS)
-  stages_lib.check_stage(out, saved, opts, PATHS)
-  stages_lib.check_stage_data(opts, chosen.mix is not None, saved)
+  stages_lib.check_stage(out, saved, opts, PATHS, chosen.changed)
   sc = step_config(opts)
   if mesh is not None:
     check_batch(opts.batch_size // opts.grad_accum, mesh)
@@ -331,8 +331,15 @@ def _data_position(run: _Run, data_state: dict) -> None:
   the very start of a stage starts its pipelines at the stage's offsets."""
   stage = run.stages[-1]
   if run.opts.new_stage:
-    offsets, positions = _continued(run, data_state, stage)
-    run.stages = stages_lib.new_stage(run.stages, run.start, run.opts, positions, offsets)
+    streams = None
+    if run.data.open_stage is not None:  # prepared data
+      offsets, streams, positions = stages_lib.prepared_starts(
+          data_state, stage.get("streams"), run.chosen.identity["manifests"],
+          run.pipe.num_shards)
+    else:
+      offsets, positions = _continued(run, data_state, stage)
+    run.stages = stages_lib.new_stage(run.stages, run.start, run.opts, positions, offsets,
+                                      streams)
     stage = run.stages[-1]
     _say(run, f"k3jax train: stage {stage['stage']} starts after step {run.start}: "
           + ", ".join(f"--{k.replace('_', '-')} {v!r}" for k, v in stage["options"].items()
@@ -342,6 +349,7 @@ def _data_position(run: _Run, data_state: dict) -> None:
   fresh = run.opts.new_stage or (stage["stage"] > 0 and run.start == stage["start_step"])
   run.data_state = None if fresh else data_state
   run.data_offsets = {int(k): v for k, v in stage.get("data_offsets", {}).items()}
+  run.data_streams = stage.get("streams")
 
 
 def _say(run: _Run, line: str) -> None:
@@ -354,7 +362,7 @@ def _continued(run: _Run, data_state: dict, stage: dict) -> tuple[dict, dict]:
   stage: a source it shares with `stage` continues where that stage's pipelines were."""
   was = stage["options"]
   if (was.get("data") or stages_lib.STDLIB) != stages_lib.source_of(run.opts) or \
-      was.get("data_format", "text") != run.opts.data_format:
+      was.get("data_format", "text") != run.opts.data_format or was.get("data_mix"):
     return {}, {}
   old = data_lib.PipelineConfig(was["seq_len"], was["batch_size"], was.get("grad_accum", 1),
                                 run.opts.seed, num_shards=run.pipe.num_shards)
@@ -405,7 +413,8 @@ def _train(run: _Run, meter: _Meter, on_step) -> _Tally:
   opts, tally = run.opts, _Tally()
   writer = (MetricsWriter(run.out, resume_step=run.point.step, tensorboard=opts.tensorboard)
             if run.main else _NoWriter())
-  iterator = run.data.iterator(run.pipe, run.rows, run.data_state, run.data_offsets)
+  iterator = run.data.iterator(run.pipe, run.rows, run.data_state, run.data_offsets,
+                               run.data_streams)
   bar = tqdm(total=opts.steps, initial=run.start, disable=not (opts.progress and run.main),
              unit="step", dynamic_ncols=True)
   qk_threshold = step_lib.NO_QK_CLIP if opts.qk_clip is None else np.float32(opts.qk_clip)

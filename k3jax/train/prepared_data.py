@@ -5,7 +5,8 @@ Every process opens the components' manifests (no shard is opened until one of i
 is read) and builds the streams of the data shards its rows need; `--data-workers N` packs
 them in N Grain worker processes. A data shard's saved position is {"group", "row"} plus the
 components' stream offsets and how many documents of each (by fingerprint) it had drawn up to
-the current group.
+the current group; a new stage (k3jax/train/stages.py) opens the shards at those counts
+(`starts`) for the components it keeps, on the stream slots they had (`streams`).
 
 Eval: the components' held-out documents (k3jax/corpus/holdout.py) in the mixture's
 interleave, in order, until there are enough for the eval batches; the same on every process.
@@ -74,16 +75,22 @@ class _Batches:
 
 
 def prepared_shards(components, props: tuple[int, ...], cfg: PipelineConfig, *,
-                    workers: int = 0) -> ShardOpener:
+                    workers: int = 0, starts: dict | None = None,
+                    streams: dict[str, int] | None = None) -> ShardOpener:
+  """`starts` {data shard: {fingerprint: documents}}: where a stage starts each component's
+  stream (absent: 0); `streams` {fingerprint: slot}: the seed slot of each (None: its index)."""
   g = group_documents(components, props, cfg.seq_len)
   fingerprints = [d.fingerprint for d in components]
+  slots = tuple(streams[fp] for fp in fingerprints) if streams else ()
 
   def open_shard(shard: int, state: dict | None):
-    offsets = (0,) * len(components) if state is None else tuple(state.get("offsets", ()))
+    start = (starts or {}).get(shard, {})
+    offsets = tuple(int(start.get(fp, 0)) for fp in fingerprints) if state is None else \
+        tuple(state.get("offsets", ()))
     if state is not None and ("group" not in state or len(offsets) != len(components)):
       raise UserError(f"the checkpoint's data position of data shard {shard} is not one of "
                       f"this {len(components)}-component prepared dataset")
-    spec = StreamSpec(cfg.seq_len, cfg.seed, shard, cfg.num_shards, g, props, offsets)
+    spec = StreamSpec(cfg.seq_len, cfg.seed, shard, cfg.num_shards, g, props, offsets, slots)
     source = GroupSource([d.fresh() for d in components], spec)  # read on this shard's thread
     rows = RowStream(source, cfg.shard_rows, state, workers=workers)
     return _Batches(rows, spec, fingerprints, cfg.micro_batches)
@@ -119,8 +126,9 @@ def describe(mix: mixture_lib.Mixture, components, props) -> str:
 
 def load(mix: mixture_lib.Mixture, tokenizer, cfg: PipelineConfig, max_eval_batches: int, *,
          workers: int = 0):
-  """(shard opener, eval batches, description, summary, identity) of a prepared dataset or
-  mixture; identity: what run.json records so that a resume refuses other data."""
+  """(shard opener, eval batches, description, summary, identity, stage opener) of a prepared
+  dataset or mixture; identity: what run.json records so that a resume refuses other data;
+  stage opener: (starts, streams) -> the shard opener of a stage (prepared_shards)."""
   components = open_components(mix, tokenizer)
   props = document_proportions(mix, components)
   budget = 2 * max_eval_batches * cfg.batch_rows * (cfg.seq_len + 1)
@@ -132,5 +140,8 @@ def load(mix: mixture_lib.Mixture, tokenizer, cfg: PipelineConfig, max_eval_batc
                             for d, w in zip(components, mix.weights)]}
   identity = {"manifests": {d.folder: d.fingerprint for d in components},
               "mix_hash": mix.content_hash if mix.file else None}
+  def open_stage(starts: dict, streams: dict | None) -> ShardOpener:
+    return prepared_shards(components, props, cfg, workers=workers, starts=starts,
+                           streams=streams)
   return (prepared_shards(components, props, cfg, workers=workers), evals,
-          describe(mix, components, props), summary, identity)
+          describe(mix, components, props), summary, identity, open_stage)

@@ -181,6 +181,9 @@ def test_a_resume_refuses_an_edited_mixture_or_a_dataset_prepared_again(
   try:
     with pytest.raises(UserError, match=r"content hash .* \(the mixture file was edited\)"):
       inputs.choose_data(None, str(datasets / "mix.json"), "text", run_file)
+    # as a new stage: accepted, and a change (stages.check_stage)
+    assert inputs.choose_data(None, str(datasets / "mix.json"), "text", run_file,
+                              new_stage=True).changed
   finally:
     (datasets / "mix.json").write_text(original)
   inputs.choose_data(None, str(datasets / "mix.json"), "text", run_file)  # as it was: fine

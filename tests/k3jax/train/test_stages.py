@@ -2,7 +2,7 @@
 parameters, the optimizer state and the step bit for bit, the schedule where it was, and the
 data at the same position of its stream; run.json records both stages. Refused in one line:
 a stage key changed without --new-stage, --new-stage with nothing changed or nothing to
-continue, or over prepared data."""
+continue. (Over prepared data: test_stages_prepared.py.)"""
 
 import json
 import os
@@ -14,7 +14,7 @@ import pytest
 from k3jax.errors import UserError
 from k3jax.tokenizer import ByteTokenizer
 from k3jax.train import data as data_lib
-from k3jax.train import loop, stages
+from k3jax.train import loop
 from k3jax.train import step as step_lib
 from k3jax.train.checkpoint import Checkpointer
 from k3jax.train.loop import run
@@ -89,15 +89,3 @@ def test_stage_changes_are_refused_in_one_line(config_file, tmp_path):
   with pytest.raises(UserError, match="--new-stage: nothing differs from the stage"):
     run(stage_options(tmp_path, config_file, steps=3, new_stage=True))
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]  # nothing lost
-
-
-def test_a_new_stage_over_prepared_data_is_refused_in_one_line(config_file, tmp_path):
-  opts = stage_options(tmp_path, config_file, new_stage=True)
-  prepared_before = {"data": {"data_version": 2, "manifests": {"/data/a": "fp"}}}
-  for prepared, saved in ((True, {}), (False, prepared_before)):
-    with pytest.raises(UserError, match=r"--new-stage continues text or chat data only; a "
-                                        r"stage of prepared data .* is not supported"):
-      stages.check_stage_data(opts, prepared, saved)
-  stages.check_stage_data(opts, False, {"data": {"data_version": 2}})  # text: continues
-  plain = stage_options(tmp_path, config_file)
-  stages.check_stage_data(plain, True, prepared_before)  # a plain resume: not a stage
