@@ -16,7 +16,7 @@ import pytest
 from k3jax.corpus import stream as stream_lib
 from k3jax.corpus.prepared import PreparedDataset
 from k3jax.errors import UserError
-from k3jax.train import inputs, loop
+from k3jax.train import inputs, loop, stages
 from k3jax.train import step as step_lib
 from k3jax.train.checkpoint import Checkpointer
 from k3jax.train.loop import run
@@ -128,3 +128,19 @@ def test_a_new_stage_adds_a_prepared_dataset_and_continues_the_other(tmp_path, d
   assert stages[1]["sources"] == {str(datasets / "a"): {
       "fingerprint": a.fingerprint,
       "documents": {str(s): consumed[s][a.fingerprint] for s in range(SHARDS)}}}
+
+
+def test_prepared_starts_keep_each_continuing_components_slot():
+  """Stage 0 read [x, y] (slots 0, 1); a stage of [z, y] continues y on slot 1 at each shard's
+  count and starts z on the free slot 0; the next stage of [y, w] keeps y's slot 1 again."""
+  state = {"0": {"consumed": {"x": 5, "y": 3}}, "1": {"consumed": {"x": 4, "y": 7}}}
+  offsets, streams, sources = stages.prepared_starts(state, None, {"/z": "z", "/y": "y"}, 2)
+  assert offsets == {0: {"y": 3}, 1: {"y": 7}}
+  assert streams == {"y": 1, "z": 0}
+  assert sources == {"/y": {"fingerprint": "y", "documents": {"0": 3, "1": 7}}}
+  later = {"0": {"consumed": {"z": 2, "y": 9}}, "1": {"consumed": {"z": 1, "y": 8}}}
+  offsets, streams, _ = stages.prepared_starts(later, streams, {"/y": "y", "/w": "w"}, 2)
+  assert offsets == {0: {"y": 9}, 1: {"y": 8}} and streams == {"y": 1, "w": 0}
+  # nothing in common (or text before): everything starts at 0
+  assert stages.prepared_starts({"0": {"next_index": 4}}, None, {"/w": "w"}, 1) == (
+      {}, {"w": 0}, {})
