@@ -66,7 +66,8 @@ def test_bad_draft_flags_are_one_line_at_start_up(runs, tmp_path, reference_dir,
   cases = [(["--draft", "ngram", "--num-draft-tokens", "65"], "--num-draft-tokens must be in"),
            (["--draft", "/no/such/draft"], "no such model folder"),
            (["--draft", other_tokenizer], "its tokenizer differs from the model's"),
-           (["--draft", "ngram", "--data-shards", "2", "--max-num-seqs", "4"], "--data-shards 1")]
+           (["--draft", "ngram", "--data-shards", "2", "--max-num-seqs", "4"], "--data-shards 1"),
+           (["--draft", "ngram", "--mesh", "context=2,tensor=4"], "a mesh with context=2")]
   for flags, words in cases:
     assert cli.main(["serve", runs[0], *helpers.COMMON, *FLAGS, "--port", "0", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
