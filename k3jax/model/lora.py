@@ -171,7 +171,7 @@ def pack_experts(ex, names_of: dict[str, tuple]) -> None:
   the released checkpoint's are, others are rounded). Traceable: works under eval_shape/jit."""
   for weight in EXPERT_WEIGHTS:
     var = getattr(ex, weight)
-    codes, scales = mx.quantize(var[...])
+    codes, scales = _quantize_by_layer(var[...])
     names = names_of[weight]
     # the checkpoint's orientation [out, in/2]; the scales [out, in/32] are split along `in`
     # with the codes when `in` is the experts' F and its groups of 32 divide over `tensor`
@@ -183,6 +183,14 @@ def pack_experts(ex, names_of: dict[str, tuple]) -> None:
                                                                       last),
                                                   eager_sharding=False))
     delattr(ex, weight)
+
+
+def _quantize_by_layer(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """mx.quantize of stacked weights [layers, ..., in, out], one layer at a time (the stack
+  axis is never sharded): its temporaries, about two float copies of what it packs, then span
+  one layer's experts instead of the whole stack, which under jit on a mesh held twice a
+  process's expert shards beside them (docs/sharding.md#placement)."""
+  return jax.lax.map(mx.quantize, w) if w.ndim > 2 else mx.quantize(w)
 
 
 def adapt(model: nnx.Module, spec: AdaptSpec, rngs: nnx.Rngs) -> nnx.Module:
