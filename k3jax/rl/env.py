@@ -45,6 +45,7 @@ import time
 from collections.abc import Mapping
 
 from k3jax.errors import UserError
+from k3jax.rl.rewards import user_code_spec
 from k3jax.tokenizer.chat import ROLES
 from k3jax.tokenizer.tool_calls import Parsed
 
@@ -86,16 +87,7 @@ def env_spec(text: str | None, args: tuple[str, ...] = ()) -> EnvSpec:
   if text in BUILTINS:
     return EnvSpec(text, {"file": os.path.join(HERE, "env_builtins.py"),
                           "name": BUILTINS[text], "args": kwargs})
-  where, sep, name = text.rpartition(":")
-  if not sep or not where or not name.isidentifier():
-    raise UserError(f"--env {text!r}: expected a built-in ({', '.join(BUILTINS)}), "
-                    "module:Class or path/file.py:Class")
-  if where.endswith(".py") or os.sep in where or "/" in where:
-    path = os.path.abspath(where)
-    if not os.path.isfile(path):
-      raise UserError(f"--env {text!r}: no such file {path}")
-    return EnvSpec(text, {"file": path, "name": name, "args": kwargs})
-  return EnvSpec(text, {"module": where, "name": name, "args": kwargs})
+  return EnvSpec(text, {**user_code_spec("--env", text, BUILTINS, "Class"), "args": kwargs})
 
 
 @dataclasses.dataclass

@@ -138,14 +138,20 @@ BUILTINS = ("numeric", "exact", "regex", "length")
 
 def user_spec(text: str) -> dict:
   """`module:function` or `path/file.py:function` -> the worker's first line."""
+  return user_code_spec("--reward", text, BUILTINS, "function")
+
+
+def user_code_spec(flag: str, text: str, builtins, what: str) -> dict:
+  """A user's `module:NAME` or `path/file.py:NAME` (a reward function, an environment class)
+  as a worker process loads it: {"module" or "file", "name"}; UserError naming `flag`."""
   where, sep, name = text.rpartition(":")
   if not sep or not where or not name.isidentifier():
-    raise UserError(f"--reward {text!r}: expected a built-in ({', '.join(BUILTINS)}), "
-                    "module:function or path/file.py:function")
+    raise UserError(f"{flag} {text!r}: expected a built-in ({', '.join(builtins)}), "
+                    f"module:{what} or path/file.py:{what}")
   if where.endswith(".py") or os.sep in where or "/" in where:
     path = os.path.abspath(where)
     if not os.path.isfile(path):
-      raise UserError(f"--reward {text!r}: no such file {path}")
+      raise UserError(f"{flag} {text!r}: no such file {path}")
     return {"file": path, "name": name}
   return {"module": where, "name": name}
 
