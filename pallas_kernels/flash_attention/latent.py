@@ -36,6 +36,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.flash_attention.ops import _blocks, _unblocks
 from pallas_kernels.vma import vary_like
 
 
@@ -59,17 +60,6 @@ def latent_attention(q_nope, q_rot, c, k_rot, w_k, w_v, seg_q, seg_k, q_start, *
   operands = tuple(vary_like(x, *operands) for x in operands)
   o, row_max = _latent(*operands, scale, (bq, bk), precision)
   return o[:, :tq], row_max[:, :, :tq]
-
-
-def _blocks(x, block):
-  """[B, T, ...] -> [T / block, B, block, ...]"""
-  b, t = x.shape[:2]
-  return jnp.moveaxis(x.reshape(b, t // block, block, *x.shape[2:]), 1, 0)
-
-
-def _unblocks(x):
-  n, b, blk = x.shape[:3]
-  return jnp.moveaxis(x, 0, 1).reshape(b, n * blk, *x.shape[3:])
 
 
 def _expand(c_j, w_k, w_v, precision):

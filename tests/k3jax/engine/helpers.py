@@ -27,6 +27,12 @@ def model(seed: int = 1) -> K3Model:
     return randomize(K3Model(CFG, EX, rngs=nnx.Rngs(0)), seed=seed)
 
 
+def prompts(seed: int, lengths, vocab: int = 64) -> list[list[int]]:
+  """Random prompts of `lengths` ids below `vocab`, from `seed`."""
+  rng = np.random.default_rng(seed)
+  return [[int(t) for t in rng.integers(0, vocab, n)] for n in lengths]
+
+
 def log_softmax(x: np.ndarray) -> np.ndarray:
   m = x.max(-1, keepdims=True)
   return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))

@@ -22,7 +22,7 @@ from k3jax.engine.config import EngineConfig
 from k3jax.engine.engine import Engine
 from k3jax.engine.request import SamplingParams
 from k3jax.model import lora
-from tests.k3jax.engine.helpers import CONFIG, drain, drawn_from, model, truth
+from tests.k3jax.engine.helpers import CONFIG, drain, drawn_from, model, prompts, truth
 from tests.k3jax.model.helpers import F64
 
 TOL = 1e-12
@@ -38,11 +38,6 @@ def m():
 def _x64():
   with jax.enable_x64(True):
     yield
-
-
-def prompts(seed: int, lengths):
-  rng = np.random.default_rng(seed)
-  return [[int(t) for t in rng.integers(0, 64, n)] for n in lengths]
 
 
 def check_against_truth(m, prompt, result, params=GREEDY):

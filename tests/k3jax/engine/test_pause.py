@@ -26,7 +26,7 @@ from k3jax.engine.engine import Engine
 from k3jax.engine.request import SamplingParams
 from k3jax.model.cache import init_cache
 from k3jax.model.decode import extend
-from tests.k3jax.engine.helpers import CONFIG, drain, log_softmax, model, truth
+from tests.k3jax.engine.helpers import CONFIG, drain, log_softmax, model, prompts, truth
 
 TOL = 1e-12
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, logprobs=2)
@@ -48,11 +48,6 @@ def other():
 def _x64():
   with jax.enable_x64(True):
     yield
-
-
-def prompts(seed: int, lengths):
-  rng = np.random.default_rng(seed)
-  return [[int(t) for t in rng.integers(0, 64, n)] for n in lengths]
 
 
 def close(got: list[float], want, tol=TOL) -> None:

@@ -21,6 +21,7 @@ from k3jax.engine.processing import mask_words
 from k3jax.engine.request import SamplingParams
 from k3jax.generate.sampling import allowed_tokens
 from k3jax.tokenizer.grammar import GrammarError, Vocabulary, json_lark
+from tests.k3jax.engine import helpers
 from tests.k3jax.engine.helpers import CONFIG, _forward, drain, log_softmax, model
 
 TOL = 1e-12
@@ -76,8 +77,7 @@ def _x64():
 
 
 def prompts(seed: int, lengths):
-  rng = np.random.default_rng(seed)
-  return [[int(t) for t in rng.integers(0, 62, n)] for n in lengths]
+  return helpers.prompts(seed, lengths, vocab=62)
 
 
 def logits_truth(m, ids) -> np.ndarray:

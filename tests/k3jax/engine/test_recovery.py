@@ -15,7 +15,7 @@ import pytest
 
 from k3jax.engine.engine import Engine, EngineDead
 from k3jax.engine.request import SamplingParams
-from tests.k3jax.engine.helpers import CONFIG, drain, model, truth
+from tests.k3jax.engine.helpers import CONFIG, drain, model, prompts, truth
 
 TOL = 1e-12
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, logprobs=1)
@@ -31,11 +31,6 @@ def m():
 def _x64():
   with jax.enable_x64(True):
     yield
-
-
-def prompts(seed: int, lengths):
-  rng = np.random.default_rng(seed)
-  return [[int(t) for t in rng.integers(0, 64, n)] for n in lengths]
 
 
 def exact(m, prompt, tokens, logprobs) -> None:
