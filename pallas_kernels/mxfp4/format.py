@@ -125,20 +125,25 @@ def dequantize(codes: jax.Array, scales: jax.Array, dtype) -> jax.Array:
 
 
 def _codes(w_io: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(E2M1 codes int32 [..., out, in], shared exponents int32 [..., out, in/32]) of weights
-  [..., in, out], groups of 32 along `in` (quantize_np's rule, bit for bit)."""
-  x = jnp.swapaxes(w_io, -1, -2)  # [..., out, in]
-  g = x.reshape(*x.shape[:-1], x.shape[-1] // GROUP, GROUP)
-  amax = jnp.max(jnp.abs(g), axis=-1)
+  """(E2M1 codes uint8 [..., out, in], shared exponents int32 [..., out, in/32]) of weights
+  [..., in, out], groups of 32 along `in` (quantize_np's rule, bit for bit).
+
+  Computed in the weights' own [in, out] order and only the uint8 codes transposed: packing a
+  layer's experts under jit then holds uint8 codes beside them, not a transposed float copy
+  and int32 codes (half the temporaries; docs/sharding.md#placement)."""
+  *lead, n_in, n_out = w_io.shape
+  g = w_io.reshape(*lead, n_in // GROUP, GROUP, n_out)
+  amax = jnp.max(jnp.abs(g), axis=-2)      # [..., in/32, out]
   _, e = jnp.frexp(amax)                   # amax = m 2^e, m in [0.5, 1): floor(log2) = e - 1
   shared = jnp.clip(jnp.where(amax > 0, e - 1 - 2, -_SCALE_BIAS), -_SCALE_BIAS, _SCALE_BIAS)
-  mag = jnp.ldexp(jnp.abs(g), -shared[..., None])  # exact: a power of two
+  mag = jnp.ldexp(jnp.abs(g), -shared[..., None, :])  # exact: a power of two
   mids = jnp.asarray(_MIDPOINTS, g.dtype)
-  below = jnp.sum(mag[..., None] > mids, axis=-1)    # searchsorted left (a tie rounds down)
-  upto = jnp.sum(mag[..., None] >= mids, axis=-1)    # searchsorted right (a tie rounds up)
+  below = jnp.sum(mag[..., None] > mids, axis=-1, dtype=jnp.uint8)   # searchsorted left
+  upto = jnp.sum(mag[..., None] >= mids, axis=-1, dtype=jnp.uint8)   # searchsorted right
   code = jnp.where(below % 2 == 0, below, upto)      # ties to the even code
-  code = code | (jnp.signbit(g).astype(code.dtype) << 3)
-  return code.reshape(x.shape), shared
+  code = code | (jnp.signbit(g).astype(jnp.uint8) << 3)
+  return (jnp.swapaxes(code.reshape(*lead, n_in, n_out), -1, -2),
+          jnp.swapaxes(shared, -1, -2))
 
 
 def quantize(w_io: jax.Array) -> tuple[jax.Array, jax.Array]:
