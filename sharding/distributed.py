@@ -73,11 +73,27 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
   if _platforms_include_cpu():
     # CPU devices talk through gloo; harmless where accelerators carry the collectives
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    _serial_cpu_collectives()
   if explicit:
     jax.distributed.initialize(coordinator, num_processes, process_id)
   else:
     jax.distributed.initialize()
   return True
+
+
+# XLA:CPU's concurrency-optimised scheduler lets two independent collectives of a step (an
+# all-to-all of the experts, a reduce-scatter of gradients) run in either order, and the CPU
+# devices of a multi-process run then entered them in different orders and waited on each
+# other in gloo for ever (docs/sharding.md#multi-host)
+SERIAL_CPU_COLLECTIVES = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+
+
+def _serial_cpu_collectives() -> None:
+  """Schedule a multi-process CPU run's collectives in one order on every device: set before
+  the CPU backend starts (XLA reads its flags once), unless XLA_FLAGS already says."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_cpu_enable_concurrency_optimized_scheduler" not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} {SERIAL_CPU_COLLECTIVES}".strip()
 
 
 def barrier(name: str, timeout_s: float) -> None:

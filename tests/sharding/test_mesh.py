@@ -1,6 +1,8 @@
 """Mesh specs, the device lists a mesh can be built on, and refusing impossible meshes in one
 line before anything compiles (docs/sharding.md)."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -127,3 +129,18 @@ def test_cloud_tpu_multihost_environment_is_detected(monkeypatch):
   assert not distributed._multihost_env()  # one host: nothing to join
   monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "t1v-0,t1v-1")
   assert distributed._multihost_env()
+
+
+def test_multi_process_cpu_runs_schedule_their_collectives_in_one_order(monkeypatch):
+  """A multi-process CPU run turns off XLA:CPU's concurrency-optimised scheduler (its devices
+  entered independent collectives in different orders and hung in gloo; the 2-process `long`
+  tests run with it off), unless XLA_FLAGS already chooses."""
+  from sharding import distributed
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+  distributed._serial_cpu_collectives()
+  assert os.environ["XLA_FLAGS"].split() == ["--xla_force_host_platform_device_count=4",
+                                             distributed.SERIAL_CPU_COLLECTIVES]
+  mine = "--xla_cpu_enable_concurrency_optimized_scheduler=true"
+  monkeypatch.setenv("XLA_FLAGS", mine)
+  distributed._serial_cpu_collectives()
+  assert os.environ["XLA_FLAGS"] == mine
