@@ -3,7 +3,9 @@ docs/training.md): `k3jax train --mesh data=2,context=4` on a prepared dataset r
 shards (the run's own data pipeline, each process keeping its rows' positions its devices
 hold) trains what one device trains: the same losses and gradient norms after 2 steps
 (float64, the chunked loss cut within each device's positions), on packed rows of 256
-positions whose documents cross the 4 devices' ranges; and
+positions whose documents cross the 4 devices' ranges; the same command on 2 processes x 4
+devices with `--mesh context=4,tensor=2` (each process holding half of every row's positions,
+read by its own pipeline) trains what one device trains; and
 the train step on `context=2,expert=2,tensor=2` (weights split over context like fsdp, experts
 over expert x context) equals the one-device step, parameters and optimizer state. A sequence
 length that leaves a device part of a KDA chunk is refused in one line before anything
@@ -25,9 +27,10 @@ from k3jax.train import step as step_lib
 from k3jax.train.loop import run
 from k3jax.train.metrics import read_records
 from sharding.mesh import make_mesh
-from tests.k3jax.train.helpers import micro_config_file, options
+from tests.k3jax.train.helpers import cli_args, micro_config_file, options
 
 from .helpers import assert_close, model_config, run_options, run_steps, step_cfg
+from .test_sharded_start import CLI_DRIVER, launch
 
 T = 256
 
@@ -47,11 +50,14 @@ def prepared(tmp_path_factory):
   return str(out)
 
 
-def _run(out, config_file, **changes):
-  opts = options(out, config_file, steps=2, decay_steps=2, warmup_steps=1, batch_size=2,
+def _options(out, config_file, **changes):
+  return options(out, config_file, steps=2, decay_steps=2, warmup_steps=1, batch_size=2,
                  seq_len=T, eval_every=1000, save_every=1000, dtype="float64", loss_chunk=32,
                  qb_method="histogram", tensorboard=False, plots=False, **changes)
-  summary = run(opts)
+
+
+def _run(out, config_file, **changes):
+  summary = run(_options(out, config_file, **changes))
   return summary, read_records(str(out))
 
 
@@ -66,6 +72,23 @@ def test_train_command_splits_the_sequence(tmp_path, config_file, prepared):
     assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-8, abs=0)
   with open(tmp_path / "split" / "run.json") as f:
     assert json.load(f)["options"]["mesh"] == "data=2,context=4"
+
+
+@pytest.mark.long  # a float64 run on one device and one on 2 processes
+def test_two_processes_each_read_their_positions(tmp_path, config_file, prepared):
+  _, one = _run(tmp_path / "one", config_file, data=prepared, data_shards=2)
+  out = str(tmp_path / "two")
+  args = cli_args(_options(out, config_file)) + [
+      "--dtype", "float64", "--loss-chunk", "32", "--qb-method", "histogram", "--data",
+      prepared, "--data-shards", "2", "--no-plots", "--no-tensorboard", "--compile-cache",
+      "none", "--mesh", "context=4,tensor=2", "--num-processes", "2"]
+  launch(CLI_DRIVER, lambda i, port: args + ["--coordinator", f"localhost:{port}",
+                                             "--process-id", str(i)], tmp_path, "two")
+  two = read_records(out)
+  assert [r["step"] for r in two] == [1, 2]
+  for a, b in zip(two, one):
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-9, abs=0)
+    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-8, abs=0)
 
 
 def _packed(seed, rows=2):
