@@ -113,8 +113,10 @@ def test_sigkill_during_step_and_during_save_resume_exactly(tmp_path, initial_mo
   events = out / SAVE_EVENTS
   procs, logs = launch(out, initial_model, tmp_path, "b", {SAVE_DELAY_ENV: "3600"})
   try:
-    wait_for(lambda: events.exists() and re.search(r"/4\.orbax-checkpoint-tmp", read(events)),
-             procs, logs)
+    # the commit is held in the background while the loop goes on: step 4's record (written
+    # once its save has started) comes soon after the event, and step 6's save then waits
+    wait_for(lambda: events.exists() and re.search(r"/4\.orbax-checkpoint-tmp", read(events))
+             and 4 in steps_of(out), procs, logs)
   finally:
     kill(procs)
   assert "resuming from step 2" in read(logs[0]), read(logs[0])[-3000:]
