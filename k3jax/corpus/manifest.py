@@ -60,16 +60,22 @@ def write(folder: str, manifest: dict) -> dict:
   return manifest
 
 
+def read_json(path: str, what: str | None = None):
+  """The JSON value in `path`; a file that cannot be read or is not JSON is a UserError naming
+  it (`what`, e.g. the flag that gave it; the path by default)."""
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except OSError as e:
+    raise UserError(f"{what or path}: {e.strerror}") from None
+  except ValueError as e:
+    raise UserError(f"{path}: not JSON ({e})") from None
+
+
 def read(folder: str) -> dict:
   """The manifest of `folder`, checked against its own fingerprint (finished or not)."""
   path = os.path.join(folder, FILE)
-  try:
-    with open(path) as f:
-      manifest = json.load(f)
-  except OSError as e:
-    raise UserError(f"{path}: {e.strerror}") from None
-  except ValueError as e:
-    raise UserError(f"{path}: not JSON ({e})") from None
+  manifest = read_json(path)
   if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
     raise UserError(f"{path}: not a k3jax prepared-dataset manifest")
   if manifest.get("format_version") != FORMAT_VERSION:

@@ -59,13 +59,7 @@ def _number(value) -> bool:
 
 def read(path: str) -> Mixture:
   """The mixture in `path`, each component checked to be a prepared dataset."""
-  try:
-    with open(path) as f:
-      raw = json.load(f)
-  except OSError as e:
-    raise UserError(f"--data-mix {path}: {e.strerror}") from None
-  except ValueError as e:
-    raise UserError(f"{path}: not JSON ({e})") from None
+  raw = manifest_lib.read_json(path, f"--data-mix {path}")
   if not isinstance(raw, dict) or not isinstance(raw.get("components"), list) \
       or not raw["components"]:
     raise UserError(f"{path}: expected {{\"components\": [{{\"path\": DIR, \"weight\": w}}, "

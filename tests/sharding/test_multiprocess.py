@@ -52,6 +52,25 @@ def cli_args(opts) -> list[str]:
           "--compile-cache", "none"]
 
 
+def run_pair(args: list[str]) -> list[str]:
+  """DRIVER on 2 processes with `args` (and a fresh coordinator port): the output of each,
+  both having exited 0."""
+  args = args + ["--coordinator", f"localhost:{free_port()}", "--num-processes", "2"]
+  procs = [subprocess.Popen([sys.executable, "-c", DRIVER, *args, "--process-id", str(i)],
+                            cwd=REPO, env=process_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  logs = []
+  try:
+    for p in procs:
+      logs.append(p.communicate(timeout=1500)[0])
+  finally:
+    for p in procs:
+      p.kill()
+  for p, log in zip(procs, logs):
+    assert p.returncode == 0, log[-3000:]
+  return logs
+
+
 def process_env() -> dict:
   """The environment of a spawned process: 4 devices; any other XLA flag as in this process,
   whose one-process run the two are compared with bit-near (an optimisation level changes
@@ -78,23 +97,9 @@ def initial_model(tmp_path_factory):
 @pytest.mark.long
 def test_two_processes_train_save_resume_equal_one_process(tmp_path, initial_model):
   out = tmp_path / "two"
-  port = free_port()
-  env = process_env()
-  args = cli_args(run_options(out, None, init_from=initial_model)) + [
-      "--mesh", "data=2,expert=2,tensor=2", "--coordinator", f"localhost:{port}",
-      "--num-processes", "2"]
-  procs = [subprocess.Popen([sys.executable, "-c", DRIVER, *args, "--process-id", str(i)],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True) for i in range(2)]
-  logs = []
-  try:
-    for p in procs:
-      logs.append(p.communicate(timeout=1500)[0])
-  finally:
-    for p in procs:
-      p.kill()
-  for i, (p, log) in enumerate(zip(procs, logs)):
-    assert p.returncode == 0, log[-3000:]
+  logs = run_pair(cli_args(run_options(out, None, init_from=initial_model)) + [
+      "--mesh", "data=2,expert=2,tensor=2"])
+  for i, log in enumerate(logs):
     # both read the one pipeline, each keeping the rows its devices hold
     assert f"process {i}/2 supplies rows [{4 * i}, {4 * i + 4}) of each micro-batch from data " \
            f"shard(s) [0]" in log, log[-3000:]

@@ -6,8 +6,6 @@ device for steps 4-5, continues equal. float64: the runs differ only by summatio
 
 import glob
 import os
-import subprocess
-import sys
 import sysconfig
 
 import numpy as np
@@ -18,7 +16,7 @@ from k3jax.train.loop import run
 from k3jax.train.metrics import read_records
 
 from .helpers import run_options
-from .test_multiprocess import DRIVER, REPO, cli_args, free_port, initial_model, process_env
+from .test_multiprocess import cli_args, initial_model, run_pair
 
 __all__ = ["initial_model"]  # the fixture, shared with test_multiprocess.py
 
@@ -30,21 +28,9 @@ def test_two_processes_on_a_prepared_dataset_resume_equal_one_process(tmp_path, 
   prepare(PrepareOptions(sources=tuple(files), out=data, workers=0, progress=False,
                          shard_tokens=300_000))
   out = tmp_path / "two"
-  args = cli_args(run_options(out, None, init_from=initial_model)) + [
-      "--data", data, "--data-shards", "2", "--mesh", "data=2,expert=2,tensor=2",
-      "--coordinator", f"localhost:{free_port()}", "--num-processes", "2"]
-  procs = [subprocess.Popen([sys.executable, "-c", DRIVER, *args, "--process-id", str(i)],
-                            cwd=REPO, env=process_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True) for i in range(2)]
-  logs = []
-  try:
-    for p in procs:
-      logs.append(p.communicate(timeout=1500)[0])
-  finally:
-    for p in procs:
-      p.kill()
-  for i, (p, log) in enumerate(zip(procs, logs)):
-    assert p.returncode == 0, log[-3000:]
+  logs = run_pair(cli_args(run_options(out, None, init_from=initial_model)) + [
+      "--data", data, "--data-shards", "2", "--mesh", "data=2,expert=2,tensor=2"])
+  for i, log in enumerate(logs):
     assert f"process {i}/2 supplies rows [{4 * i}, {4 * i + 4}) of each micro-batch from data " \
            f"shard(s) [{i}]" in log, log[-3000:]
   assert "resuming from step 2" in logs[0]

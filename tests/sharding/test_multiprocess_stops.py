@@ -23,13 +23,12 @@ import pytest
 
 from k3jax.train.loop import run
 from k3jax.train.metrics import read_records
+from tests.k3jax.train.helpers import assert_records_close
 
 from .helpers import run_options
 from .test_multiprocess import REPO, cli_args, free_port, initial_model, process_env  # noqa: F401
 
 MESH = "data=2,expert=2,tensor=2"
-TIMING = {"step_time_s", "tokens_per_s", "mfu", "data_wait_s", "host_to_device_s", "device_s",
-          "checkpoint_block_s"}
 STALL_ENV, STALL_FILE = "K3JAX_TEST_STALL_AT_STEP", "K3JAX_TEST_STALL_FILE"
 # process 1 sleeps while it fetches the batch of step N (a watched phase of the step) after
 # writing a file that says when the stall began
@@ -81,20 +80,6 @@ def finish(procs, logs, timeout=1500.0) -> list[int]:
   return [p.returncode for p in procs]
 
 
-def comparable(records):
-  return [{k: v for k, v in r.items() if k not in TIMING} for r in records]
-
-
-def assert_same_records(got, want):
-  got, want = comparable(got), comparable(want)
-  assert [r["step"] for r in got] == [r["step"] for r in want]
-  for a, b in zip(got, want):
-    assert a.keys() == b.keys(), a["step"]
-    for key in a:
-      np.testing.assert_allclose(np.asarray(a[key], np.float64), np.asarray(b[key], np.float64),
-                                 rtol=1e-9, atol=1e-12, err_msg=f"step {a['step']} {key}")
-
-
 def one_device_run(tmp_path_factory, initial_model, steps: int):  # noqa: F811
   out = tmp_path_factory.mktemp("one")
   run(run_options(out, None, init_from=initial_model, steps=steps, save_every=100))
@@ -144,7 +129,7 @@ def test_sigterm_to_one_process_both_save_one_step_and_resume_exactly(
   procs, logs = launch(args, tmp_path, "resumed")
   assert finish(procs, logs) == [0, 0], read(logs[0])[-3000:]
   assert f"resuming from step {stopped}" in read(logs[0])
-  assert_same_records(read_records(str(out)), one_device_long)
+  assert_records_close(read_records(str(out)), one_device_long, atol=1e-12)
 
 
 @pytest.mark.long

@@ -8,6 +8,8 @@ import dataclasses
 import json
 import os
 
+import numpy as np
+
 import configs
 from k3jax.train.loop import RunOptions
 
@@ -43,3 +45,21 @@ def cli_args(opts: RunOptions) -> list[str]:
           "--warmup", str(opts.warmup_steps), "--eval-every", str(opts.eval_every),
           "--eval-batches", str(opts.eval_batches), "--save-every", str(opts.save_every),
           "--peak-tflops", str(opts.peak_tflops), "--no-progress"]
+
+
+# what differs between two runs of the same steps: wall-clock figures
+TIMING = {"step_time_s", "tokens_per_s", "mfu", "data_wait_s", "host_to_device_s", "device_s",
+          "checkpoint_block_s"}
+
+
+def assert_records_close(got, want, atol: float = 0.0) -> None:
+  """Two runs' metrics.jsonl records equal, step by step and key by key (rtol 1e-9), the
+  timing keys left out."""
+  drop = lambda records: [{k: v for k, v in r.items() if k not in TIMING} for r in records]
+  got, want = drop(got), drop(want)
+  assert [r["step"] for r in got] == [r["step"] for r in want]
+  for a, b in zip(got, want):
+    assert a.keys() == b.keys(), a["step"]
+    for key in a:
+      np.testing.assert_allclose(np.asarray(a[key], np.float64), np.asarray(b[key], np.float64),
+                                 rtol=1e-9, atol=atol, err_msg=f"step {a['step']} {key}")

@@ -7,7 +7,6 @@ nothing lost. --save-every-minutes saves by the clock; 0 is refused."""
 import os
 import signal
 
-import numpy as np
 import pytest
 
 from k3jax.cli import main
@@ -16,11 +15,7 @@ from k3jax.train import loop
 from k3jax.train.loop import run
 from k3jax.train.metrics import read_records
 
-from .helpers import cli_args, micro_config_file, options
-
-# what differs between two runs of the same steps: wall-clock figures
-TIMING = {"step_time_s", "tokens_per_s", "mfu", "data_wait_s", "host_to_device_s", "device_s",
-          "checkpoint_block_s"}
+from .helpers import assert_records_close, cli_args, micro_config_file, options
 
 
 @pytest.fixture(scope="module")
@@ -31,20 +26,6 @@ def config_file(tmp_path_factory):
 def f64(out, config_file, **changes):
   return options(out, config_file, **{"dtype": "float64", "steps": 6, "eval_every": 100,
                                       "save_every": 100, **changes})
-
-
-def comparable(records):
-  return [{k: v for k, v in r.items() if k not in TIMING} for r in records]
-
-
-def assert_records_close(got, want):
-  got, want = comparable(got), comparable(want)
-  assert [r["step"] for r in got] == [r["step"] for r in want]
-  for a, b in zip(got, want):
-    assert a.keys() == b.keys(), a["step"]
-    for key in a:
-      np.testing.assert_allclose(np.asarray(a[key], np.float64), np.asarray(b[key], np.float64),
-                                 rtol=1e-9, atol=0, err_msg=f"step {a['step']} {key}")
 
 
 def test_sigterm_mid_run_saves_that_step_and_the_run_resumes_exactly(config_file, tmp_path,

@@ -33,17 +33,23 @@ def stage_options(out, config_file, **changes):
                                       "save_every": 100, "eval_every": 100, **changes})
 
 
+def saved_state(opts, step: int):
+  """(train state, data state) of checkpoint `step` of the micro-model run `opts`, restored
+  on their own (not through the run's resume)."""
+  steps = step_lib.build(MICRO, loop.execution(opts), loop.step_config(opts))
+  params, bias = jax.eval_shape(lambda: step_lib.init_params(MICRO, loop.execution(opts), 0))
+  ckpt = Checkpointer(os.path.join(opts.out, "checkpoints"), keep=3, async_save=False)
+  saved, data_state, _ = ckpt.restore(step, step_lib.abstract_state(steps, params, bias))
+  ckpt.close()
+  return saved, data_state
+
+
 def test_a_new_stage_keeps_the_optimizer_state_and_continues_the_data(config_file, tmp_path,
                                                                       monkeypatch):
   first = run(stage_options(tmp_path, config_file))
   assert first["checkpoints"] == [4]
   # the state checkpoint 4 holds, read on its own
-  opts = stage_options(tmp_path, config_file)
-  steps = step_lib.build(MICRO, loop.execution(opts), loop.step_config(opts))
-  params, bias = jax.eval_shape(lambda: step_lib.init_params(MICRO, loop.execution(opts), 0))
-  ckpt = Checkpointer(str(tmp_path / "checkpoints"), keep=3, async_save=False)
-  saved, data_state, _ = ckpt.restore(4, step_lib.abstract_state(steps, params, bias))
-  ckpt.close()
+  saved, data_state = saved_state(stage_options(tmp_path, config_file), 4)
 
   started = {}
   initial_state = loop._initial_state

@@ -17,12 +17,11 @@ from k3jax.corpus import stream as stream_lib
 from k3jax.corpus.prepared import PreparedDataset
 from k3jax.errors import UserError
 from k3jax.train import inputs, loop, stages
-from k3jax.train import step as step_lib
-from k3jax.train.checkpoint import Checkpointer
 from k3jax.train.loop import run
 
-from .helpers import MICRO, micro_config_file, options
+from .helpers import micro_config_file, options
 from .test_prepared_run import _prepare
+from .test_stages import saved_state
 
 SHARDS = 2
 
@@ -68,12 +67,7 @@ def test_a_new_stage_adds_a_prepared_dataset_and_continues_the_other(tmp_path, d
   consumed = [json.loads((tmp_path / "checkpoints" / "3" / "data" / f"shard_{s}.json")
                          .read_text())["consumed"] for s in range(SHARDS)]
   assert all(c[a.fingerprint] > 0 for c in consumed)
-  opts = _opts(tmp_path, datasets)
-  steps = step_lib.build(MICRO, loop.execution(opts), loop.step_config(opts))
-  params, bias = jax.eval_shape(lambda: step_lib.init_params(MICRO, loop.execution(opts), 0))
-  ckpt = Checkpointer(str(tmp_path / "checkpoints"), keep=3, async_save=False)
-  saved, _, _ = ckpt.restore(3, step_lib.abstract_state(steps, params, bias))
-  ckpt.close()
+  saved, _ = saved_state(_opts(tmp_path, datasets), 3)
 
   changed = _opts(tmp_path, datasets, data=None, data_mix=str(datasets / "mix.json"),
                   seq_len=64, steps=4)
