@@ -31,6 +31,9 @@ class Remat(enum.StrEnum):
   FULL = "full"            # only the layer's input; the layer is recomputed
   SAVE_DOTS = "save-dots"  # the outputs of matmuls without batch dims (the projections)
   OFFLOAD = "offload"      # the same, in host memory (pinned_host) instead of HBM
+  # full, but MLA's flash attention keeps its output and lse: its backward runs from them,
+  # the forward's loops are not run again (k3jax/model/saved_attention.py)
+  SAVE_ATTENTION = "save-attention"
 
 
 class Attention(enum.StrEnum):
@@ -126,6 +129,9 @@ class Execution:
       raise ConfigError(f"loss_chunk must be > 0, got {self.loss_chunk}")
     if self.attention_block <= 0:
       raise ConfigError(f"attention_block must be > 0, got {self.attention_block}")
+    if self.remat == Remat.SAVE_ATTENTION and self.attention != Attention.FLASH:
+      raise ConfigError("remat save-attention keeps the flash kernels' output: it needs "
+                        f"attention flash, not {self.attention.value}")
 
   @property
   def jnp_dtype(self) -> jnp.dtype:

@@ -103,8 +103,9 @@ def add_remat(parser, *, default: str | None, bare: str | None = None) -> None:
   parser.add_argument(
       "--remat", default=default, choices=[r.value for r in Remat], **extra,
       help="rematerialisation policy per layer: none keeps every activation, full recomputes "
-           "the layer from its input, save-dots keeps the projections' outputs, offload keeps "
-           "them in host memory" + (f" (bare --remat: {bare})" if bare else "")
+           "the layer from its input, save-attention the same but keeps MLA's flash attention "
+           "output (needs --attention flash), save-dots keeps the projections' outputs, "
+           "offload keeps them in host memory" + (f" (bare --remat: {bare})" if bare else "")
            + ("" if default else " (none given: none)"))
 
 

@@ -21,6 +21,7 @@ scan over strided slices of the stacks would copy them first (see `scan`).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -28,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
+
+from k3jax.model import saved_attention
 
 # layer(carry, states, layer_index, segment_ids) -> (carry, outputs); carry is transformer.Carry
 Layer = Callable
@@ -66,6 +69,11 @@ class Position(NamedTuple):
   strides: tuple[int, ...]
 
 
+@contextlib.contextmanager
+def _nothing():
+  yield None
+
+
 def _entries(pos: Position, u):
   return [e + s * u for e, s in zip(pos.entries, pos.strides)]
 
@@ -87,7 +95,7 @@ def _unwrap(tree):
 
 
 def scan(layers: Sequence[Layer], positions: Sequence[Position], carry, stacks: dict,
-         count: int, first_layer: int, segment_ids):
+         count: int, first_layer: int, segment_ids, *, save_attention: bool = False):
   """`lax.scan` of a unit (the `layers`, in order; layer q of repeat u is model layer
   `first_layer + len(layers) * u + q`) over `count` repeats, each layer reading its entries of
   the parameter `stacks` ({name: stacked state}) by index inside the loop. Returns (carry,
@@ -99,7 +107,11 @@ def scan(layers: Sequence[Layer], positions: Sequence[Position], carry, stacks: 
   shape). The backward adds each layer's parameter gradient into its entry of a
   stack-shaped accumulator carried by the reverse loop (updated in place), and only for the
   parameters being differentiated (LoRA's frozen base weights get neither accumulator nor
-  weight-gradient matmuls)."""
+  weight-gradient matmuls).
+
+  save_attention: the forward also keeps each layer's flash attention outputs (recorded on
+  saved_attention's tape) and the recompute replays them instead of running the attention's
+  forward loops again."""
   p = len(layers)
   units = jnp.arange(count, dtype=jnp.int32)
   names = sorted(stacks)
@@ -108,10 +120,12 @@ def scan(layers: Sequence[Layer], positions: Sequence[Position], carry, stacks: 
   def unit(carry, stacks, u, segment_ids, keep: bool):
     outs, kept = [], []
     for q, layer in enumerate(layers):
+      inp = (carry.partial, carry.n_sealed)
+      with saved_attention.recording() if keep and save_attention else _nothing() as attended:
+        carry, out = layer(carry, _select(stacks, positions[q], u), first_layer + p * u + q,
+                           segment_ids)
       if keep:
-        kept.append((carry.partial, carry.n_sealed))
-      carry, out = layer(carry, _select(stacks, positions[q], u), first_layer + p * u + q,
-                         segment_ids)
+        kept.append((*inp, tuple(attended or ())))
       outs.append(out)
     return carry, (outs, kept)
 
@@ -141,7 +155,7 @@ def scan(layers: Sequence[Layer], positions: Sequence[Position], carry, stacks: 
       ct_blocks, ct_partial, acc = ct_c
       acc = dict(zip(names, acc))
       for q in reversed(range(p)):
-        partial, n = kept_u[q]
+        partial, n, attended = kept_u[q]
         # Layer q's recompute needs nothing from the backward after it, so the scheduler
         # may run every layer's recompute of the unit first and hold all their residuals at
         # once (K3: four MoE layers' dispatch buffers). Tying its input to the cotangent
@@ -150,13 +164,14 @@ def scan(layers: Sequence[Layer], positions: Sequence[Position], carry, stacks: 
         pos = positions[q]
         sel = {k: [_index(a, e) for a in flat[k][0]] for k, e in zip(pos.kinds, _entries(pos, u))}
 
-        def f(c, diff, q=q, pos=pos, sel=sel):
+        def f(c, diff, q=q, pos=pos, sel=sel, attended=attended):
           states = []
           for k in pos.kinds:
             it = iter(diff[k])
             leaves = [next(it) if t else x for x, t in zip(sel[k], trained[k])]
             states.append(jax.tree.unflatten(flat[k][1], leaves))
-          return layers[q](c, tuple(states), first_layer + p * u + q, segment_ids)
+          with saved_attention.replaying(attended) if save_attention else _nothing():
+            return layers[q](c, tuple(states), first_layer + p * u + q, segment_ids)
 
         diff = {k: [x for x, t in zip(sel[k], trained[k]) if t] for k in pos.kinds}
         (_, out), vjp = jax.vjp(f, carry_like(blocks, n, partial), diff)

@@ -25,13 +25,15 @@ decode step (T = 1) always absorbs, a long prefill chunk at K3 widths expands.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import ModelConfig
-from k3jax.execution import Attention, Execution
-from k3jax.model import mla_parallel
+from k3jax.execution import Attention, Execution, Remat
+from k3jax.model import mla_parallel, saved_attention
 from k3jax.model.layers import Projection, RMSNorm, wide_dtype
 from pallas_kernels.flash_attention import flash_attention
 
@@ -150,6 +152,10 @@ class MLA(nnx.Module):
         o = (jax.lax.psum(o, merge_axis) / total).astype(dt)
     return self.output(x, o)
 
+  def _attend(self, run):
+    """(o, row max) of a flash kernel call; under save-attention remat kept for the backward."""
+    return saved_attention.attend(run) if self.ex.remat == Remat.SAVE_ATTENTION else run()
+
   def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None
                ) -> tuple[jax.Array, jax.Array]:
     """(output [B,T,d], per-head max pre-softmax logit [H]); the latter feeds QK-clip."""
@@ -160,18 +166,19 @@ class MLA(nnx.Module):
     c, k_rot = self.latent(x)
     if mla_parallel.split_spec(q) is not None:  # positions split over `context`
       dt = q.dtype
-      o, row_max = mla_parallel.attention(
-          q_nope, q_rot, c.astype(dt), k_rot.astype(dt), self.k_b_proj.weight().astype(dt),
-          self.v_b_proj.weight().astype(dt), segment_ids, scale=cfg.qk_head_dim**-0.5,
-          block=ex.attention_block, precision=ex.precision)
+      o, row_max = self._attend(functools.partial(
+          mla_parallel.attention, q_nope, q_rot, c.astype(dt), k_rot.astype(dt),
+          self.k_b_proj.weight().astype(dt), self.v_b_proj.weight().astype(dt), segment_ids,
+          scale=cfg.qk_head_dim**-0.5, block=ex.attention_block, precision=ex.precision))
       max_logits_h = jax.lax.stop_gradient(jnp.max(row_max, axis=(0, 2)))
       return self.output(x, o), max_logits_h
     k_nope, v = self.k_b_proj(c), self.v_b_proj(c)
     if ex.attention == Attention.FLASH:  # the same numbers without the [T, T] scores
       k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rot[:, :, None], (*k_nope.shape[:3],
                                                                        k_rot.shape[-1]))], -1)
-      o, row_max = flash_attention(q, k, v, segment_ids, scale=cfg.qk_head_dim**-0.5,
-                                   block=ex.attention_block, precision=ex.precision)
+      o, row_max = self._attend(functools.partial(
+          flash_attention, q, k, v, segment_ids, scale=cfg.qk_head_dim**-0.5,
+          block=ex.attention_block, precision=ex.precision))
       max_logits_h = jax.lax.stop_gradient(jnp.max(row_max, axis=(0, 2)))
       return self.output(x, o), max_logits_h
     scores = (jnp.einsum("bqhk,bshk->bhqs", q_nope, k_nope, precision=ex.precision)

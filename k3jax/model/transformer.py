@@ -33,7 +33,7 @@ from flax import nnx
 
 from k3jax.config import ModelConfig
 from k3jax.execution import Execution, Remat
-from k3jax.model import block_scan, context_parallel, expert_parallel, schedule
+from k3jax.model import block_scan, context_parallel, expert_parallel, saved_attention, schedule
 from k3jax.model.attn_res import AttnResQuery
 from k3jax.model.kda import KDA
 from k3jax.model.layers import RMSNorm, fan_in_normal, head_logits, make_param
@@ -209,15 +209,16 @@ def run_layers(cfg: ModelConfig, ex: Execution, run: schedule.Run, stacks, carry
     carry, (routings, max_logits) = unit_fn(carry, unit_states, run.start)
     return carry, routings, max_logits
 
-  if remat == Remat.FULL and cfg.attn_res_block_size is not None:
+  if remat in (Remat.FULL, Remat.SAVE_ATTENTION) and cfg.attn_res_block_size is not None:
     # full remat keeps only each layer's `partial`, not the block buffer per unit, and reads
-    # the stacks in place (block_scan)
+    # the stacks in place (block_scan); save-attention its attention outputs too
     positions = [block_scan.Position(kinds, idx, strides)
                  for kinds, idx, strides in zip(run.unit, run.indices[0], run.strides)]
     used = {k: stacks[k][1] for kinds in run.unit for k in kinds}
     carry, outs = block_scan.scan([_layer_fn(cfg, kinds, graphdefs[q])
                                    for q, kinds in enumerate(run.unit)],
-                                  positions, carry, used, run.count, run.start, segment_ids)
+                                  positions, carry, used, run.count, run.start, segment_ids,
+                                  save_attention=remat == Remat.SAVE_ATTENTION)
     routings = [r for r, _ in outs if r is not None]
     max_logits = [m for _, m in outs if m is not None]
   else:
@@ -250,12 +251,15 @@ def _layer_fn(cfg: ModelConfig, kinds: schedule.Kinds, graphdefs):
 
 def remat_policy(remat: Remat):
   """jax.checkpoint policy of a remat choice: what a layer's forward keeps for its backward.
-  FULL: nothing but the inputs (recompute everything); SAVE_DOTS: the projections' outputs
-  (matmuls without batch dims; attention's batched products are recomputed); OFFLOAD: the
-  same, moved to host memory."""
+  FULL: nothing but the inputs (recompute everything); SAVE_ATTENTION: the flash attention's
+  kept output (k3jax/model/saved_attention.py); SAVE_DOTS: the projections' outputs (matmuls
+  without batch dims; attention's batched products are recomputed); OFFLOAD: the same, moved
+  to host memory."""
   policies = jax.checkpoint_policies
   if remat == Remat.FULL:
     return policies.nothing_saveable
+  if remat == Remat.SAVE_ATTENTION:
+    return policies.save_only_these_names(saved_attention.KEPT)
   if remat == Remat.SAVE_DOTS:
     return policies.dots_with_no_batch_dims_saveable
   if remat == Remat.OFFLOAD:

@@ -58,7 +58,9 @@ def train_temp(cfg, ex, rows_per_device: int, seq: int, tensor: int,
                         moved to the layout, the iterate, the output: three fp32 copies of
                         the largest parameter's share, `largest_per_device`);
     saved per layer     under full remat only the layer's input carry survives the forward:
-                        the partial sum [b, T, d] (c bytes) per layer; under save-dots also
+                        the partial sum [b, T, d] (c bytes) per layer (save-attention: and
+                        each MLA layer's kept o [b, T, H/tensor, d_v] in c with its fp32 row
+                        max and lse); under save-dots also
                         the projections' outputs (`saved_dots_width`; offload: in host
                         memory); without remat every activation of the layer, counted as ~30
                         [b, T, d]-sized tensors;
@@ -80,14 +82,18 @@ def train_temp(cfg, ex, rows_per_device: int, seq: int, tensor: int,
   d, b, t = cfg.hidden_size, rows_per_device, seq
   btd = b * t * d
   L = cfg.num_layers
-  saved = L * btd * (c if ex.remat == Remat.FULL else 30 * c)
+  full = ex.remat in (Remat.FULL, Remat.SAVE_ATTENTION)
+  saved = L * btd * (c if full else 30 * c)
+  if ex.remat == Remat.SAVE_ATTENTION:
+    hm = cfg.mla_num_heads // tensor
+    saved += len(cfg.mla_layers) * b * t * hm * (cfg.v_head_dim * c + 2 * 4)
   if ex.remat in (Remat.SAVE_DOTS, Remat.OFFLOAD):
     # the carry and the projections' outputs; offload keeps the latter in host memory
     kept = 0 if ex.remat == Remat.OFFLOAD else saved_dots_width(cfg, tensor)
     saved = L * btd * c + b * t * kept * c
   blocks = 0.0
   if cfg.attn_res_block_size is not None:
-    if ex.remat == Remat.FULL:
+    if full:
       blocks = schedule.num_seals(cfg) * btd * (c + 4)
     else:
       blocks = schedule.num_seals(cfg) * btd * 4 * max(1, L // 4)
@@ -258,7 +264,7 @@ def train_comm_bytes(cfg, ex, mesh, params, trainable, rows_per_device: int, seq
   traffic."""
   sizes = dict(mesh.shape)
   c = 2 if ex.dtype == "bfloat16" else 4
-  passes = 3 if ex.remat == Remat.FULL else 2
+  passes = 3 if ex.remat in (Remat.FULL, Remat.SAVE_ATTENTION) else 2
   in_name = expert_parallel.expert_input_name(cfg)
   tokens = rows_per_device * seq * math.prod(sizes[a] for a in BATCH_AXES)
   moe = expert_parallel.layout(cfg, tokens, in_name, mesh, ex.moe_capacity_factor) if (

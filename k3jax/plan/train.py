@@ -258,10 +258,13 @@ def plan_one(request: PlanRequest, cfg, ex, devices, mesh_spec, *, analytic: boo
   n = len(devices)
   count = flops_lib.count(cfg, seq)
   lora_on = spec is not None and spec.lora
-  # the FLOPs split: full remat recomputes the forward (a third of the training FLOPs;
-  # save-dots and offload keep the projections' outputs, recomputing the rest: counted as
-  # none); Muon's Newton-Schulz once per step
-  remat_flops = count.forward_per_token * batch * seq if ex.remat == Remat.FULL else 0.0
+  # the FLOPs split: full remat recomputes the forward (a third of the training FLOPs),
+  # save-attention all of it but MLA's attention; save-dots and offload keep the
+  # projections' outputs, recomputing the rest: counted as none. Muon's Newton-Schulz once
+  # per step
+  remat_flops = {Remat.FULL: count.forward_per_token,
+                 Remat.SAVE_ATTENTION: count.forward_per_token - count.mla_attention,
+                 }.get(ex.remat, 0.0) * batch * seq
   optimizer_flops = 0.0 if lora_on else flops_lib.newton_schulz_flops(cfg)
   # LoRA: forward 2N + activation gradient 2N per token, no weight gradient for the base
   model_flops = count.train_per_token * batch * seq * (2 / 3 if lora_on else 1)

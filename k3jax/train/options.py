@@ -48,7 +48,7 @@ class RunOptions:
   qb_method: str = "exact"
   qb_rule: str = "k3"                # QB thresholds: "k3" (the K3 report's) | "per_expert"
   qk_clip: float | None = None       # MuonClip threshold (K2: 100); None: off
-  remat: str = "none"                # none | full | save-dots | offload (execution.Remat)
+  remat: str = "none"  # none | full | save-attention | save-dots | offload (execution.Remat)
   loss_chunk: int | None = None      # positions per loss chunk (None: whole logits)
   attention: str | None = None       # MLA's training attention (None: dense)
   capacity_factor: float | None = None  # routed experts' capacity (None: dropless)

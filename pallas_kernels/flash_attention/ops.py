@@ -32,9 +32,12 @@ import numpy as np
 
 
 def flash_attention(q_bthd, k_bthd, v_bthv, segment_ids_bt=None, *, scale: float,
-                    block: int = 512, precision=None):
+                    block: int = 512, precision=None, with_lse: bool = False, saved=None):
   """(o [B, T, H, Dv] in v's dtype, row max [B, H, T] fp32): see the module docstring.
-  T is padded up to a multiple of `block` (padded keys are masked, padded queries dropped)."""
+  T is padded up to a multiple of `block` (padded keys are masked, padded queries dropped).
+  with_lse: also return each row's log-sum-exp [B, H, T] (wide). saved: the (o, row max, lse)
+  of an earlier `with_lse` call on the same inputs: returned as they are, and the backward
+  starts from them with no forward loop (a remat that keeps the attention's output)."""
   b, t, h, _ = q_bthd.shape
   block = min(block, t)
   pad = -t % block
@@ -43,8 +46,17 @@ def flash_attention(q_bthd, k_bthd, v_bthv, segment_ids_bt=None, *, scale: float
     q_bthd, k_bthd, v_bthv = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
                               for x in (q_bthd, k_bthd, v_bthv))
     seg = jnp.pad(seg, ((0, 0), (0, pad)), constant_values=-1)  # padded keys: no segment
-  o, row_max = _flash(q_bthd, k_bthd, v_bthv, seg.astype(jnp.int32), scale, block, precision)
-  return o[:, :t], row_max[:, :, :t]
+  seg = seg.astype(jnp.int32)
+  if saved is not None:
+    o, row_max, lse = saved
+    # padded queries: no output and an lse of +inf (they saw no key)
+    o = jnp.pad(o, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    lse = jnp.pad(lse, ((0, 0), (0, 0), (0, pad)), constant_values=jnp.inf)
+    return _flash_saved(q_bthd, k_bthd, v_bthv, seg, o, lse, scale, block,
+                        precision)[:, :t], row_max
+  o, row_max, lse = _flash(q_bthd, k_bthd, v_bthv, seg, scale, block, precision)
+  o, row_max, lse = o[:, :t], row_max[:, :, :t], lse[:, :, :t]
+  return (o, row_max, lse) if with_lse else (o, row_max)
 
 
 def _blocks(x, block):
@@ -138,13 +150,27 @@ def _forward(q, k, v, seg, scale, block, precision):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _flash(q, k, v, seg, scale, block, precision):
-  o, _, m = _forward(q, k, v, seg, scale, block, precision)
-  return o, m
+  o, lse, m = _forward(q, k, v, seg, scale, block, precision)
+  return o, m, lse
 
 
 def _flash_fwd(q, k, v, seg, scale, block, precision):
   o, lse, m = _forward(q, k, v, seg, scale, block, precision)
-  return (o, m), (q, k, v, seg, o, lse)
+  return (o, m, lse), (q, k, v, seg, o, lse)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _flash_saved(q, k, v, seg, o, lse, scale, block, precision):
+  return o
+
+
+def _flash_saved_fwd(q, k, v, seg, o, lse, scale, block, precision):
+  return o, (q, k, v, seg, o, lse)
+
+
+def _flash_saved_bwd(scale, block, precision, res, ct):
+  # the saved output and lse are this call's own forward, not inputs to differentiate
+  return (*_flash_bwd(scale, block, precision, res, (ct,)), None, None)
 
 
 def _flash_bwd(scale, block, precision, res, cts):
@@ -186,3 +212,4 @@ def _flash_bwd(scale, block, precision, res, cts):
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+_flash_saved.defvjp(_flash_saved_fwd, _flash_saved_bwd)

@@ -141,8 +141,8 @@ CFG = MICRO.replace(num_layers=2, mla_layers=(1,), latent_size=24, moe_intermedi
                     vocab_size=160, num_experts_per_token=3)
 
 
-def _model(mesh=None):
-  model = randomize(K3Model(CFG, F64, rngs=nnx.Rngs(0)))
+def _model(mesh=None, ex=F64):
+  model = randomize(K3Model(CFG, ex, rngs=nnx.Rngs(0)))
   if mesh is not None:
     place_model(model, mesh)
   return nnx.split(model, nnx.Param, ...)
@@ -175,12 +175,16 @@ def _gathers_of_whole_sequences(text: str, t: int) -> list[str]:
           and any(str(t) in dims.split(",") for _, dims in hlo._ARRAY.findall(c.result))]
 
 
-@pytest.mark.parametrize("spec", ["data=2,context=4", "context=2,expert=2,tensor=2"])
-def test_model_split_over_context_equals_one_device(x64, one_device, spec):
+# save-attention: the latent kernel's output kept through remat (the backward from it)
+@pytest.mark.parametrize("spec,remat", [("data=2,context=4", "none"),
+                                        ("context=2,expert=2,tensor=2", "none"),
+                                        ("data=2,context=4", "save-attention")])
+def test_model_split_over_context_equals_one_device(x64, one_device, spec, remat):
   (ids, seg, cot), (want_grads, want_logits) = one_device
   mesh = make_mesh(spec)
+  ex = F64.replace(remat=remat, attention="flash") if remat != "none" else F64
   with jax.set_mesh(mesh):
-    graphdef, params, rest = _model(mesh)
+    graphdef, params, rest = _model(mesh, ex)
     fn = _loss_grad(graphdef, rest, ids, seg, cot)
     compiled = fn.lower(params).compile()
     grads, logits = compiled(params)

@@ -19,6 +19,7 @@ from flax import nnx
 from k3jax.execution import Execution
 from k3jax.model import schedule
 from k3jax.model.transformer import K3Model
+from k3jax.plan import hlo
 from tests.k3jax.model.helpers import F64, kimi_linear_cfg, randomize, tiny_cfg
 
 # 5 layers [KDA+dense, KDA, KDA, MLA, MLA], AttnRes blocks of 3: every part, small compiles
@@ -154,6 +155,42 @@ def test_block_scan_gradients_equal_unrolled(x64):
     a, b = np.asarray(a[...]), np.asarray(b[...])
     np.testing.assert_allclose(a, b, atol=TOL64 * max(1.0, np.abs(a).max()), rtol=0,
                                err_msg=str(p))
+
+
+def test_save_attention_keeps_the_attention_through_remat(x64):
+  """Save-attention remat (MLA's flash output kept: k3jax/model/saved_attention.py) on a model
+  whose MLA layers run inside block_scan's scan (layers 1 and 3: the tape) and unrolled
+  (layer 5: nnx.remat's named policy): its gradients equal the unrolled model's without remat
+  (float64), and its compiled gradient program has full remat's matmul FLOPs less exactly one
+  flash forward per MLA layer (3 blocks of 4: 6 causal block pairs of QK^T and PV each)."""
+  cfg = tiny_cfg(num_layers=6, mla_layers=(1, 3, 5), attn_res_block_size=2)
+  m = randomize(K3Model(cfg, F64, rngs=nnx.Rngs(1)))
+  ids = _ids(cfg, (2, 9), 4)
+
+  def compiled(ex):
+    for _, module in nnx.iter_graph(m):
+      if isinstance(getattr(module, "ex", None), Execution):
+        module.ex = ex
+    graphdef, params, rest = nnx.split(m, nnx.Param, ...)
+
+    def loss(params):
+      out = nnx.merge(graphdef, params, rest)(ids)
+      return jnp.mean(out.logits ** 2) + sum(jnp.sum(r.scores_ne ** 2) for r in out.routing)
+    program = jax.jit(jax.grad(loss)).lower(params).compile()
+    return program(params), hlo.matmul_flops(program.as_text())
+
+  flash = F64.replace(attention="flash", attention_block=4)
+  g_plain, _ = compiled(flash.replace(scan_layers=False))
+  _, flops_full = compiled(flash.replace(remat="full"))
+  g_kept, flops_kept = compiled(flash.replace(remat="save-attention"))
+  for (p, a), (_, b) in zip(nnx.to_flat_state(g_plain), nnx.to_flat_state(g_kept)):
+    a, b = np.asarray(a[...]), np.asarray(b[...])
+    np.testing.assert_allclose(a, b, atol=TOL64 * max(1.0, np.abs(a).max()), rtol=0,
+                               err_msg=str(p))
+  b, h, block = 2, cfg.mla_num_heads, 4
+  pair = 2 * b * h * block * block * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+                                      + cfg.v_head_dim)
+  assert flops_full - flops_kept == len(cfg.mla_layers) * 6 * pair
 
 
 def test_schedule_maps_layers_to_stacks():

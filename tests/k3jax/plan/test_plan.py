@@ -17,6 +17,7 @@ pytest.importorskip("libtpu", reason="libtpu is needed to compile for TPU ahead 
 
 from configs import k3
 from k3jax.cli import main
+from k3jax.train import flops
 
 GIB = 1024**3
 # every step flag given: no settings search, the plan of this one setting (fits or not)
@@ -122,6 +123,15 @@ def test_plan_lora_holds_a_frozen_bf16_base_and_mxfp4_experts(config_file, capsy
   assert train["remat_flops"] == pytest.approx(train["model_flops"] / 3, rel=1e-12)
   assert got["remat_flops"] == pytest.approx(train["remat_flops"], rel=1e-12)
   assert train["optimizer_flops"] > 0 and got["optimizer_flops"] == 0
+  # save-attention recomputes the forward but MLA's attention (batch 4 x seq 256)
+  kept = _plan(capsys, path, "--analytic", "--remat", "save-attention", "--attention", "flash")
+  attention = flops.count(cfg, 256).mla_attention * 4 * 256
+  assert attention > 0
+  assert kept["remat_flops"] == pytest.approx(train["remat_flops"] - attention, rel=1e-12)
+  # refused: nothing to keep without the flash kernels
+  assert main(["plan", "--config", path, *ARGS, "--analytic", "--remat", "save-attention"]) != 0
+  assert "remat save-attention keeps the flash kernels' output: it needs attention flash, not " \
+         "dense" in capsys.readouterr().err
   assert main(["plan", "--config", path, *ARGS, "--analytic", "--mode", "lora",
                "--lora", "0"]) == 2
   assert "--lora RANK must be > 0" in capsys.readouterr().err

@@ -1,7 +1,8 @@
 """Flash attention equals the dense masked softmax attention (reference.attention; float64:
 outputs, the row max QK-clip reads, and gradients of q, k, v), with packed segments, odd and
-even numbers of blocks and a T that is not a multiple of the block. (Its compiled matmul FLOPs
-are checked in tests/k3jax/plan/test_hlo_flops.py, MLA's flash path in
+even numbers of blocks and a T that is not a multiple of the block; so do the log-sum-exp it
+returns and the backward from a kept (o, row max, lse) (remat's saved attention). (Its
+compiled matmul FLOPs are checked in tests/k3jax/plan/test_hlo_flops.py, MLA's flash path in
 tests/k3jax/model/test_mla.py.)"""
 
 import jax
@@ -30,10 +31,18 @@ def test_flash_equals_dense(x64, t, block):
   o_ref, m_ref = attention(q, k, v, seg, scale=scale)
   np.testing.assert_allclose(o, o_ref, rtol=0, atol=TOL)
   np.testing.assert_allclose(m, m_ref, rtol=0, atol=TOL)
-  got = jax.grad(lambda *a: jnp.sum(w * flash_attention(*a, seg, scale=scale, block=block)[0]),
-                 argnums=(0, 1, 2))(q, k, v)
+  kept = flash_attention(q, k, v, seg, scale=scale, block=block, with_lse=True)
+  s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
+  visible = jnp.tril(jnp.ones((t, t), bool))[None, None] & (seg[:, None, :, None]
+                                                            == seg[:, None, None, :])
+  lse_ref = jax.nn.logsumexp(jnp.where(visible, s, -jnp.inf), -1)
+  np.testing.assert_allclose(kept[2], lse_ref, rtol=0, atol=TOL)
   ref = jax.grad(lambda *a: jnp.sum(w * attention(*a, seg, scale=scale)[0]),
                  argnums=(0, 1, 2))(q, k, v)
-  for a, r in zip(got, ref):
-    assert float(jnp.max(jnp.abs(r))) > 1e-2
-    np.testing.assert_allclose(a, r, rtol=0, atol=TOL)
+  for kw in ({}, {"saved": kept}):
+    got = jax.grad(lambda *a, kw=kw: jnp.sum(
+        w * flash_attention(*a, seg, scale=scale, block=block, **kw)[0]),
+                   argnums=(0, 1, 2))(q, k, v)
+    for a, r in zip(got, ref):
+      assert float(jnp.max(jnp.abs(r))) > 1e-2
+      np.testing.assert_allclose(a, r, rtol=0, atol=TOL)
