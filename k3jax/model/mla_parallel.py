@@ -67,14 +67,18 @@ def attention(q_nope, q_rot, c, k_rot, w_k, w_v, segment_ids, *, scale: float, b
   else:
     out_specs = (o_spec, row, row) if with_lse else (o_spec, row)
 
+  # XLA:CPU with several processes (gloo) hangs in the first step with the balanced split's
+  # exchange (some devices wait in an all-gather, the others in a loop's all-reduce; cause
+  # not found): there each device keeps its contiguous range (docs/sharding.md)
+  balanced = not (jax.process_count() > 1 and jax.default_backend() == "cpu")
+
   def body(qn, qr, c, kr, wk, wv, seg, *kept):
     # typed as varying over the heads' axes before the gather, not after: the backward then
     # reduce-scatters each tensor rank's latent gradient over `context` first and sums the
     # local slice over the ranks, never the whole sequence's
     gather = lambda x: jax.lax.all_gather(vary_like(x, qn), ctx, axis=1, tiled=True)
-    keys = (gather(c), gather(kr), wk, wv)
     n, d, t = jax.lax.axis_size(ctx), jax.lax.axis_index(ctx), qn.shape[1]
-    if t % 2:  # no halves: the contiguous range, over every key block
+    if t % 2 or not balanced:  # the contiguous range, over every key block
       order, starts, kw = lambda x, axis: x, d * t, dict(block=block)
     else:
       order = functools.partial(_balanced, ctx=ctx, n=n, t=t)
@@ -84,8 +88,9 @@ def attention(q_nope, q_rot, c, k_rot, w_k, w_v, segment_ids, *, scale: float, b
       kw = dict(block=blk, visits=(2 * n + 1) * half // blk)
     if kept:
       kw["saved"] = (order(kept[0], 1), None, order(kept[1], 2))
-    out = latent_attention(order(qn, 1), order(qr, 1), *keys, order(seg, 1), gather(seg),
-                           starts, scale=scale, precision=precision, with_lse=with_lse, **kw)
+    out = latent_attention(order(qn, 1), order(qr, 1), gather(c), gather(kr), wk, wv,
+                           order(seg, 1), gather(seg), starts, scale=scale, precision=precision,
+                           with_lse=with_lse, **kw)
     if kept:
       return order(out[0], 1)
     return tuple(order(x, axis) for x, axis in zip(out, (1, 2, 2)))

@@ -5,8 +5,8 @@ Per device of K3 at tensor=8 (12 heads), bf16, the gradient program (forward inc
 - KDA's range on the Pallas TPU kernel (`ops.kda_range`: the V + K value columns context
   parallelism runs, raw inputs fused in-kernel, packed segments);
 - flash attention over the device's whole sequence (MLA without context parallelism);
-- flash attention over latents (`latent_attention`): the device's 131,072 queries against the
-  1,048,576 gathered latents of context=8.
+- flash attention over latents (`latent_attention`): the device's 131,072 queries, as the
+  balanced split's two half-ranges, against the 1,048,576 gathered latents of context=8.
 Each compiles at 65,536 and 131,072 positions: every memory figure XLA plans (arguments,
 temporaries, outputs) doubles with the positions (O(T x d)), and the total stays below half of
 one head's [T, T] scores and a quarter of one float32 K x V state per token (KDA keeps one per
@@ -57,14 +57,17 @@ def _flash(t):
 
 
 def _latent(t, context=8):
-  def loss(q_nope, q_rot, c, k_rot, w_k, w_v, seg_q, seg_k, start):
-    o, _ = latent_attention(q_nope, q_rot, c, k_rot, w_k, w_v, seg_q, seg_k, start,
-                            scale=192**-0.5)
+  # the balanced split's call: the device's queries as two half-ranges (starts traced), each
+  # visiting its causal key blocks, 2 x context + 1 half-ranges of keys in all
+  half = t // 2
+  def loss(q_nope, q_rot, c, k_rot, w_k, w_v, seg_q, seg_k, starts):
+    o, _ = latent_attention(q_nope, q_rot, c, k_rot, w_k, w_v, seg_q, seg_k, starts,
+                            scale=192**-0.5, visits=(2 * context + 1) * half // 512)
     return jnp.sum(o.astype(F32) ** 2)
   tk = context * t
   shapes = [((1, t, H, 128), BF), ((1, t, H, 64), BF), ((1, tk, 512), BF), ((1, tk, 64), BF),
             ((512, H, 128), BF), ((512, H, 128), BF), ((1, t), I32), ((1, tk), I32),
-            ((), I32)]
+            ((2,), I32)]
   return jax.grad(loss, argnums=tuple(range(6))), shapes, ()
 
 
