@@ -124,8 +124,12 @@ def test_remat_policy_names():
   ex = Execution()
   assert ex.remat == "none"
   assert ex.replace(remat=True).remat == "full" and ex.replace(remat=False).remat == "none"
+  flash = ex.replace(attention="flash")  # save-attention keeps the flash kernels' output
   for name in Remat:
-    assert ex.replace(remat=name.value).remat == name
+    assert flash.replace(remat=name.value).remat == name
+  with pytest.raises(ConfigError, match="remat save-attention keeps the flash kernels' output: "
+                                        "it needs attention flash, not dense"):
+    ex.replace(remat="save-attention")
   assert Execution.from_dict({**ex.to_dict(), "remat": True}).remat == "full"
   with pytest.raises(ConfigError, match="remat"):
     ex.replace(remat="sometimes")
