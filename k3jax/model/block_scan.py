@@ -69,11 +69,6 @@ class Position(NamedTuple):
   strides: tuple[int, ...]
 
 
-@contextlib.contextmanager
-def _nothing():
-  yield None
-
-
 def _entries(pos: Position, u):
   return [e + s * u for e, s in zip(pos.entries, pos.strides)]
 
@@ -121,7 +116,8 @@ def scan(layers: Sequence[Layer], positions: Sequence[Position], carry, stacks: 
     outs, kept = [], []
     for q, layer in enumerate(layers):
       inp = (carry.partial, carry.n_sealed)
-      with saved_attention.recording() if keep and save_attention else _nothing() as attended:
+      record = keep and save_attention
+      with saved_attention.recording() if record else contextlib.nullcontext() as attended:
         carry, out = layer(carry, _select(stacks, positions[q], u), first_layer + p * u + q,
                            segment_ids)
       if keep:
@@ -170,7 +166,7 @@ def scan(layers: Sequence[Layer], positions: Sequence[Position], carry, stacks: 
             it = iter(diff[k])
             leaves = [next(it) if t else x for x, t in zip(sel[k], trained[k])]
             states.append(jax.tree.unflatten(flat[k][1], leaves))
-          with saved_attention.replaying(attended) if save_attention else _nothing():
+          with saved_attention.replaying(attended) if save_attention else contextlib.nullcontext():
             return layers[q](c, tuple(states), first_layer + p * u + q, segment_ids)
 
         diff = {k: [x for x, t in zip(sel[k], trained[k]) if t] for k in pos.kinds}
